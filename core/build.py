@@ -1,0 +1,206 @@
+"""`build_engine`: the one place a config becomes an engine.
+
+A config is a mapping (a plain dict or a Hydra DictConfig) with the component
+nodes `model`, `scheduler`, `allocator`, `preemption`, `attention` (each a name
+or `{name: ..., **options}`) and an `engine` node of engine options.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from servelab.engine import Engine
+from servelab.errors import ConfigError
+from servelab.kv_cache import KVCache
+from servelab.model.loader import load_model, resolve_dtype
+from servelab.model.sampler import Sampler
+from servelab.options import construct
+from servelab.plugin_manager import get_plugin_manager, notify
+
+log = logging.getLogger(__name__)
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": None,  # None: max(2048, max_model_len)
+    "max_model_len": 1024,
+    "kv_cache_memory": "64MiB",
+    "swap_space": "64MiB",
+    "dtype": "float32",
+    "device": "cpu",
+    "seed": 0,
+    "num_threads": None,  # None: leave torch's default
+}
+COMPONENTS = ("scheduler", "allocator", "preemption", "attention")
+COMPONENT_DEFAULTS = {
+    "scheduler": "continuous",
+    "allocator": "paged",
+    "preemption": "recompute",
+    "attention": "per_request",
+}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(value: int | float | str, what: str = "size") -> int:
+    """`4GiB`, `64MiB`, `512MB`, `1048576` -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"{what} must be >= 0 bytes, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"{what}: cannot read {value!r} as a size; use bytes or a number with one of "
+            "B, KB, MB, GB, KiB, MiB, GiB, TiB"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _to_dict(node: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(node, DictConfig):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return node
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "device 'cuda' was asked for but no CUDA device is available; use device=cpu"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {name!r}; accepted: cpu, cuda")
+    return device
+
+
+def model_source(node: Any) -> str:
+    """A model node is a name or path string, or `{name: ..., path: ...}` (path wins)."""
+    if isinstance(node, str):
+        return node
+    if isinstance(node, Mapping):
+        unknown = set(node) - {"name", "path"}
+        if unknown:
+            raise ConfigError(f"unknown model option(s) {sorted(unknown)}; accepted: name, path")
+        source = node.get("path") or node.get("name")
+        if source:
+            return str(source)
+    raise ConfigError(
+        f"model must be a named shape, a checkpoint folder or {{name, path}}; got {node!r}"
+    )
+
+
+def engine_options(node: Mapping | None) -> dict[str, Any]:
+    options = dict(ENGINE_DEFAULTS)
+    for key, value in (node or {}).items():
+        if key not in ENGINE_DEFAULTS:
+            raise ConfigError(
+                f"unknown engine option {key!r}; accepted: {', '.join(sorted(ENGINE_DEFAULTS))}"
+            )
+        options[key] = value
+    return options
+
+
+def build_engine(config: Mapping) -> Engine:
+    config = _to_dict(config)
+    unknown = set(config) - {"model", "engine", *COMPONENTS}
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {sorted(unknown)}; accepted: model, engine, {', '.join(COMPONENTS)}"
+        )
+    get_plugin_manager()
+    opts = engine_options(config.get("engine"))
+    device = resolve_device(opts["device"])
+    dtype = resolve_dtype(opts["dtype"])
+    if opts["num_threads"]:
+        torch.set_num_threads(int(opts["num_threads"]))
+
+    source = model_source(config.get("model", "tiny"))
+    model, model_config, tokenizer = load_model(source, dtype, device, seed=opts["seed"])
+    max_model_len = int(opts["max_model_len"])
+    if max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{model_config.max_position_embeddings}"
+        )
+    bytes_per_token = KVCache.bytes_per_token(
+        model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
+    )
+    token_capacity = parse_bytes(opts["kv_cache_memory"], "kv_cache_memory") // bytes_per_token
+    host_capacity = parse_bytes(opts["swap_space"], "swap_space") // bytes_per_token
+    batched = opts["max_num_batched_tokens"] or max(2048, max_model_len)
+
+    parts = {c: config.get(c) or COMPONENT_DEFAULTS[c] for c in COMPONENTS}
+    allocator = construct(
+        "allocator",
+        parts["allocator"],
+        token_capacity=token_capacity,
+        host_token_capacity=host_capacity,
+        max_model_len=max_model_len,
+    )
+    preemption = construct("preemption", parts["preemption"])
+    scheduler = construct(
+        "scheduler",
+        parts["scheduler"],
+        allocator=allocator,
+        preemption=preemption,
+        max_num_seqs=int(opts["max_num_seqs"]),
+        max_num_batched_tokens=int(batched),
+        max_model_len=max_model_len,
+    )
+    backend = construct(
+        "attention",
+        parts["attention"],
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        scale=model_config.head_dim**-0.5,
+    )
+    backend.check(allocator, device, dtype)
+    kv_cache = KVCache(
+        model_config.num_layers,
+        allocator.num_blocks,
+        allocator.block_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        dtype,
+        device,
+        num_host_blocks=getattr(allocator, "num_host_blocks", 0),
+    )
+    engine = Engine(
+        model,
+        model_config,
+        tokenizer,
+        scheduler,
+        allocator,
+        backend,
+        kv_cache,
+        Sampler(),
+        device,
+        max_model_len,
+        seed=int(opts["seed"]),
+        notify=notify,
+        config={"model": config.get("model", "tiny"), "engine": opts, **parts},
+    )
+    notify("servelab_engine_ready", engine=engine)
+    return engine

@@ -1,0 +1,304 @@
+"""`Engine`: requests in, one scheduled step at a time, outputs out.
+
+One step, as data flows (see DESIGN.md):
+    plan   = scheduler.schedule()
+    kv_cache.apply(plan.copies)
+    meta   = metadata for the plan          (once per step)
+    attn   = backend.plan(meta)             (once per step)
+    hidden = model(input_ids, positions, kv_cache.layers, backend, attn)
+    tokens = sampler(model.compute_logits(hidden[last token of each sampling seq]))
+    done   = scheduler.update(plan, tokens)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from servelab.batch import AttentionMetadata, StepPlan
+from servelab.errors import RequestError
+from servelab.interfaces import AttentionBackend, KVAllocator, Scheduler
+from servelab.kv_cache import KVCache
+from servelab.metrics import MetricsCollector, RequestRecord, StepRecord
+from servelab.sequence import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SequenceGroup,
+)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config,
+        tokenizer,
+        scheduler: Scheduler,
+        allocator: KVAllocator,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        sampler,
+        device: torch.device,
+        max_model_len: int,
+        seed: int = 0,
+        notify: Callable[..., None] | None = None,
+        config: dict | None = None,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.allocator = allocator
+        self.backend = backend
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.device = device
+        self.max_model_len = max_model_len
+        self.config = config or {}
+        self.notify = notify or (lambda hook, **kwargs: None)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.metrics = MetricsCollector()
+        self.eos_token_ids = frozenset(model_config.eos_token_ids or ())
+        self._request_ids = itertools.count()
+        self._step_index = 0
+        self.clock = time.perf_counter
+        self.t0 = self.clock()
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    # -- requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validates and queues one request; a bad request raises RequestError and
+        leaves the engine untouched."""
+        params = params or SamplingParams()
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        token_ids = self._tokenize(prompt, request_id)
+        self._validate(request_id, token_ids, params)
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            arrival_time=self.now() if arrival_time is None else arrival_time,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+        )
+        group = SequenceGroup(request_id, seq)
+        self.scheduler.add(group)
+        self.groups[request_id] = group
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int], request_id: str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(
+                    f"request {request_id!r}: a text prompt needs a tokenizer, and this model has "
+                    "none (no tokenizer.json in its folder); pass token ids instead"
+                )
+            return list(self.tokenizer.encode(prompt).ids)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        return list(prompt)
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise RequestError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"request {request_id!r}: token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
+            )
+        if len(token_ids) > self.max_model_len:
+            raise RequestError(
+                f"request {request_id!r}: prompt has {len(token_ids)} tokens, longer than "
+                f"max_model_len={self.max_model_len}"
+            )
+        try:
+            params.validate()
+        except RequestError as err:
+            raise RequestError(f"request {request_id!r}: {err}") from None
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request wherever it is (waiting, running, swapped, forked) and
+        frees everything it holds. Returns False for an unknown or finished one."""
+        group = self.groups.get(str(request_id))
+        if group is None or group.is_finished:
+            return False
+        self.scheduler.abort(str(request_id))
+        self._finish_group(group)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        start = self.now()
+        plan = self.scheduler.schedule()
+        self.kv_cache.apply(plan.copies)
+        sampled = self._run(plan) if not plan.is_empty else {}
+        finished = self.scheduler.update(plan, sampled, self.now())
+        outputs = [self._finish_group(g) for g in finished]
+        self._record_step(plan, start)
+        return outputs
+
+    def _run(self, plan: StepPlan) -> dict[int, list[int]]:
+        items = plan.scheduled
+        for item in items:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = self.now()
+        input_ids: list[int] = []
+        for item in items:
+            input_ids += item.seq.token_ids[item.start : item.start + item.num_query_tokens]
+        meta = AttentionMetadata.from_lists(
+            query_lens=[i.num_query_tokens for i in items],
+            seq_lens=[i.start + i.num_query_tokens for i in items],
+            block_tables=[self.allocator.block_table(i.seq) for i in items],
+            block_size=self.allocator.block_size,
+            sample_mask=[i.samples for i in items],
+            device=self.device,
+            num_decodes=plan.num_decodes,
+        )
+        attn_plan = self.backend.plan(meta)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, meta.positions, self.kv_cache.layers, self.backend, attn_plan)
+        # rows to sample: one per sampling sequence, n for a prompt about to fork
+        rows, params, positions, indices, owners = [], [], [], [], []
+        sampling = [i for i in items if i.samples]
+        for row, item in enumerate(sampling):
+            seq = item.seq
+            group = seq.group
+            count = group.params.n if group.needs_fork and seq.num_output_tokens == 0 else 1
+            for k in range(count):
+                rows.append(row)
+                params.append(seq.params)
+                positions.append(seq.num_output_tokens)
+                indices.append(k if count > 1 else seq.sample_index)
+                owners.append(seq.seq_id)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[meta.logits_indices])
+        if len(rows) != len(sampling):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = self.sampler.sample(logits, params, positions, self.generator, indices).tolist()
+        sampled: dict[int, list[int]] = {}
+        for owner, token in zip(owners, tokens):
+            sampled.setdefault(owner, []).append(int(token))
+        return sampled
+
+    # -- bookkeeping
+    def _finish_group(self, group: SequenceGroup) -> RequestOutput:
+        now = self.now()
+        first = group.seqs[0]
+        for seq in group.seqs:
+            if seq.finished_time is None:
+                seq.finished_time = now
+        record = RequestRecord(
+            request_id=group.request_id,
+            arrival_time=first.arrival_time,
+            prompt_tokens=first.num_prompt_tokens,
+            output_tokens=sum(s.num_output_tokens for s in group.seqs),
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.token_times[0] if first.token_times else None,
+            finished_time=now,
+            finish_reason=(first.finish_reason or FinishReason.ABORT).value,
+            preemptions=max(s.num_preemptions for s in group.seqs),
+            token_times=list(first.token_times),
+        )
+        self.metrics.requests.append(record)
+        output = RequestOutput(
+            request_id=group.request_id,
+            prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+            outputs=[
+                CompletionOutput(
+                    index=s.sample_index,
+                    token_ids=list(s.output_token_ids),
+                    finish_reason=s.finish_reason.value if s.finish_reason else None,
+                    text=self._detokenize(s.output_token_ids),
+                )
+                for s in sorted(group.seqs, key=lambda s: s.sample_index)
+            ],
+            finished=True,
+            metrics=record.row(),
+        )
+        del self.groups[group.request_id]
+        self.notify("servelab_request_end", engine=self, request=record.row())
+        return output
+
+    def _detokenize(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids)
+
+    def _record_step(self, plan: StepPlan, start: float) -> None:
+        usage = self.allocator.usage()
+        decode_tokens = plan.num_decodes
+        record = StepRecord(
+            step=self._step_index,
+            start_time=start,
+            wall_time=self.now() - start,
+            num_seqs=len(plan.scheduled),
+            prefill_tokens=plan.num_tokens - decode_tokens,
+            decode_tokens=decode_tokens,
+            idle_slots=plan.idle_slots,
+            preempted=len(plan.preempted),
+            kv_tokens_used=int(usage["tokens_used"]),
+            kv_tokens_reserved=int(usage["tokens_reserved"]),
+            kv_tokens_capacity=int(usage["tokens_capacity"]),
+            extra={
+                "prefix_hit_tokens": usage.get("prefix_hit_tokens", 0),
+                "blocks_swapped_out": usage.get("blocks_swapped_out", 0),
+                "blocks_swapped_in": usage.get("blocks_swapped_in", 0),
+                **{f"attn_{k}": v for k, v in self.backend.stats().items()},
+            },
+        )
+        self.metrics.steps.append(record)
+        self._step_index += 1
+        self.notify("servelab_step_end", engine=self, step=record.row())
+
+    # -- convenience
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs prompts to completion. A request that fails validation comes back
+        with `error` set and finish reason "rejected"; the others still run."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        outputs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompts, params):
+            request_id = f"gen-{next(self._request_ids)}"
+            order.append(request_id)
+            try:
+                self.add_request(prompt, p, request_id=request_id)
+            except RequestError as err:
+                outputs[request_id] = RequestOutput(
+                    request_id, prompt if isinstance(prompt, list) else [], [], True, error=str(err)
+                )
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id] = out
+        return [outputs[r] for r in order]

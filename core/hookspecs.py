@@ -1,0 +1,81 @@
+"""Every pluggy hook of servelab, prefixed `servelab_`.
+
+A plugin is any module or object whose functions carry `@hookimpl` and are
+named after one of these specifications. Two families:
+
+- registration hooks collect parts from every plugin (none is `firstresult`):
+  each returns `{name: class}`; the plugin manager checks the classes against
+  the contracts in `servelab.interfaces` and rejects duplicate names;
+- event hooks observe the engine; each implementation is called in isolation,
+  so an observer that raises is reported and never stops the engine.
+
+An implementation may accept fewer arguments than its specification lists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from hydra.core.config_store import ConfigStore
+
+    from servelab.engine import Engine
+
+PROJECT = "servelab"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# -- registration
+
+
+@hookspec
+def servelab_register_schedulers() -> dict[str, type]:
+    """Schedulers this plugin provides: `{name: subclass of interfaces.Scheduler}`."""
+
+
+@hookspec
+def servelab_register_allocators() -> dict[str, type]:
+    """KV allocators this plugin provides: `{name: subclass of interfaces.KVAllocator}`."""
+
+
+@hookspec
+def servelab_register_preemption_policies() -> dict[str, type]:
+    """Preemption policies this plugin provides: `{name: subclass of interfaces.PreemptionPolicy}`."""
+
+
+@hookspec
+def servelab_register_attention_backends() -> dict[str, type]:
+    """Attention backends this plugin provides: `{name: subclass of interfaces.AttentionBackend}`."""
+
+
+@hookspec
+def servelab_register_configs(store: ConfigStore) -> None:
+    """Adds Hydra config-group options to `store`, e.g.
+    `store.store(group="scheduler", name="sjf", node={"name": "sjf", ...})`
+    so `scheduler=sjf` works on the command line."""
+
+
+# -- events (observers: return values are ignored)
+
+
+@hookspec
+def servelab_engine_ready(engine: Engine) -> None:
+    """The engine is built (model loaded, KV cache allocated) and about to serve."""
+
+
+@hookspec
+def servelab_step_end(engine: Engine, step: dict[str, Any]) -> None:
+    """One engine step finished; `step` is that step's metrics record."""
+
+
+@hookspec
+def servelab_request_end(engine: Engine, request: dict[str, Any]) -> None:
+    """One request finished (stopped, length, aborted or rejected); `request` is its metrics record."""
+
+
+@hookspec
+def servelab_run_end(engine: Engine, summary: dict[str, Any]) -> None:
+    """A run (`generate` call or CLI workload) finished; `summary` holds its aggregate metrics."""

@@ -1,0 +1,225 @@
+"""The four contracts. A part is a class implementing one of these ABCs and
+registered under a name through a `servelab_register_*` hook.
+
+Every part is constructed as `cls(**options, **context)` where `options` come
+from the user's config node (validated against the constructor's keyword
+parameters) and `context` holds what the engine supplies (listed per contract).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+
+from servelab.batch import AttentionMetadata, BlockCopies, StepPlan
+from servelab.sequence import Sequence, SequenceGroup
+
+
+class KVAllocator(abc.ABC):
+    """Owns the mapping sequence -> physical KV blocks. Pure CPU bookkeeping:
+    block ids, ref counts, hashes; no tensors. Copies it needs (swap, COW) are
+    returned by `take_copies()` and run by `KVCache.apply` before the forward.
+
+    Rules:
+    - a block is either free or referenced; its ref count equals the number of
+      block tables (device side) holding it;
+    - `allocate(seq, n)` gives `seq` room for its first `n` tokens; the tokens
+      a step writes, `[seq.num_computed_tokens, n)`, never land in a block that
+      another sequence also references (copy-on-write first);
+    - `free(seq)` is idempotent, and after every sequence is freed every block
+      is free again;
+    - `check_integrity()` raises AssertionError on any broken invariant.
+
+    Engine-supplied context: `num_blocks`, `num_host_blocks`, `max_model_len`.
+    """
+
+    description: ClassVar[str] = ""
+    block_size: int
+    num_blocks: int
+
+    # -- capacity
+    @abc.abstractmethod
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Free blocks `allocate(seq, num_tokens)` would take now (prefix-cache
+        hits and copy-on-write included)."""
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Could `allocate(seq, num_tokens)` succeed now?"""
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+
+    @abc.abstractmethod
+    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+        """Room for the first `num_tokens` tokens of `seq`. For a sequence with no
+        blocks yet, attaches the cached prefix first and returns how many tokens
+        it covers (0 without prefix caching); otherwise returns 0."""
+
+    @abc.abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Releases every block `seq` holds (device and host)."""
+
+    @abc.abstractmethod
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Physical device block ids of `seq`, in logical order."""
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` whose K/V the prefix cache already holds
+        (whole blocks, always leaving at least one token to compute). Pure query."""
+        return 0
+
+    def commit(self, seq: Sequence) -> None:
+        """Called after a step computed tokens of `seq`: full blocks may now be
+        published to the prefix cache. No-op without prefix caching."""
+
+    @abc.abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares all of `parent`'s blocks (ref counts +1); a later write
+        into a shared block copies it first."""
+
+    # -- swapping (a group of sequences that may share blocks moves together)
+    @abc.abstractmethod
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        """Does the host pool have room for these sequences' blocks?"""
+
+    @abc.abstractmethod
+    def swap_out(self, seqs: list[Sequence]) -> None:
+        """Moves the sequences' blocks to host blocks (copies queued), frees the device blocks."""
+
+    @abc.abstractmethod
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """Are there enough free device blocks to bring these sequences back?"""
+
+    @abc.abstractmethod
+    def swap_in(self, seqs: list[Sequence]) -> None:
+        """Moves the sequences' host blocks back to fresh device blocks (copies queued)."""
+
+    @abc.abstractmethod
+    def take_copies(self) -> BlockCopies:
+        """Returns and clears the block copies queued since the last call."""
+
+    # -- figures
+    @property
+    @abc.abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    @abc.abstractmethod
+    def usage(self) -> dict[str, float]:
+        """At least: tokens_used, tokens_reserved, tokens_capacity, blocks_free,
+        host_blocks_free, prefix_hit_tokens, prefix_query_tokens."""
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Asserts every invariant of the docstring above."""
+
+
+class PreemptionPolicy(abc.ABC):
+    """Frees room when on-demand allocation runs out.
+
+    Rules: the victim is the lowest priority (largest `priority` value), then
+    the latest arrival; a preempted request loses nothing: its final tokens
+    equal an unpreempted run. `preempt` returns the status the group goes to
+    (WAITING for recompute, SWAPPED for swap).
+
+    Engine-supplied context: none.
+    """
+
+    description: ClassVar[str] = ""
+
+    def select_victim(self, running: list[list[Sequence]]) -> list[Sequence]:
+        """Chooses the group to preempt among running groups (each a list of sequences)."""
+        return max(running, key=lambda g: (g[0].priority, g[0].arrival_time, g[0].seq_id))
+
+    @abc.abstractmethod
+    def preempt(self, group: list[Sequence], allocator: KVAllocator) -> str:
+        """Frees the group's device blocks; returns "waiting" (recompute) or "swapped"."""
+
+    def resume(self, group: list[Sequence], allocator: KVAllocator) -> bool:
+        """Brings a swapped group back if room allows; True when resumed."""
+        if not allocator.can_swap_in(group):
+            return False
+        allocator.swap_in(group)
+        return True
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for a packed batch of mixed prefill chunks and decodes.
+
+    Rules:
+    - `plan(meta)` runs once per step and returns whatever `forward` needs
+      (masks, padding indices, kernel arguments); `forward` runs once per layer
+      and must not rebuild per-step state;
+    - `forward(q, k, v, kv_cache, plan)` first writes this step's `k`, `v`
+      (`[num_tokens, num_kv_heads, head_dim]`) into the layer's cache at
+      `meta.slot_mapping`, then attends every query (`[num_tokens, num_heads,
+      head_dim]`) causally over its sequence's whole context — cached prefix,
+      earlier chunks and this chunk — reading K/V through the block table; it
+      returns `[num_tokens, num_heads, head_dim]`;
+    - the layer cache is a pair `(k_cache, v_cache)`, each
+      `[num_blocks, block_size, num_kv_heads, head_dim]`;
+    - `check(...)` raises `ConfigError` naming the backend and the part it
+      cannot serve.
+
+    Engine-supplied context: `num_heads`, `num_kv_heads`, `head_dim`, `scale`.
+    """
+
+    description: ClassVar[str] = ""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def check(self, allocator: KVAllocator, device: torch.device, dtype: torch.dtype) -> None:
+        """Raises ConfigError for a combination this backend cannot serve."""
+
+    @abc.abstractmethod
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """Per-step preparation; the result is passed to every `forward` of the step."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        plan: Any,
+    ) -> torch.Tensor:
+        """Stores k/v into the cache, returns attention output for q."""
+
+    def stats(self) -> dict[str, float]:
+        """Backend-specific figures (e.g. padding tokens); cumulative."""
+        return {}
+
+
+class Scheduler(abc.ABC):
+    """Decides each step's work. See `servelab.scheduler_base.BaseScheduler`."""
+
+    description: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def add(self, group: SequenceGroup) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> list[Sequence]: ...
+
+    @abc.abstractmethod
+    def schedule(self) -> StepPlan: ...
+
+    @abc.abstractmethod
+    def update(
+        self, plan: StepPlan, sampled: dict[int, list[int]], now: float
+    ) -> list[SequenceGroup]: ...
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+
+CONTRACTS: dict[str, type] = {
+    "scheduler": Scheduler,
+    "allocator": KVAllocator,
+    "preemption": PreemptionPolicy,
+    "attention": AttentionBackend,
+}

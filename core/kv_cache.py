@@ -1,0 +1,74 @@
+"""The KV tensors: the device pool every layer reads through block tables, the
+host pool swapped blocks live in, and `apply`, the one place block copies run.
+
+Layout: one tensor `[2 (k, v), num_layers, num_blocks, block_size,
+num_kv_heads, head_dim]`, so one indexed copy moves a block of every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servelab.batch import BlockCopies
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self.device = device
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded backends read masked slots, and 0 * NaN is NaN
+        self.device_pool = torch.zeros(shape, dtype=dtype, device=device)
+        host_shape = (2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim)
+        pin = device.type == "cuda"
+        self.host_pool = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.layers = [(self.device_pool[0, i], self.device_pool[1, i]) for i in range(num_layers)]
+        self.block_bytes = self.device_pool[:, :, 0].numel() * self.device_pool.element_size()
+        self.bytes_swapped_out = 0
+        self.bytes_swapped_in = 0
+        self.bytes_copied = 0
+
+    @staticmethod
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
+
+    def apply(self, copies: BlockCopies) -> None:
+        """Runs a step's copies in the only safe order: swap-out reads device blocks
+        before swap-in or copy-on-write may reuse them."""
+        if copies.swap_out:
+            src, dst = self._index(copies.swap_out, self.device, "cpu")
+            self.host_pool[:, :, dst] = self.device_pool[:, :, src].to("cpu", non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.bytes_swapped_out += len(copies.swap_out) * self.block_bytes
+        if copies.swap_in:
+            src, dst = self._index(copies.swap_in, "cpu", self.device)
+            self.device_pool[:, :, dst] = self.host_pool[:, :, src].to(
+                self.device, non_blocking=True
+            )
+            self.bytes_swapped_in += len(copies.swap_in) * self.block_bytes
+        if copies.copy:
+            src, dst = self._index(copies.copy, self.device, self.device)
+            self.device_pool[:, :, dst] = self.device_pool[:, :, src]
+            self.bytes_copied += len(copies.copy) * self.block_bytes
+
+    @staticmethod
+    def _index(
+        pairs: list[tuple[int, int]], src_device, dst_device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_device)
+        return src, dst

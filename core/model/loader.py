@@ -1,0 +1,137 @@
+"""Builds a `Transformer` from a named shape (seeded random weights) or from a
+Hugging Face checkpoint folder (config.json + safetensors, single or sharded).
+
+Rules:
+- random weights are a function of (shape, seed) only: drawn in float32 from a
+  CPU `torch.Generator`, then cast, so every dtype and device gets the same values;
+- a checkpoint must provide exactly the model's tensors: missing, unexpected or
+  misshapen tensors are one `ConfigError` naming them (a tied model may carry a
+  redundant `lm_head.weight`; RoPE `inv_freq` buffers of old checkpoints are ignored);
+- the tokenizer is `tokenizer.json` read with `tokenizers` when present, else None.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from servelab.errors import ConfigError
+from servelab.model.config import NAMED_SHAPES, ModelConfig, named_config, resolve_dtype
+from servelab.model.transformer import Transformer
+
+__all__ = ["load_model", "resolve_dtype", "init_random_weights", "load_checkpoint_weights"]
+
+INIT_STD = 0.02  # like HF's initializer_range
+NORM_JITTER = 0.05  # norm weights are 1 + small noise, so a wrong norm wiring shows up
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(
+    source: str,
+    dtype: str | torch.dtype = "float32",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[Transformer, ModelConfig, Any]:
+    """`source` is a named shape (see `NAMED_SHAPES`) or a checkpoint folder.
+    Returns (model in eval mode, its config, tokenizer or None)."""
+    torch_dtype = resolve_dtype(dtype)
+    if source in NAMED_SHAPES:
+        config = named_config(source)
+        model = Transformer(config, torch_dtype, device)
+        init_random_weights(model, seed)
+        return model.eval().requires_grad_(False), config, None
+    folder = Path(source)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model {source!r} is neither a named shape ({', '.join(NAMED_SHAPES)}) "
+            "nor a checkpoint folder holding config.json"
+        )
+    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    model = Transformer(config, torch_dtype, device)
+    load_checkpoint_weights(model, folder)
+    return model.eval().requires_grad_(False), config, load_tokenizer(folder)
+
+
+@torch.no_grad()
+def init_random_weights(model: Transformer, seed: int) -> None:
+    """N(0, INIT_STD) for linear, bias and embedding weights; 1 + N(0, NORM_JITTER)
+    for norm weights. Deterministic in (parameter names and shapes, seed)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + NORM_JITTER * values
+        else:
+            values = INIT_STD * values
+        param.copy_(values)
+
+
+def checkpoint_files(folder: Path) -> dict[Path, list[str]]:
+    """Shard file -> tensor names it holds, from the index when sharded."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards: dict[Path, list[str]] = defaultdict(list)
+        for name, shard in weight_map.items():
+            shards[folder / shard].append(name)
+        return dict(shards)
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {single: list(f.keys())}
+    raise ConfigError(f"checkpoint folder {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def _is_ignored(name: str, model: Transformer) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == "lm_head.weight" and model.lm_head is None
+
+
+@torch.no_grad()
+def load_checkpoint_weights(model: Transformer, folder: Path | str) -> None:
+    """Copies every tensor of the checkpoint into the parameter of the same name."""
+    folder = Path(folder)
+    params = dict(model.named_parameters())
+    shards = checkpoint_files(folder)
+    names = [n for names in shards.values() for n in names if not _is_ignored(n, model)]
+    missing = sorted(set(params) - set(names))
+    unexpected = sorted(set(names) - set(params))
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {folder} does not match the {model.config.architecture} model: "
+            f"missing tensors: {', '.join(missing) or 'none'}; "
+            f"unexpected tensors: {', '.join(unexpected) or 'none'}"
+        )
+    for shard, shard_names in shards.items():
+        if not shard.is_file():
+            raise ConfigError(f"checkpoint shard {shard} listed in {INDEX_FILE} does not exist")
+        with safe_open(shard, framework="pt") as f:
+            for name in shard_names:
+                if _is_ignored(name, model):
+                    continue
+                tensor = f.get_tensor(name)
+                param = params[name]
+                if tensor.shape != param.shape:
+                    raise ConfigError(
+                        f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, "
+                        f"model expects {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+
+
+def load_tokenizer(folder: Path):
+    """`tokenizers.Tokenizer` from tokenizer.json, or None when the folder has none."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))

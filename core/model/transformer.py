@@ -1,0 +1,229 @@
+"""One decoder for Qwen3, Qwen2 and Llama over packed tokens and a paged KV cache.
+
+Rules:
+- parameter names mirror Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`,
+  ...), so a safetensors checkpoint loads by name; `lm_head` is None when tied;
+- numerics follow HF op by op (RMSNorm in float32 for low precision, SiLU gate,
+  rotate-half RoPE) so logits match `transformers` to rounding; a float64 model
+  stays float64 everywhere (norms and RoPE included);
+- per-step work (RoPE cos/sin gather) happens once in `forward`; a layer only
+  projects, normalises, rotates and calls `backend.forward`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelab.interfaces import AttentionBackend
+from servelab.model.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: variance in at least float32, scale by the weight in the input dtype."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        # float64 stays float64; anything narrower is upcast to float32 like HF
+        compute_dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
+        x = x.to(compute_dtype)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float64, llama3 scaling applied when set."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    config: ModelConfig, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_position_embeddings, head_dim / 2], computed in float64."""
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float64, device=device)
+    angles = positions[:, None] * rope_inv_freq(config).to(device)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [T, heads, D] with cos/sin [T, 1, D/2]; the same
+    floating-point operations as HF's `x * cos + rotate_half(x) * sin`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        hidden, q_size, kv_size = (
+            config.hidden_size,
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        )
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        attn_plan: Any,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head norm before RoPE
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache, attn_plan)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(inner, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, kv_cache, backend, attn_plan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend, attn_plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class Transformer(nn.Module):
+    """The decoder. Parameters are created uninitialised on `device`; fill them
+    with `servelab.model.loader` (a checkpoint or seeded random weights)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        # Build on the meta device, then allocate without running nn's own init:
+        # every weight is overwritten by the loader anyway.
+        with torch.device("meta"):
+            self.model = DecoderStack(config, dtype)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            )
+        self.to_empty(device=device)
+        cos, sin = rope_cos_sin(config, device)
+        # RoPE tables are derived, not weights: kept out of the state dict
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's K (and of its V) cache."""
+        return (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        backend: AttentionBackend,
+        attn_plan: Any,
+    ) -> torch.Tensor:
+        """Packed tokens [T] at `positions` [T] -> final hidden states [T, hidden].
+        Each layer stores its K/V and attends through `backend.forward`."""
+        # gathered once per step, shared by every layer: [T, 1, D/2] broadcasts over heads
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, backend, attn_plan)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on the selected rows only: [N, hidden] -> [N, vocab]."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)

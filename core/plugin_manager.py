@@ -1,0 +1,377 @@
+"""The plugin manager: built-in plugins, entry points of group `servelab`,
+`SERVELAB_DISABLE_PLUGINS`, and name lookups whose errors list the known names.
+
+Rules:
+- built-ins are the modules of `DEFAULT_PLUGINS`; third-party plugins are the
+  entry points of group `servelab`; `SERVELAB_DISABLE_PLUGINS=a,b` (entry-point
+  or module names) keeps plugins from being imported at all;
+- a plugin that fails to import is reported once, with its distribution, and
+  skipped; everything else still loads (a failing built-in is logged as an
+  error: it is a servelab bug);
+- a hook implementation that matches no specification (a misspelled hook) is
+  a `PluginError`, raised while the manager is built;
+- a part registered twice under one name in one kind, or one that does not
+  implement its contract, is a `PluginError` naming its owners;
+- an event-hook implementation that raises is reported and skipped; the other
+  observers and the engine go on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from servelab import hookspecs
+from servelab.errors import ConfigError, PluginError
+from servelab.interfaces import CONTRACTS
+from servelab.options import check_kind, describe_options
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "servelab.plugins.schedulers.static",
+    "servelab.plugins.schedulers.continuous",
+    "servelab.plugins.schedulers.chunked",
+    "servelab.plugins.allocators.paged",
+    "servelab.plugins.allocators.contiguous",
+    "servelab.plugins.preemption.recompute",
+    "servelab.plugins.preemption.swap",
+    "servelab.plugins.attention.padded",
+    "servelab.plugins.attention.per_request",
+    "servelab.plugins.attention.flash_varlen",
+    "servelab.plugins.attention.triton_paged",
+)
+
+ENTRY_POINT_GROUP = "servelab"
+DISABLE_ENV = "SERVELAB_DISABLE_PLUGINS"
+BUILTIN = "built-in"
+RUNTIME = "registered at runtime"  # origin of a plugin passed to `register` by code
+
+REGISTRATION_HOOKS: dict[str, str] = {
+    "scheduler": "servelab_register_schedulers",
+    "allocator": "servelab_register_allocators",
+    "preemption": "servelab_register_preemption_policies",
+    "attention": "servelab_register_attention_backends",
+}
+EVENT_HOOKS: tuple[str, ...] = (
+    "servelab_engine_ready",
+    "servelab_step_end",
+    "servelab_request_end",
+    "servelab_run_end",
+)
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One registered part: what `servelab-plugins` lists."""
+
+    kind: str
+    name: str
+    cls: type
+    plugin: str  # the plugin that registered it: module or entry-point name
+    origin: str  # "built-in" or "<distribution> <version>"
+    description: str
+    options: dict[str, Any]  # user option -> default (`options.REQUIRED` where none)
+
+    @property
+    def owner(self) -> str:
+        return f"{self.plugin} ({self.origin})"
+
+
+@dataclass(frozen=True)
+class LoadError:
+    """A plugin (or one of its registration hooks) skipped because it raised."""
+
+    plugin: str
+    origin: str
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"{self.plugin} ({self.origin}): {type(self.error).__name__}: {self.error}"
+
+
+@dataclass
+class HookFailure:
+    """An event-hook implementation that raised: its first error and how often it failed."""
+
+    hook: str
+    plugin: str
+    first_error: BaseException
+    count: int = 1
+
+
+class ServelabPluginManager(pluggy.PluginManager):
+    """A pluggy manager that also knows each plugin's origin and collects parts by kind."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT)
+        self.add_hookspecs(hookspecs)
+        self.origins: dict[str, str] = {}  # plugin name -> origin
+        self.load_errors: list[LoadError] = []
+        self.hook_failures: dict[tuple[str, str], HookFailure] = {}  # (hook, plugin) -> failure
+        self._parts: dict[str, dict[str, PartInfo]] = {}  # kind -> parts; cleared on (un)register
+        self._reported: set[tuple[str, str]] = set()  # (plugin, hook) registration failures
+
+    # -- registering plugins
+
+    def register(self, plugin: Any, name: str | None = None, origin: str = RUNTIME) -> str | None:
+        """pluggy's `register`, recording where the plugin came from."""
+        self._parts.clear()
+        try:
+            registered = super().register(plugin, name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name or plugin!r} ({origin}): {exc}") from exc
+        if registered is not None:
+            self.origins[registered] = origin
+        return registered
+
+    def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
+        self._parts.clear()
+        self.origins.pop(name if name is not None else self.get_name(plugin), None)
+        return super().unregister(plugin, name)
+
+    def load_builtins(self, modules: Iterable[str], disabled: frozenset[str]) -> None:
+        """Imports and registers each built-in module, under its module name."""
+        for module_name in modules:
+            if module_name in disabled:
+                continue
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:
+                self._report_load_error(module_name, BUILTIN, exc)
+                continue
+            self.register(module, name=module_name, origin=BUILTIN)
+
+    def load_entry_points(self, disabled: frozenset[str]) -> None:
+        """Loads and registers every entry point of group `servelab`, under its entry-point name."""
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry_point.name in disabled or entry_point.module in disabled:
+                continue
+            origin = _distribution_label(entry_point)
+            if self.get_plugin(entry_point.name) is not None:
+                other = f"{entry_point.name} ({self.origins.get(entry_point.name)})"
+                raise PluginError(
+                    f"two plugins are named {entry_point.name!r}: {other} and "
+                    f"{entry_point.name} ({origin}); uninstall one or disable it with {DISABLE_ENV}"
+                )
+            try:
+                plugin = entry_point.load()
+            except Exception as exc:
+                self._report_load_error(entry_point.name, origin, exc)
+                continue
+            if self.is_registered(plugin):
+                continue  # an entry point naming a plugin already loaded (e.g. a built-in)
+            self.register(plugin, name=entry_point.name, origin=origin)
+
+    def check_pending(self) -> None:
+        """pluggy's `check_pending`, raising a `PluginError` that names the plugin and the known hooks."""
+        try:
+            super().check_pending()
+        except pluggy.PluginValidationError as exc:
+            name = self.get_name(exc.plugin) or repr(exc.plugin)
+            known = ", ".join(n for n in vars(hookspecs) if n.startswith("servelab_"))
+            raise PluginError(
+                f"plugin {name} ({self.origins.get(name, RUNTIME)}): {exc}; known hooks: {known}"
+            ) from exc
+
+    # -- parts
+
+    def registered(self, kind: str) -> dict[str, PartInfo]:
+        """Every part of `kind` registered by any plugin, in registration order."""
+        check_kind(kind)
+        if kind not in self._parts:
+            self._parts[kind] = self._collect_parts(kind)
+        return dict(self._parts[kind])
+
+    def lookup(self, kind: str, name: str) -> type:
+        """The class registered as `name`; `ConfigError` listing the registered names otherwise."""
+        parts = self.registered(kind)
+        if name in parts:
+            return parts[name].cls
+        message = f"unknown {kind} {name!r}; registered: {', '.join(sorted(parts)) or '(none)'}"
+        if self.load_errors:
+            message += "; plugins that failed to load: " + "; ".join(map(str, self.load_errors))
+        raise ConfigError(message)
+
+    def _collect_parts(self, kind: str) -> dict[str, PartInfo]:
+        hook_name = REGISTRATION_HOOKS[kind]
+        parts: dict[str, PartInfo] = {}
+        for impl in getattr(self.hook, hook_name).get_hookimpls():
+            plugin, origin = impl.plugin_name, self.origins.get(impl.plugin_name, RUNTIME)
+            try:
+                provided = impl.function() or {}
+            except Exception as exc:
+                if (plugin, hook_name) not in self._reported:
+                    self._reported.add((plugin, hook_name))
+                    self._report_load_error(plugin, origin, exc, hook=hook_name)
+                continue
+            if not isinstance(provided, dict):
+                raise PluginError(
+                    f"{hook_name} of plugin {plugin} ({origin}) must return a dict "
+                    f"{{name: class}}, got {type(provided).__name__}"
+                )
+            for name, cls in provided.items():
+                info = _part_info(kind, name, cls, plugin, origin)
+                if name in parts:
+                    raise PluginError(
+                        f"{kind} {name!r} is registered twice: by {parts[name].owner} "
+                        f"and by {info.owner}"
+                    )
+                parts[name] = info
+        return parts
+
+    # -- events
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Calls every implementation of the event hook `hook_name`, each in isolation.
+
+        One that raises is logged (with its traceback, the first time only: a
+        per-step observer would flood the log), counted in `hook_failures`, and
+        the others are still called. Wrapper implementations are not called.
+        """
+        if hook_name not in EVENT_HOOKS:
+            raise ValueError(f"{hook_name!r} is not an event hook; event hooks: {EVENT_HOOKS}")
+        caller = getattr(self.hook, hook_name)
+        expected = set(caller.spec.argnames)
+        if set(kwargs) != expected:
+            raise TypeError(f"{hook_name} takes {sorted(expected)}, got {sorted(kwargs)}")
+        # pluggy's own loop stops at the first exception; this one does not.
+        for impl in reversed(caller.get_hookimpls()):  # pluggy's call order
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            try:
+                impl.function(*[kwargs[arg] for arg in impl.argnames])
+            except Exception as exc:
+                self._report_hook_failure(hook_name, impl.plugin_name, exc)
+
+    def register_configs(self, store: Any) -> None:
+        """Lets every plugin add Hydra config-group options to `store` (a ConfigStore)."""
+        self.hook.servelab_register_configs(store=store)
+
+    # -- reporting
+
+    def _report_load_error(
+        self, plugin: str, origin: str, exc: Exception, hook: str | None = None
+    ) -> None:
+        error = LoadError(plugin, origin, exc)
+        self.load_errors.append(error)
+        where = f" in {hook}" if hook else ""
+        if origin == BUILTIN:
+            logger.error(
+                f"built-in plugin failed{where}, skipped (a servelab bug): {error}", exc_info=exc
+            )
+        else:
+            logger.warning(f"servelab plugin failed{where}, skipped: {error}", exc_info=exc)
+
+    def _report_hook_failure(self, hook: str, plugin: str, exc: Exception) -> None:
+        failure = self.hook_failures.get((hook, plugin))
+        if failure is not None:
+            failure.count += 1
+            return
+        self.hook_failures[(hook, plugin)] = HookFailure(hook, plugin, exc)
+        origin = self.origins.get(plugin, RUNTIME)
+        logger.error(
+            f"servelab plugin {plugin} ({origin}) raised in {hook}; the engine goes on "
+            "and later failures of it are only counted",
+            exc_info=exc,
+        )
+
+
+# -- the process-wide manager
+
+_manager: ServelabPluginManager | None = None
+
+
+def disabled_plugins() -> frozenset[str]:
+    """Names listed in `SERVELAB_DISABLE_PLUGINS` (comma-separated)."""
+    return frozenset(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
+
+
+def build_plugin_manager(builtins: Iterable[str] | None = None) -> ServelabPluginManager:
+    """A fresh manager: built-ins (default `DEFAULT_PLUGINS`), entry points, disabled ones blocked."""
+    pm = ServelabPluginManager()
+    disabled = disabled_plugins()
+    for name in disabled:
+        pm.set_blocked(name)  # also refuses a later `register` under that name
+    pm.load_builtins(DEFAULT_PLUGINS if builtins is None else builtins, disabled)
+    pm.load_entry_points(disabled)
+    pm.check_pending()
+    return pm
+
+
+def get_plugin_manager() -> ServelabPluginManager:
+    """The process-wide manager, built on first use."""
+    global _manager
+    if _manager is None:
+        _manager = build_plugin_manager()
+    return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forgets the process-wide manager; the next `get_plugin_manager` rebuilds it (tests)."""
+    global _manager
+    _manager = None
+
+
+def registered(kind: str) -> dict[str, PartInfo]:
+    """Every part of `kind` ("scheduler", "allocator", "preemption", "attention")."""
+    return get_plugin_manager().registered(kind)
+
+
+def lookup(kind: str, name: str) -> type:
+    """The class registered as `name` for `kind`; `ConfigError` listing the registered names otherwise."""
+    return get_plugin_manager().lookup(kind, name)
+
+
+def notify(hook_name: str, **kwargs: Any) -> None:
+    """Calls the event hook `hook_name` on every plugin, each implementation isolated."""
+    get_plugin_manager().notify(hook_name, **kwargs)
+
+
+def _part_info(kind: str, name: Any, cls: Any, plugin: str, origin: str) -> PartInfo:
+    """Checks one registered part against its contract; `PluginError` naming the owner otherwise."""
+    owner = f"{plugin} ({origin})"
+    contract = CONTRACTS[kind]
+    if not isinstance(name, str) or not name:
+        raise PluginError(f"{owner} registered a {kind} under {name!r}; a name is a non-empty str")
+    if not (isinstance(cls, type) and issubclass(cls, contract)):
+        raise PluginError(
+            f"{kind} {name!r} of {owner} is {cls!r}, which does not subclass "
+            f"servelab.interfaces.{contract.__name__}"
+        )
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise PluginError(
+            f"{kind} {name!r} of {owner}: class {cls.__module__}.{cls.__qualname__} does not "
+            f"implement {', '.join(missing)} of {contract.__name__}"
+        )
+    return PartInfo(
+        kind=kind,
+        name=name,
+        cls=cls,
+        plugin=plugin,
+        origin=origin,
+        description=_description(cls),
+        options=describe_options(cls, kind),
+    )
+
+
+def _description(cls: type) -> str:
+    if getattr(cls, "description", ""):
+        return cls.description
+    doc = cls.__dict__.get("__doc__") or ""
+    return doc.strip().split("\n", 1)[0]
+
+
+def _distribution_label(entry_point: importlib.metadata.EntryPoint) -> str:
+    dist = entry_point.dist
+    if dist is None:
+        return f"entry point {entry_point.value}"
+    return f"{dist.name} {dist.version}"

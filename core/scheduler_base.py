@@ -1,0 +1,367 @@
+"""`BaseScheduler`: the queue bookkeeping every scheduler shares.
+
+Queues hold `SequenceGroup`s (a request and, after its prompt, its n samples).
+`schedule()` runs three phases — running, swapped, waiting — and a built-in
+changes only how many tokens a sequence may run in one step (`tokens_for`) and
+when new groups are admitted (`admit`).
+
+Admission modes:
+- `reserve`: a group is admitted only when its worst case (prompt + max_tokens
+  for each of its n samples) fits next to every other admitted group's worst
+  case; blocks are still handed out as tokens arrive, so this never preempts;
+- `on_demand`: room for what runs now; when blocks run out, the preemption
+  policy frees a victim (lowest priority, latest arrival).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from servelab.batch import ScheduledSeq, StepPlan
+from servelab.errors import ConfigError, RequestError
+from servelab.interfaces import KVAllocator, PreemptionPolicy, Scheduler
+from servelab.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+
+ADMISSION_MODES = ("reserve", "on_demand")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def queue_key(group: SequenceGroup) -> tuple:
+    return (group.priority, group.arrival_time, group.seqs[0].seq_id)
+
+
+class BaseScheduler(Scheduler):
+    """Shared queues, admission checks, preemption, forking and finishing."""
+
+    needs_whole_prompt_budget = True  # max_num_batched_tokens must hold a whole prompt
+
+    def __init__(
+        self,
+        allocator: KVAllocator,
+        preemption: PreemptionPolicy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        admission: str = "on_demand",
+    ) -> None:
+        if admission not in ADMISSION_MODES:
+            raise ConfigError(
+                f"unknown admission {admission!r} for scheduler {type(self).__name__}; "
+                f"accepted: {', '.join(ADMISSION_MODES)}"
+            )
+        if self.needs_whole_prompt_budget and max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"{type(self).__name__} prefills whole prompts, so max_num_batched_tokens "
+                f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len}); "
+                "raise it or use scheduler=chunked"
+            )
+        self.allocator = allocator
+        self.preemption = preemption
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.admission = admission
+        self.waiting: list[SequenceGroup] = []  # sorted by queue_key
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.reserved_blocks: dict[str, int] = {}  # reserve mode: request -> worst-case blocks
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.num_recomputed_tokens = 0
+        self.dropped: list[SequenceGroup] = []  # finished by schedule() itself (cache full)
+
+    # -- queues
+    def add(self, group: SequenceGroup) -> None:
+        if self.admission == "reserve":
+            need = self.worst_case_blocks(group)
+            if need > self.allocator.num_blocks:
+                raise RequestError(
+                    f"request {group.request_id!r} can never fit: prompt {group.seqs[0].num_prompt_tokens}"
+                    f" + max_tokens {group.params.max_tokens} (capped at max_model_len "
+                    f"{self.max_model_len}) x n={group.params.n} needs {need} KV blocks of "
+                    f"{self.allocator.block_size} tokens, the cache has {self.allocator.num_blocks}"
+                )
+        bisect.insort(self.waiting, group, key=queue_key)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    aborted = group.unfinished()
+                    for seq in aborted:
+                        self.finish(seq, FinishReason.ABORT)
+                    self.release_group(group)
+                    return aborted
+        return []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(g.unfinished()) for g in self.running)
+
+    # -- what a built-in changes
+    def tokens_for(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens `seq` may run this step from `start`: here the whole rest or nothing."""
+        rest = seq.num_tokens - start
+        return rest if rest <= budget else 0
+
+    def admit(self, plan: StepPlan, budget: int) -> int:
+        """Admits waiting groups in queue order while limits allow; returns the budget left."""
+        while self.waiting:
+            group = self.waiting[0]
+            used = self.try_admit(group, plan, budget)
+            if used is None:
+                break
+            if self.waiting and self.waiting[0] is group:
+                self.waiting.pop(0)
+            budget -= used
+        return budget
+
+    # -- one step
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.schedule_running(plan, self.max_num_batched_tokens)
+        if not plan.preempted:
+            self.resume_swapped(plan, budget)
+            budget = self.max_num_batched_tokens - plan.num_tokens
+        if not self.swapped:
+            self.admit(plan, budget)
+        plan.sort_decodes_first()
+        plan.copies = self.allocator.take_copies()
+        return plan
+
+    def schedule_running(self, plan: StepPlan, budget: int) -> int:
+        # decodes first, then unfinished prefills; each part best-first
+        queue = sorted(self.running, key=lambda g: (not self.is_decoding(g), queue_key(g)))
+        kept: list[SequenceGroup] = []
+        while queue:
+            group = queue.pop(0)
+            seqs = group.unfinished()
+            if not seqs:  # static batching: a finished member holding its slot
+                kept.append(group)
+                continue
+            counts = [self.tokens_for(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
+            if sum(counts) == 0:
+                kept.append(group)
+                continue
+            while not self.can_allocate_all(seqs, counts):
+                candidates = [g.unfinished() for g in queue if not g.is_finished] + [seqs]
+                victim = self.preemption.select_victim(candidates)
+                victim_group = victim[0].group
+                if victim_group is group and not kept and not queue:
+                    # alone in the cache and still no room: it can never finish
+                    for seq in seqs:
+                        self.finish(seq, FinishReason.CACHE_FULL)
+                    self.release_group(group)
+                    self.dropped.append(group)
+                    break
+                self.preempt(victim_group, plan)
+                if victim_group is group:
+                    break
+                queue.remove(victim_group)
+            else:
+                self.allocate_and_plan(seqs, counts, plan)
+                budget -= sum(counts)
+                kept.append(group)
+        self.running = kept
+        return budget
+
+    def resume_swapped(self, plan: StepPlan, budget: int) -> None:
+        self.swapped.sort(key=queue_key)
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.unfinished()
+            if self.num_running_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
+                return
+            if not self.preemption.resume(seqs, self.allocator):
+                return
+            self.swapped.pop(0)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            counts = [self.tokens_for(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
+            if sum(counts) and self.can_allocate_all(seqs, counts):
+                self.allocate_and_plan(seqs, counts, plan)
+                budget -= sum(counts)
+
+    def try_admit(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
+        """Admits one waiting group if limits allow; returns tokens scheduled, None if not."""
+        seqs = group.unfinished()
+        if self.num_running_seqs + len(seqs) > self.max_num_seqs:
+            return None
+        if self.admission == "reserve":
+            need = self.worst_case_blocks(group)
+            if sum(self.reserved_blocks.values()) + need > self.allocator.num_blocks:
+                return None
+        starts = [max(s.num_computed_tokens, self.allocator.match_prefix(s)) for s in seqs]
+        counts = []
+        for seq, start in zip(seqs, starts):
+            counts.append(self.tokens_for(seq, start, budget - sum(counts)))
+        if 0 in counts:
+            return None
+        if not self.allocate_fresh(seqs, [s + c for s, c in zip(starts, counts)]):
+            if not self.running and not plan.scheduled:
+                for seq in seqs:  # an empty cache cannot hold it: it can never run
+                    self.finish(seq, FinishReason.CACHE_FULL)
+                self.waiting.remove(group)
+                self.release_group(group)
+                self.dropped.append(group)
+                return 0
+            return None
+        if self.admission == "reserve":
+            self.reserved_blocks[group.request_id] = self.worst_case_blocks(group)
+        for seq, count in zip(seqs, counts):
+            seq.status = SequenceStatus.RUNNING
+            plan.scheduled.append(ScheduledSeq(seq, count))
+        self.running.append(group)
+        return sum(counts)
+
+    def allocate_fresh(self, seqs: list[Sequence], targets: list[int]) -> bool:
+        """Allocates sequences that hold no blocks yet (all or none)."""
+        done = []
+        for seq, target in zip(seqs, targets):
+            if not self.allocator.can_allocate(seq, target):
+                for other in done:
+                    self.allocator.free(other)
+                    other.num_computed_tokens = 0
+                return False
+            cached = self.allocator.allocate(seq, target)
+            seq.num_cached_tokens = cached
+            seq.num_computed_tokens = max(seq.num_computed_tokens, cached)
+            done.append(seq)
+        return True
+
+    # -- helpers
+    @staticmethod
+    def is_decoding(group: SequenceGroup) -> bool:
+        return all(s.num_uncomputed_tokens == 1 for s in group.unfinished())
+
+    def worst_case_blocks(self, group: SequenceGroup) -> int:
+        seq = group.seqs[0]
+        tokens = min(seq.num_prompt_tokens + group.params.max_tokens, self.max_model_len)
+        return group.params.n * cdiv(tokens, self.allocator.block_size)
+
+    def can_allocate_all(self, seqs: list[Sequence], counts: list[int]) -> bool:
+        """Room for every sequence's tokens this step; the needs of a group's
+        sequences add up (conservative by at most one copy-on-write per group)."""
+        need = sum(
+            self.allocator.blocks_needed(s, s.num_computed_tokens + c)
+            for s, c in zip(seqs, counts)
+            if c
+        )
+        return need <= self.allocator.num_free_blocks
+
+    def allocate_and_plan(self, seqs: list[Sequence], counts: list[int], plan: StepPlan) -> None:
+        for seq, count in zip(seqs, counts):
+            if count:
+                self.allocator.allocate(seq, seq.num_computed_tokens + count)
+                plan.scheduled.append(ScheduledSeq(seq, count))
+
+    def preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
+        seqs = group.unfinished()
+        kind = self.preemption.preempt(seqs, self.allocator)
+        self.release_reservation(group)
+        for seq in seqs:
+            seq.num_preemptions += 1
+        if kind == "swapped":
+            self.num_preemptions["swap"] += 1
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+        else:
+            self.num_preemptions["recompute"] += 1
+            for seq in seqs:
+                seq.status = SequenceStatus.WAITING
+                self.num_recomputed_tokens += seq.num_computed_tokens
+                seq.num_recomputed_tokens += seq.num_computed_tokens
+                seq.num_computed_tokens = 0
+            bisect.insort(self.waiting, group, key=queue_key)
+        plan.preempted.extend(seqs)
+
+    def release_reservation(self, group: SequenceGroup) -> None:
+        self.reserved_blocks.pop(group.request_id, None)
+
+    def release_group(self, group: SequenceGroup) -> None:
+        """Frees what a group that left the queues still holds."""
+        self.release_reservation(group)
+        for seq in group.seqs:
+            self.allocator.free(seq)
+
+    # -- after the forward
+    def update(
+        self, plan: StepPlan, sampled: dict[int, list[int]], now: float
+    ) -> list[SequenceGroup]:
+        """Advances every scheduled sequence, appends sampled tokens (forking a
+        group whose prompt just finished), applies stop rules and frees the
+        finished. Returns the groups that finished in this step."""
+        finished, self.dropped = self.dropped, []
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_query_tokens
+            self.allocator.commit(seq)
+            tokens = sampled.get(seq.seq_id)
+            if tokens is None:
+                continue
+            targets = [seq] + self.fork(seq, len(tokens) - 1)
+            for target, token in zip(targets, tokens):
+                target.append_token(token)
+                target.token_times.append(now)
+                reason = self.stop_reason(target)
+                if reason is not None:
+                    self.finish(target, reason)
+        for group in list(self.running):
+            if group.is_finished and self.group_done(group):
+                self.running.remove(group)
+                self.release_group(group)
+                finished.append(group)
+        return finished
+
+    def fork(self, parent: Sequence, count: int) -> list[Sequence]:
+        group = parent.group
+        children = []
+        for _ in range(count):
+            index = len(group.seqs)
+            child = parent.fork(index, parent.params)
+            child.group = group
+            self.allocator.fork(parent, child)
+            group.seqs.append(child)
+            children.append(child)
+        return children
+
+    def stop_reason(self, seq: Sequence) -> FinishReason | None:
+        token = seq.token_ids[-1]
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in seq.eos_token_ids):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.on_seq_finished(seq)
+
+    def on_seq_finished(self, seq: Sequence) -> None:
+        """Frees a finished sequence's blocks at once (static batching defers this)."""
+        self.allocator.free(seq)
+
+    def group_done(self, group: SequenceGroup) -> bool:
+        """Whether a finished group leaves the running queue now."""
+        return True
+
+    # -- figures
+    def stats(self) -> dict[str, float]:
+        return {
+            "waiting": len(self.waiting),
+            "running": self.num_running_seqs,
+            "swapped": len(self.swapped),
+            "preemptions_recompute": self.num_preemptions["recompute"],
+            "preemptions_swap": self.num_preemptions["swap"],
+            "recomputed_tokens": self.num_recomputed_tokens,
+        }

@@ -1,0 +1,230 @@
+"""A request's sequences, their status machine, sampling parameters and outputs.
+
+A `Sequence` is one token stream whose KV lives in the cache. A request with
+`SamplingParams.n > 1` becomes a `SequenceGroup` of n sequences that share
+their prompt blocks after the prompt is prefilled once.
+
+The one counter that drives scheduling is `num_computed_tokens`: how many of
+`token_ids` already have their K/V in the cache. A step runs tokens
+`[num_computed_tokens, num_computed_tokens + k)`; when that range reaches the
+end of `token_ids`, the step samples the next token. Prefill, chunked prefill,
+decode and recompute after preemption are all this one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from servelab.errors import RequestError
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # Engine.abort
+    CACHE_FULL = "cache_full"  # outgrew the whole KV cache (on_demand admission)
+    REJECTED = "rejected"  # bad request, never ran
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. `temperature == 0` is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    max_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise RequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise RequestError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One token stream. Its KV blocks are known to the allocator by `seq_id`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        sample_index: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.sample_index = sample_index  # which of the n samples
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        self.num_cached_tokens = 0  # tokens served by the prefix cache (latest admission)
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.group: SequenceGroup | None = None
+        # timing, filled by the engine
+        self.first_scheduled_time: float | None = None
+        self.token_times: list[float] = []
+        self.finished_time: float | None = None
+
+    # -- sizes
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """True when only the last sampled token lacks K/V (one-token step)."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def fork(self, sample_index: int, params: SamplingParams) -> Sequence:
+        """A copy sharing history (the allocator shares its blocks separately)."""
+        child = Sequence(
+            self.request_id,
+            self.token_ids[: self.num_prompt_tokens],
+            params,
+            self.arrival_time,
+            self.priority,
+            sample_index,
+            self.eos_token_ids,
+        )
+        child.token_ids = list(self.token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child.token_times = list(self.token_times)
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, status={self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+class SequenceGroup:
+    """The n samples of one request. One sequence until it is forked after prefill."""
+
+    def __init__(self, request_id: str, first: Sequence) -> None:
+        self.request_id = request_id
+        self.seqs: list[Sequence] = [first]
+        first.group = self
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seqs[0].params
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def needs_fork(self) -> bool:
+        return len(self.seqs) < self.params.n
+
+    @property
+    def priority(self) -> int:
+        return self.seqs[0].priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.seqs[0].arrival_time
+
+    def unfinished(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt. `token_ids` is the first sample's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else FinishReason.REJECTED.value
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text if self.outputs else None

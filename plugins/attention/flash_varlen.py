@@ -1,0 +1,405 @@
+"""`flash_varlen`: FlashAttention's varlen contract. Queries stay packed
+(`cu_seqlens_q = query_start_loc`), keys are read through the block table
+(`cu_seqlens_k = seq_start_loc`), and the causal diagonal is aligned
+bottom-right: the last query of a sequence meets its last key, so a chunk
+after a cached prefix needs no extra mask.
+
+`impl` picks who runs that contract:
+- `flash_attn`: the `flash-attn` package (`flash_attn_varlen_func` with
+  `block_table` for prefill/mixed batches, `flash_attn_with_kvcache` for
+  decode-only ones); CUDA, fp16/bf16, block size a multiple of 256;
+- `torch`: PyTorch's own `torch.nn.attention.varlen.varlen_attn` on CUDA
+  (fp16/bf16). It reads the paged cache directly where it takes a
+  `block_table` (PyTorch >= 2.12) and the block size is a multiple of 256;
+  otherwise the step's pages are gathered into packed K/V first;
+- `reference`: `varlen_attention_reference`, plain torch, runs anywhere;
+- `auto`: the first of flash_attn, torch, reference whose constraints hold.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from servelab.batch import AttentionMetadata
+from servelab.errors import ConfigError
+from servelab.hookspecs import hookimpl
+from servelab.interfaces import AttentionBackend, KVAllocator
+from servelab.plugins.attention.common import (
+    expand_kv_heads,
+    flat_cache,
+    packed_context_slots,
+    store_kv,
+)
+
+logger = logging.getLogger(__name__)
+
+IMPLS = ("auto", "flash_attn", "torch", "reference")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# FlashAttention-2 reads a paged cache only when a page holds a multiple of 256 tokens.
+FLASH_PAGE_MULTIPLE = 256
+KernelFn = Callable[..., torch.Tensor]
+
+
+# -- the contract, in plain torch
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool = True,
+    seqused_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FlashAttention's paged varlen attention, spelled out in plain torch.
+
+    - `q`: `[total_q, num_heads, head_dim]`, sequence i owns rows
+      `cu_seqlens_q[i]:cu_seqlens_q[i+1]`;
+    - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`;
+      sequence i's key `p` is at `block_table[i, p // block_size]`, offset
+      `p % block_size`; it has `cu_seqlens_k[i+1] - cu_seqlens_k[i]` keys, or
+      `seqused_k[i]` when given (as in FlashAttention);
+    - `num_heads` a multiple of `num_kv_heads`: query head h reads KV head
+      `h // (num_heads // num_kv_heads)`;
+    - `causal`: bottom-right aligned, query j of a sequence with `lq` queries
+      and `lk` keys sees keys `0 .. lk - lq + j`; a query that sees no key
+      (only when `lq > lk`) outputs zeros, as FlashAttention does.
+
+    `max_seqlen_q`/`max_seqlen_k` are accepted for signature parity and checked.
+    Scores are computed in float32 (float64 for float64 inputs); the output has
+    `q`'s dtype. This syncs with the host (it loops over sequences in Python):
+    it is the specification and the CPU implementation, not a fast path.
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    starts_q = cu_seqlens_q.tolist()
+    if seqused_k is not None:
+        lens_k = seqused_k.tolist()
+    else:
+        starts_k = cu_seqlens_k.tolist()
+        lens_k = [b - a for a, b in zip(starts_k[:-1], starts_k[1:], strict=True)]
+    out = torch.zeros_like(q)
+    for i, len_k in enumerate(lens_k):
+        q_i = q[starts_q[i] : starts_q[i + 1]].to(compute_dtype)
+        len_q = q_i.shape[0]
+        assert len_q <= max_seqlen_q and len_k <= max_seqlen_k, "max_seqlen_q/k below a real length"
+        if len_q == 0:
+            continue
+        num_pages = -(-len_k // block_size)
+        pages = block_table[i, :num_pages].long()
+        k_i = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[-1])[:len_k]
+        v_i = v_cache[pages].reshape(-1, num_kv_heads, v_cache.shape[-1])[:len_k]
+        k_i = expand_kv_heads(k_i.to(compute_dtype), num_heads // num_kv_heads, dim=1)
+        v_i = expand_kv_heads(v_i.to(compute_dtype), num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * scale
+        if causal:
+            query_pos = torch.arange(len_q, device=q.device).view(-1, 1) + (len_k - len_q)
+            allowed = torch.arange(len_k, device=q.device).view(1, -1) <= query_pos
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key -> 0
+        out[starts_q[i] : starts_q[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v_i).to(q.dtype)
+    return out
+
+
+# -- what each impl needs
+
+
+def _allocator_name(allocator: KVAllocator) -> str:
+    return getattr(allocator, "name", type(allocator).__name__)
+
+
+def flash_attn_problems(block_size: int, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Every constraint of impl='flash_attn' this configuration breaks (empty: usable)."""
+    problems = []
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as exc:  # ImportError, or a broken CUDA build raising OSError
+        problems.append(f"the flash_attn package must be importable (import failed: {exc})")
+    if device.type != "cuda":
+        problems.append(f"the device must be CUDA (got {device})")
+    if dtype not in HALF_DTYPES:
+        problems.append(f"the dtype must be float16 or bfloat16 (got {dtype})")
+    if block_size % FLASH_PAGE_MULTIPLE != 0:
+        problems.append(
+            f"the allocator's block_size must be a multiple of {FLASH_PAGE_MULTIPLE} "
+            f"(got block_size={block_size})"
+        )
+    return problems
+
+
+def torch_varlen_problems(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Every constraint of impl='torch' this configuration breaks (empty: usable)."""
+    problems = []
+    if _torch_varlen_attn() is None:
+        problems.append(
+            f"torch.nn.attention.varlen.varlen_attn must exist (torch {torch.__version__} lacks it)"
+        )
+    if device.type != "cuda":
+        problems.append(f"the device must be CUDA (got {device})")
+    if dtype not in HALF_DTYPES:
+        problems.append(f"the dtype must be float16 or bfloat16 (got {dtype})")
+    return problems
+
+
+def _torch_varlen_attn() -> Callable[..., torch.Tensor] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@dataclass(frozen=True)
+class TorchVarlenCall:
+    """How to call this torch's `varlen_attn`; its signature grew over releases:
+    2.9 `is_causal`, 2.10 `scale`/`window_size`, 2.12 `enable_gqa`/`seqused_k`/`block_table`."""
+
+    fn: Callable[..., torch.Tensor]
+    causal_kwargs: dict[str, Any]  # window_size=(-1, 0) or is_causal=True
+    has_scale: bool
+    has_gqa: bool
+    paged: bool  # reads the cache through block_table (else pages are gathered first)
+
+    @classmethod
+    def inspect(cls, block_size: int) -> TorchVarlenCall:
+        fn = _torch_varlen_attn()
+        assert fn is not None
+        params = inspect.signature(fn).parameters
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        paged = "block_table" in params and block_size % FLASH_PAGE_MULTIPLE == 0
+        return cls(fn, causal, "scale" in params, "enable_gqa" in params, paged)
+
+
+# -- the backend
+
+
+@dataclass
+class FlashVarlenPlan:
+    """Built once per step; every layer reuses it."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_table: torch.Tensor  # int32 [num_seqs, max_blocks]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_size: int
+    context_slots: torch.Tensor | None  # packed context slots; only when pages are gathered
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+class FlashVarlenBackend(AttentionBackend):
+    """Packed tokens + cu_seqlens + block table: FlashAttention's varlen interface."""
+
+    name: ClassVar[str] = "flash_varlen"
+    description: ClassVar[str] = (
+        "FlashAttention varlen contract (packed q, cu_seqlens, block table); "
+        "impl=auto|flash_attn|torch|reference"
+    )
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, impl: str = "auto"
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if impl not in IMPLS:
+            raise ConfigError(
+                f"attention backend 'flash_varlen': unknown impl {impl!r}; choose one of {', '.join(IMPLS)}"
+            )
+        self.impl = impl
+        self.active_impl: str | None = None  # what `impl` resolved to, set by check() or first use
+        self._torch_call: TorchVarlenCall | None = None
+        self._flash_fns: tuple[KernelFn, KernelFn] | None = None  # varlen_func, with_kvcache
+
+    # -- choosing the impl
+
+    def check(self, allocator: KVAllocator, device: torch.device, dtype: torch.dtype) -> None:
+        """Resolves `impl` for this allocator/device/dtype; raises ConfigError
+        naming every broken constraint when an explicitly asked impl cannot run."""
+        self._select(allocator.block_size, torch.device(device), dtype, _allocator_name(allocator))
+
+    def _select(
+        self, block_size: int, device: torch.device, dtype: torch.dtype, allocator: str
+    ) -> None:
+        if self.impl == "reference":
+            chosen = "reference"
+        elif self.impl in ("flash_attn", "torch"):
+            problems = self._problems(self.impl, block_size, device, dtype)
+            if problems:
+                raise ConfigError(
+                    f"attention backend 'flash_varlen' with impl={self.impl!r} cannot serve "
+                    f"allocator {allocator!r} on {device} with {dtype}: " + "; ".join(problems)
+                )
+            chosen = self.impl
+        else:
+            chosen = "reference"
+            reasons = []
+            for candidate in ("flash_attn", "torch"):
+                problems = self._problems(candidate, block_size, device, dtype)
+                if not problems:
+                    chosen = candidate
+                    break
+                reasons.append(f"not {candidate}: {'; '.join(problems)}")
+            logger.info(
+                "flash_varlen impl=auto chose %r for %s/%s/block_size=%d%s",
+                chosen,
+                device,
+                dtype,
+                block_size,
+                f" ({' | '.join(reasons)})" if reasons else "",
+            )
+        if chosen == "flash_attn":
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+            self._flash_fns = (flash_attn_varlen_func, flash_attn_with_kvcache)
+        elif chosen == "torch":
+            self._torch_call = TorchVarlenCall.inspect(block_size)
+        self.active_impl = chosen
+
+    @staticmethod
+    def _problems(
+        impl: str, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> list[str]:
+        if impl == "flash_attn":
+            return flash_attn_problems(block_size, device, dtype)
+        return torch_varlen_problems(device, dtype)
+
+    # -- one step
+
+    def plan(self, meta: AttentionMetadata) -> FlashVarlenPlan:
+        # Pages are gathered into packed K/V only by the torch impl without block
+        # tables; before the impl is known (no check() yet) plan for that case too.
+        gathers = self.active_impl is None or (
+            self.active_impl == "torch"
+            and self._torch_call is not None
+            and not self._torch_call.paged
+        )
+        return FlashVarlenPlan(
+            slot_mapping=meta.slot_mapping,
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=meta.seq_start_loc,
+            seq_lens=meta.seq_lens,
+            block_table=meta.block_tables,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            block_size=meta.block_size,
+            context_slots=packed_context_slots(meta) if gathers else None,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        plan: FlashVarlenPlan,
+    ) -> torch.Tensor:
+        if self.active_impl is None:  # check() was skipped: decide once, from the first layer
+            self._select(plan.block_size, q.device, q.dtype, "unknown")
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        if self.active_impl == "flash_attn":
+            return self._forward_flash_attn(q, k_cache, v_cache, plan)
+        if self.active_impl == "torch":
+            return self._forward_torch(q, k_cache, v_cache, plan)
+        return varlen_attention_reference(
+            q,
+            k_cache,
+            v_cache,
+            plan.cu_seqlens_q,
+            plan.cu_seqlens_k,
+            plan.block_table,
+            plan.max_seqlen_q,
+            plan.max_seqlen_k,
+            self.scale,
+            causal=True,
+        )
+
+    def _forward_flash_attn(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
+    ) -> torch.Tensor:
+        assert self._flash_fns is not None
+        varlen_func, with_kvcache = self._flash_fns
+        if plan.decode_only:
+            # one query per sequence: [batch, 1, heads, dim]; the cache already holds
+            # this step's key, so every sequence attends to seq_lens keys
+            out = with_kvcache(
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=plan.seq_lens,
+                block_table=plan.block_table,
+                softmax_scale=self.scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        return varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k,
+            softmax_scale=self.scale,
+            causal=True,
+            block_table=plan.block_table,
+        )
+
+    def _forward_torch(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
+    ) -> torch.Tensor:
+        call = self._torch_call
+        assert call is not None
+        kwargs: dict[str, Any] = dict(call.causal_kwargs)
+        if call.has_scale:
+            kwargs["scale"] = self.scale
+        else:  # the kernel applies 1/sqrt(head_dim); fold our scale into q
+            q = q * (self.scale * math.sqrt(self.head_dim))
+        grouped = self.num_heads != self.num_kv_heads
+        if grouped and call.has_gqa:
+            kwargs["enable_gqa"] = True
+        if call.paged:
+            keys, values = k_cache, v_cache
+            kwargs["block_table"] = plan.block_table
+            kwargs["seqused_k"] = plan.seq_lens
+        else:
+            assert plan.context_slots is not None, "plan() ran before the torch impl was chosen"
+            keys = flat_cache(k_cache)[plan.context_slots]
+            values = flat_cache(v_cache)[plan.context_slots]
+            if grouped and not call.has_gqa:
+                ratio = self.num_heads // self.num_kv_heads
+                keys = expand_kv_heads(keys, ratio, dim=1)
+                values = expand_kv_heads(values, ratio, dim=1)
+        return call.fn(
+            q,
+            keys,
+            values,
+            plan.cu_seqlens_q,
+            plan.cu_seqlens_k,
+            plan.max_seqlen_q,
+            plan.max_seqlen_k,
+            **kwargs,
+        )
+
+
+@hookimpl
+def servelab_register_attention_backends() -> dict[str, type[AttentionBackend]]:
+    return {FlashVarlenBackend.name: FlashVarlenBackend}

@@ -1,0 +1,15 @@
+"""`continuous`: iteration-level batching (Orca). Every step drops the finished
+and admits waiting requests while `max_num_seqs`, the token budget and KV room
+allow; prompts are prefilled whole."""
+
+from servelab.hookspecs import hookimpl
+from servelab.scheduler_base import BaseScheduler
+
+
+class ContinuousScheduler(BaseScheduler):
+    description = "iteration-level batching: admit and retire requests every step (Orca)"
+
+
+@hookimpl
+def servelab_register_schedulers():
+    return {"continuous": ContinuousScheduler}

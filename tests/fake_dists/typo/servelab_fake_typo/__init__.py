@@ -1,0 +1,1 @@
+"""A fake third-party servelab plugin package (test fixture)."""

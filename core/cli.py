@@ -1,4 +1,4 @@
-"""Console scripts: `servelab` (the Hydra app), `servelab-plugins`."""
+"""Console scripts: `servelab` (the Hydra app), `servelab-report`, `servelab-plugins`."""
 
 from __future__ import annotations
 
@@ -6,47 +6,61 @@ import sys
 
 from servelab.errors import ServelabError
 
+COMPONENT_GROUPS = ("scheduler", "allocator", "preemption", "attention")
 
-def _hydra_app(cfg) -> None:
+
+def _hydra_app(cfg) -> dict:
+    """One run: build, serve the workload, write results.json / requests.csv /
+    steps.csv into the Hydra output folder, print the summary table."""
+    from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from servelab.runner import print_summary, run_config
+    from servelab.runner import print_summary, run_config, save_run
 
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
+    hydra_cfg = HydraConfig.get()
     try:
-        summary = run_config(config)
+        result = run_config(config)
     except ServelabError as err:
         print(f"servelab: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    parts = ", ".join(
-        f"{k}={config[k]['name']}" for k in ("scheduler", "allocator", "preemption", "attention")
-    )
-    print_summary(summary, title=parts)
+    choices = {k: v for k, v in hydra_cfg.runtime.choices.items() if not k.startswith("hydra")}
+    meta = {
+        "overrides": list(hydra_cfg.overrides.task),
+        "choices": choices,
+        "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num")},
+    }
+    save_run(hydra_cfg.runtime.output_dir, result, config, meta)
+    title = ", ".join(f"{k}={_part_name(config[k])}" for k in COMPONENT_GROUPS if k in config)
+    print_summary(result.summary, title=f"{title}\n{hydra_cfg.runtime.output_dir}")
+    return result.summary
+
+
+def _part_name(node) -> str:
+    return node.get("name", "?") if isinstance(node, dict) else str(node)
 
 
 def main() -> None:
     import hydra
+    from hydra.core.config_store import ConfigStore
 
     from servelab.plugin_manager import get_plugin_manager
 
-    get_plugin_manager()  # plugins may add config-group options before Hydra composes
+    # plugins may add config-group options (`scheduler=sjf`) before Hydra composes
+    get_plugin_manager().register_configs(ConfigStore.instance())
     app = hydra.main(version_base="1.3", config_path="pkg://servelab.conf", config_name="config")(
         _hydra_app
     )
     app()
 
 
-def plugins_main() -> None:
-    from servelab.plugin_manager import get_plugin_manager, registered
+def report_main(argv: list[str] | None = None) -> None:
+    """`servelab-report PATH... [--out DIR]`: see servelab.report."""
+    from servelab.report import main as report
 
-    get_plugin_manager()
-    for kind in ("scheduler", "allocator", "preemption", "attention"):
-        print(f"{kind}:")
-        for name, info in sorted(registered(kind).items()):
-            print(f"  {name:<14} {info.origin:<24} {info.description}")
-
-
-def report_main() -> None:
-    print("servelab-report: not implemented yet", file=sys.stderr)
-    raise SystemExit(2)
+    try:
+        report(argv)
+    except ServelabError as err:
+        print(f"servelab-report: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

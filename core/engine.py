@@ -136,15 +136,15 @@ class Engine:
         except RequestError as err:
             raise RequestError(f"request {request_id!r}: {err}") from None
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request wherever it is (waiting, running, swapped, forked) and
-        frees everything it holds. Returns False for an unknown or finished one."""
+        frees everything it holds. Returns its final output (finish reason
+        "abort"), or None for an unknown or already finished request."""
         group = self.groups.get(str(request_id))
         if group is None or group.is_finished:
-            return False
+            return None
         self.scheduler.abort(str(request_id))
-        self._finish_group(group)
-        return True
+        return self._finish_group(group)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -212,6 +212,14 @@ class Engine:
         for seq in group.seqs:
             if seq.finished_time is None:
                 seq.finished_time = now
+        first_step, token_steps = self.metrics.pop_sequence(
+            first.seq_id,
+            self._step_index,
+            len(first.token_times),
+            scheduled=first.first_scheduled_time is not None,
+        )
+        for seq in group.seqs[1:]:
+            self.metrics.pop_sequence(seq.seq_id, self._step_index, 0, scheduled=True)
         record = RequestRecord(
             request_id=group.request_id,
             arrival_time=first.arrival_time,
@@ -223,6 +231,10 @@ class Engine:
             finish_reason=(first.finish_reason or FinishReason.ABORT).value,
             preemptions=max(s.num_preemptions for s in group.seqs),
             token_times=list(first.token_times),
+            token_steps=token_steps,
+            first_scheduled_step=first_step,
+            finished_step=self._step_index,
+            recomputed_tokens=sum(s.num_recomputed_tokens for s in group.seqs),
         )
         self.metrics.requests.append(record)
         output = RequestOutput(
@@ -250,10 +262,24 @@ class Engine:
         return self.tokenizer.decode(token_ids)
 
     def _record_step(self, plan: StepPlan, start: float) -> None:
+        """Records one step's figures. A step that ran nothing (a batcher waiting
+        for its batch, an idle engine) is not a step: no record, no hook."""
+        if plan.is_empty and not plan.preempted:
+            return
+        step = self._step_index
+        self.metrics.note_step(step, plan.scheduled)
         usage = self.allocator.usage()
-        decode_tokens = plan.num_decodes
+        stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
+        delta = self.metrics.deltas(self._metric_counters(usage, stats))
+        # after update(): a decode is a one-token step past the prompt (plan.num_decodes
+        # would now also count a one-token prompt, which has its first token by now)
+        decode_tokens = sum(
+            1
+            for i in plan.scheduled
+            if i.num_query_tokens == 1 and i.start >= i.seq.num_prompt_tokens
+        )
         record = StepRecord(
-            step=self._step_index,
+            step=step,
             start_time=start,
             wall_time=self.now() - start,
             num_seqs=len(plan.scheduled),
@@ -264,16 +290,38 @@ class Engine:
             kv_tokens_used=int(usage["tokens_used"]),
             kv_tokens_reserved=int(usage["tokens_reserved"]),
             kv_tokens_capacity=int(usage["tokens_capacity"]),
-            extra={
-                "prefix_hit_tokens": usage.get("prefix_hit_tokens", 0),
-                "blocks_swapped_out": usage.get("blocks_swapped_out", 0),
-                "blocks_swapped_in": usage.get("blocks_swapped_in", 0),
-                **{f"attn_{k}": v for k, v in self.backend.stats().items()},
-            },
+            num_prefills=len(plan.scheduled) - decode_tokens,
+            sampled_tokens=sum(1 for item in plan.scheduled if item.samples),
+            padding_tokens=int(delta.pop("attn_padded_query_slots", 0)),
+            padded_key_slots=int(delta.pop("attn_padded_key_slots", 0)),
+            real_key_tokens=int(delta.pop("attn_real_key_tokens", 0)),
+            prefix_hit_tokens=int(delta.pop("prefix_hit_tokens")),
+            prefix_query_tokens=int(delta.pop("prefix_query_tokens")),
+            swapped_out_bytes=int(delta.pop("swapped_out_bytes")),
+            swapped_in_bytes=int(delta.pop("swapped_in_bytes")),
+            preemptions_recompute=int(delta.pop("preemptions_recompute")),
+            preemptions_swap=int(delta.pop("preemptions_swap")),
+            recomputed_tokens=int(delta.pop("recomputed_tokens")),
+            waiting=int(stats.get("waiting", 0)),
+            extra=delta,  # what is left: any other backend counter, as a per-step increase
         )
         self.metrics.steps.append(record)
         self._step_index += 1
         self.notify("servelab_step_end", engine=self, step=record.row())
+
+    def _metric_counters(self, usage: dict, stats: dict) -> dict[str, float]:
+        """The cumulative counters (allocator usage, scheduler stats, KV copies,
+        backend stats) a step record turns into per-step increases."""
+        return {
+            "prefix_hit_tokens": usage.get("prefix_hit_tokens", 0),
+            "prefix_query_tokens": usage.get("prefix_query_tokens", 0),
+            "swapped_out_bytes": self.kv_cache.bytes_swapped_out,
+            "swapped_in_bytes": self.kv_cache.bytes_swapped_in,
+            "preemptions_recompute": stats.get("preemptions_recompute", 0),
+            "preemptions_swap": stats.get("preemptions_swap", 0),
+            "recomputed_tokens": stats.get("recomputed_tokens", 0),
+            **{f"attn_{k}": v for k, v in self.backend.stats().items()},
+        }
 
     # -- convenience
     def generate(

@@ -32,7 +32,9 @@ class KVAllocator(abc.ABC):
       is free again;
     - `check_integrity()` raises AssertionError on any broken invariant.
 
-    Engine-supplied context: `num_blocks`, `num_host_blocks`, `max_model_len`.
+    Engine-supplied context: `token_capacity`, `host_token_capacity` (what the KV
+    memory budget and the swap space hold, in tokens) and `max_model_len`; the
+    allocator derives its block counts from them.
     """
 
     description: ClassVar[str] = ""

@@ -88,7 +88,8 @@ def describe_options(cls: type, kind: str) -> dict[str, Any]:
 
 
 def construct(kind: str, spec: Any, **context: Any) -> Any:
-    """Looks up the part named by `spec`, validates its options, returns `cls(**options, **context)`."""
+    """Looks up the part named by `spec`, validates its options, returns
+    `cls(**options, **context)` with `.name` set to the registered name."""
     # Imported here: plugin_manager imports this module for `describe_options`.
     from servelab.plugin_manager import lookup
 
@@ -101,7 +102,9 @@ def construct(kind: str, spec: Any, **context: Any) -> Any:
     cls = lookup(kind, name)
     accepted = describe_options(cls, kind)
     check_options(kind, name, options, accepted)
-    return cls(**options, **context)
+    part = cls(**options, **context)
+    part.name = name  # the registered name, for error messages and reports
+    return part
 
 
 def check_options(

@@ -1,44 +1,234 @@
-"""Runs one configured engine over a workload and prints the summary."""
+"""Runs one configured engine over a workload, against the wall clock, and
+writes what it measured.
+
+A request enters the engine when its arrival time has come (seconds after the
+run starts); meanwhile the engine steps, and when it has nothing to do (an
+empty queue, or a batcher waiting for its batch) the runner sleeps briefly.
+The arrival time a request carries is the scheduled one, so a late admission
+counts as queueing.
+"""
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import json
+import math
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from servelab.build import build_engine
 from servelab.engine import Engine
+from servelab.errors import ConfigError
+from servelab.metrics import RequestRecord, StepRecord
+from servelab.report import report_options
+from servelab.sequence import SamplingParams
 from servelab.workload import WorkloadRequest, make_workload
 
+RUN_DEFAULTS: dict[str, Any] = {
+    "progress": True,  # a live progress bar (requests done, tok/s)
+    "warmup": True,  # one short request before the clock starts: first-call costs stay out
+    "idle_sleep": 0.0005,  # seconds the runner sleeps when the engine has nothing to run
+}
+# top-level config nodes the runner consumes; the rest goes to build_engine
+RUNNER_NODES = ("workload", "run", "report")
 
-def run_workload(engine: Engine, requests: list[WorkloadRequest]) -> dict:
-    for i, req in enumerate(requests):
-        engine.add_request(
-            req.prompt_token_ids,
-            req.params,
-            request_id=req.request_id or f"req-{i}",
-            priority=req.priority,
-        )
+
+@dataclass
+class RunResult:
+    engine: Engine
+    summary: dict[str, float]
+    requests: list[RequestRecord]
+    steps: list[StepRecord]
+
+
+def run_options(node: Mapping | None) -> dict[str, Any]:
+    options = dict(RUN_DEFAULTS)
+    for key, value in (node or {}).items():
+        if key not in RUN_DEFAULTS:
+            raise ConfigError(
+                f"unknown run option {key!r}; accepted: {', '.join(sorted(RUN_DEFAULTS))}"
+            )
+        options[key] = value
+    return options
+
+
+def warm_up(engine: Engine) -> None:
+    """Serves one tiny request, then forgets its records. Its prompt is shorter
+    than any KV block, so it leaves nothing in a prefix cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request([2, 3, 4], params, request_id="__warmup__")
     while engine.has_unfinished():
+        steps_before = len(engine.metrics.steps)
         engine.step()
+        if len(engine.metrics.steps) == steps_before:  # a batcher waiting for its timeout
+            time.sleep(RUN_DEFAULTS["idle_sleep"])
+    engine.metrics.start_run()
+
+
+def serve(
+    engine: Engine,
+    requests: list[WorkloadRequest],
+    progress: bool = False,
+    idle_sleep: float = RUN_DEFAULTS["idle_sleep"],
+) -> dict[str, float]:
+    """Feeds `requests` to `engine` as their arrival times come, steps until
+    every request has finished, and returns the run summary."""
+    pending = sorted(requests, key=lambda r: r.arrival_time)
+    bar = ProgressBar(len(pending), enabled=progress)
+    start = engine.now()
+    next_index = 0
+    tokens: dict[str, list[list[int]]] = {}
+    with bar:
+        while next_index < len(pending) or engine.has_unfinished():
+            now = engine.now() - start
+            while next_index < len(pending) and pending[next_index].arrival_time <= now:
+                req = pending[next_index]
+                engine.add_request(
+                    req.prompt_token_ids,
+                    req.params,
+                    request_id=req.request_id or f"req-{next_index}",
+                    arrival_time=start + req.arrival_time,
+                    priority=req.priority,
+                )
+                next_index += 1
+            if engine.has_unfinished():
+                steps_before = len(engine.metrics.steps)
+                for output in engine.step():
+                    tokens[output.request_id] = [o.token_ids for o in output.outputs]
+                if len(engine.metrics.steps) == steps_before:  # nothing ran: a batcher waits
+                    time.sleep(idle_sleep)
+                bar.update(engine, now)
+            elif next_index < len(pending):
+                time.sleep(max(0.0, min(pending[next_index].arrival_time - now, 0.01)))
     summary = engine.metrics.summary()
+    summary["output_digest"] = output_digest(tokens)
     engine.notify("servelab_run_end", engine=engine, summary=summary)
     return summary
 
 
-def run_config(config: Mapping) -> dict:
+def output_digest(tokens: dict[str, list[list[int]]]) -> str:
+    """A short hash of every request's output tokens: equal digests, equal outputs."""
+    text = json.dumps(sorted(tokens.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class ProgressBar:
+    """A rich progress bar of finished requests and output tok/s; a no-op when disabled."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.progress = Progress(
+            TextColumn("[bold]serving"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("requests"),
+            TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
+            TimeElapsedColumn(),
+            transient=True,
+            disable=not enabled,
+        )
+        self.task = self.progress.add_task("serve", total=total, tok_s=0.0)
+        self.tokens = 0
+        self.seen_steps = 0
+
+    def __enter__(self) -> ProgressBar:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, engine: Engine, elapsed: float) -> None:
+        if not self.enabled:
+            return
+        steps = engine.metrics.steps
+        self.tokens += sum(s.sampled_tokens for s in steps[self.seen_steps :])
+        self.seen_steps = len(steps)
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        self.progress.update(self.task, completed=len(engine.metrics.requests), tok_s=rate)
+
+
+def run_config(config: Mapping) -> RunResult:
+    """Builds the engine of `config`, serves its workload, returns the records."""
     config = dict(config)
-    workload = config.pop("workload")
+    workload = config.pop("workload", None)
+    if workload is None:
+        raise ConfigError("the config has no workload node; pick one with workload=NAME")
+    options = run_options(config.pop("run", None))
+    report_options(config.pop("report", None))  # checked now, used by servelab-report
     engine = build_engine(config)
-    requests = make_workload(workload, engine.model_config.vocab_size)
-    return run_workload(engine, requests)
+    requests = make_workload(workload, engine.model_config.vocab_size, engine.max_model_len)
+    if options["warmup"]:
+        warm_up(engine)
+    summary = serve(engine, requests, bool(options["progress"]), float(options["idle_sleep"]))
+    return RunResult(engine, summary, list(engine.metrics.requests), list(engine.metrics.steps))
 
 
-def print_summary(summary: dict, title: str = "servelab run") -> None:
+# -- outputs
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN; a missing figure reads as null
+    return value
+
+
+def save_run(folder: str | Path, result: RunResult, config: Mapping, meta: Mapping) -> None:
+    """Writes `results.json` (config, meta, summary), `requests.csv`, `steps.csv`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    results = {
+        "config": config,
+        **meta,
+        "summary": {k: _jsonable(v) for k, v in result.summary.items()},
+    }
+    (folder / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_csv(folder / "requests.csv", [r.csv_row() for r in result.requests])
+    write_csv(folder / "steps.csv", [s.row() for s in result.steps])
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+SUMMARY_SECTIONS = {
+    "throughput": ("requests", "wall_time_s", "request_throughput", "output_tok_s", "total_tok_s"),
+    "latency (ms)": (
+        "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "itl_p50_ms", "itl_p99_ms",
+        "e2e_p50_ms", "longest_stall_ms",
+    ),
+    "memory": (
+        "kv_util_pct", "reservation_waste_pct", "peak_seqs", "prefix_hit_rate",
+        "preemptions", "recomputed_tokens", "swapped_out_bytes",
+    ),
+    "batching": ("steps", "step_ms_mean", "padding_waste_pct", "idle_slot_pct", "prefill_tokens"),
+}  # fmt: skip
+
+
+def print_summary(
+    summary: dict, title: str = "servelab run", console: Console | None = None
+) -> None:
     table = Table(title=title)
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    Console().print(table)
+    for section, keys in SUMMARY_SECTIONS.items():
+        table.add_section()
+        table.add_row(f"[bold]{section}", "")
+        for key in keys:
+            value = summary.get(key)
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    (console or Console()).print(table)

@@ -74,6 +74,11 @@ class BaseScheduler(Scheduler):
 
     # -- queues
     def add(self, group: SequenceGroup) -> None:
+        if group.params.n > self.max_num_seqs:
+            raise RequestError(
+                f"request {group.request_id!r} asks for n={group.params.n} samples but "
+                f"max_num_seqs={self.max_num_seqs} sequences can run at once"
+            )
         if self.admission == "reserve":
             need = self.worst_case_blocks(group)
             if need > self.allocator.num_blocks:
@@ -199,13 +204,17 @@ class BaseScheduler(Scheduler):
             if sum(self.reserved_blocks.values()) + need > self.allocator.num_blocks:
                 return None
         starts = [max(s.num_computed_tokens, self.allocator.match_prefix(s)) for s in seqs]
+        if not plan.scheduled:
+            # first in the step: a recomputing group of n samples may exceed the
+            # budget on its own, and would otherwise never be admitted
+            budget = max(budget, sum(s.num_tokens - st for s, st in zip(seqs, starts)))
         counts = []
         for seq, start in zip(seqs, starts):
             counts.append(self.tokens_for(seq, start, budget - sum(counts)))
         if 0 in counts:
             return None
         if not self.allocate_fresh(seqs, [s + c for s, c in zip(starts, counts)]):
-            if not self.running and not plan.scheduled:
+            if self.allocator.num_free_blocks == self.allocator.num_blocks:
                 for seq in seqs:  # an empty cache cannot hold it: it can never run
                     self.finish(seq, FinishReason.CACHE_FULL)
                 self.waiting.remove(group)

@@ -8,38 +8,24 @@ transformers' full forward over the same prefix within 1e-9.
 transformers computes RMSNorm and RoPE in float32 even for a float64 model;
 servelab keeps a float64 model in float64. So the HF reference gets exact
 float64 norms and RoPE (frequencies from an independent scalar formula) patched
-in; everything else — projections, biases, q/k norms, GQA, SDPA, MLP, the LM
-head — is transformers' own code.
+in by `servelab.testing.hf_reference`; everything else — projections, biases,
+q/k norms, GQA, SDPA, MLP, the LM head — is transformers' own code.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import types
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from servelab.model.config import ModelConfig
 from servelab.model.loader import load_model
 from servelab.model.transformer import rope_inv_freq
+from servelab.testing.hf_reference import HF_CLASSES, make_hf_exact_float64, reference_inv_freq
 from tests.helpers_model import PagedDriver
 
 TOL = 1e-9
-HF_CLASSES = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "llama": (LlamaConfig, LlamaForCausalLM),
-}
 LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -48,46 +34,6 @@ LLAMA3_SCALING = {
     # small so that, with head_dim 8, all three llama3 branches are taken
     "original_max_position_embeddings": 64,
 }
-
-
-# -- an independent float64 RoPE: Meta's scalar llama3 formula, plain Python math
-def reference_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> list[float]:
-    freqs = [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)]
-    if scaling is None:
-        return freqs
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_len / high:
-            out.append(freq)
-        elif wavelen > old_len / low:
-            out.append(freq / factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            out.append((1 - smooth) * freq / factor + smooth * freq)
-    return out
-
-
-def _rmsnorm_float64(self, x):
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def _rope_float64(self, x, position_ids):
-    freqs = position_ids[..., None].to(torch.float64) * self.exact_inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-def make_hf_exact_float64(hf_model, inv_freq: list[float]) -> None:
-    for module in hf_model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(_rmsnorm_float64, module)
-    rotary = hf_model.model.rotary_emb
-    rotary.exact_inv_freq = torch.tensor(inv_freq, dtype=torch.float64)
-    rotary.forward = types.MethodType(_rope_float64, rotary)
 
 
 def build_hf_model(arch: str, tied: bool, rope_scaling: dict | None = None, seed: int = 0):

@@ -2,11 +2,22 @@
 forms only when none runs; a finished sequence keeps its slot, idle, until the
 whole batch ends, and its output is returned then. Idle slot-steps are counted
 per step. (Its KV blocks are freed at once: holding them would only let a
-preempted batch member deadlock behind its idle neighbours.)"""
+preempted batch member deadlock behind its idle neighbours.)
+
+Online arrivals (the seeds' "enough requests or a timeout" batcher): when no
+batch runs, a new one forms once `batch_size` requests wait, or once
+`batch_timeout` seconds have passed since the oldest waiting request arrived;
+it takes at most `batch_size` requests (and `max_num_seqs` sequences).
+`batch_size: null` means `max_num_seqs`; `batch_timeout: 0` forms a batch from
+whatever waits at once. Waiting time is measured from `add()` on the
+scheduler's `clock` (a class attribute, `time.perf_counter`; a test replaces it)."""
 
 from __future__ import annotations
 
+import time
+
 from servelab.batch import StepPlan
+from servelab.errors import ConfigError
 from servelab.hookspecs import hookimpl
 from servelab.scheduler_base import BaseScheduler
 from servelab.sequence import Sequence, SequenceGroup
@@ -15,13 +26,49 @@ from servelab.sequence import Sequence, SequenceGroup
 class StaticScheduler(BaseScheduler):
     description = "request-level batching: a new batch only when the whole previous one is done"
 
-    def __init__(self, *args, **kwargs) -> None:
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(
+        self, *args, batch_size: int | None = None, batch_timeout: float = 0.0, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
+        if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ConfigError(
+                f"static scheduler: batch_size must be null or an integer >= 1, got {batch_size!r}"
+            )
+        if not (isinstance(batch_timeout, (int, float)) and batch_timeout >= 0):
+            raise ConfigError(
+                f"static scheduler: batch_timeout must be >= 0 seconds, got {batch_timeout!r}"
+            )
+        self.batch_size = batch_size or self.max_num_seqs
+        self.batch_timeout = float(batch_timeout)
         self.batch: list[SequenceGroup] = []  # the current batch, finished members included
+        self.added_at: dict[str, float] = {}  # request id -> clock() when it was added
+
+    def add(self, group: SequenceGroup) -> None:
+        super().add(group)
+        self.added_at[group.request_id] = self.clock()
+
+    def batch_ready(self) -> bool:
+        """Enough requests wait, or the oldest of them has waited long enough."""
+        if len(self.waiting) >= self.batch_size:
+            return True
+        oldest = min(self.added_at.get(g.request_id, 0.0) for g in self.waiting)
+        return self.clock() - oldest >= self.batch_timeout
 
     def admit(self, plan: StepPlan, budget: int) -> int:
         if not self.batch:
-            budget = super().admit(plan, budget)
+            if not self.waiting or not self.batch_ready():
+                return budget
+            while self.waiting and len(self.running) < self.batch_size:
+                group = self.waiting[0]
+                used = self.try_admit(group, plan, budget)
+                if used is None:
+                    break
+                if self.waiting and self.waiting[0] is group:
+                    self.waiting.pop(0)
+                self.added_at.pop(group.request_id, None)
+                budget -= used
             self.batch = list(self.running)
             return budget
         # a running batch admits nobody new, only its own preempted members
@@ -56,6 +103,7 @@ class StaticScheduler(BaseScheduler):
 
     def abort(self, request_id: str) -> list[Sequence]:
         aborted = super().abort(request_id)
+        self.added_at.pop(request_id, None)
         self.batch = [g for g in self.batch if g.request_id != request_id]
         return aborted
 

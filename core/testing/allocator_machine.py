@@ -1,0 +1,218 @@
+"""A stateful property test for any `KVAllocator`, alone (no engine, no torch).
+
+A shadow KV store follows the allocator's block tables and copies: every
+"computed" token is written into its slot, copies are replayed, and after each
+action every sequence's computed tokens must read back from its own blocks.
+That catches a missed copy-on-write, a prefix-cache hit on wrong content, a
+swap that loses a block, and a leaked or double-freed block
+(`check_integrity()`, and every block free once every sequence is freed).
+
+    run_allocator_machine(PagedAllocator, {"block_size": 4})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelab.sequence import SamplingParams, Sequence
+from servelab.testing.deps import require
+
+hypothesis = require("hypothesis", "the allocator state machine")
+st = require("hypothesis.strategies", "the allocator state machine")
+stateful = require("hypothesis.stateful", "the allocator state machine")
+precondition, rule, invariant = stateful.precondition, stateful.rule, stateful.invariant
+
+MAX_MODEL_LEN = 32
+SMALL_CAPACITY = 40  # tokens: a few blocks, so allocation and swapping run out of room
+MIN_BLOCKS = 3  # fewer blocks than this at SMALL_CAPACITY: size from max_model_len instead
+# prompts drawn from a few shared prefixes so the prefix cache gets hits
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5]]
+
+
+def build_allocator(cls: type, options: dict[str, Any], capacity: int | None = None) -> Any:
+    """`cls(**options)` with equal device and host capacity (tokens): `capacity`,
+    or `SMALL_CAPACITY` unless that leaves fewer than `MIN_BLOCKS` blocks (a
+    large-block allocator, e.g. one `max_model_len` slot per sequence), then
+    three sequences' worth."""
+
+    def make(tokens: int) -> Any:
+        return cls(
+            token_capacity=tokens,
+            host_token_capacity=tokens,
+            max_model_len=MAX_MODEL_LEN,
+            **options,
+        )
+
+    if capacity is not None:
+        return make(capacity)
+    try:
+        allocator = make(SMALL_CAPACITY)
+    except Exception:  # e.g. ConfigError: smaller than one max_model_len sequence
+        allocator = None
+    if allocator is None or allocator.num_blocks < MIN_BLOCKS:
+        allocator = make(3 * MAX_MODEL_LEN)
+    return allocator
+
+
+class AllocatorMachine(stateful.RuleBasedStateMachine):
+    """Subclassed per allocator by `machine_for` (class attributes `cls`, `options`, `capacity`)."""
+
+    cls: type
+    options: dict = {}
+    capacity: int | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = build_allocator(self.cls, self.options, self.capacity)
+        bs = self.alloc.block_size
+        self.device = {b: [None] * bs for b in range(self.alloc.num_blocks)}
+        self.host = {b: [None] * bs for b in range(getattr(self.alloc, "num_host_blocks", 0))}
+        self.on_device: list[Sequence] = []
+        self.on_host: list[list[Sequence]] = []
+
+    # -- shadow KV
+    def replay(self) -> None:
+        copies = self.alloc.take_copies()
+        for dev, host in copies.swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in copies.swap_in:
+            self.device[dev] = list(self.host[host])
+        for src, dst in copies.copy:
+            self.device[dst] = list(self.device[src])
+
+    def compute(self, seq: Sequence, upto: int) -> None:
+        bs = self.alloc.block_size
+        table = self.alloc.block_table(seq)
+        for p in range(seq.num_computed_tokens, upto):
+            self.device[table[p // bs]][p % bs] = seq.token_ids[p]
+        seq.num_computed_tokens = upto
+        self.alloc.commit(seq)
+
+    def grow(self, seq: Sequence, upto: int) -> bool:
+        if not self.alloc.can_allocate(seq, upto):
+            return False
+        cached = self.alloc.allocate(seq, upto)
+        seq.num_computed_tokens = max(seq.num_computed_tokens, cached)
+        self.replay()
+        self.compute(seq, upto)
+        return True
+
+    # -- actions
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), max_size=6))
+    def admit(self, prefix, tail):
+        seq = Sequence("r", prefix + tail, SamplingParams())
+        if self.grow(seq, seq.num_tokens):
+            self.on_device.append(seq)
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def append(self, data, extra):
+        seq = data.draw(st.sampled_from(self.on_device))
+        if seq.num_tokens + len(extra) > MAX_MODEL_LEN:
+            return
+        seq.token_ids += extra
+        if not self.grow(seq, seq.num_tokens):
+            del seq.token_ids[-len(extra) :]
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.on_device))
+        child = parent.fork(1, parent.params)
+        self.alloc.fork(parent, child)
+        self.on_device.append(child)
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.on_device))
+        self.on_device.remove(seq)
+        self.alloc.free(seq)
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        group = data.draw(
+            st.lists(st.sampled_from(self.on_device), min_size=1, max_size=2, unique=True)
+        )
+        if self.alloc.can_swap_out(group):
+            self.alloc.swap_out(group)
+            self.replay()
+            for seq in group:
+                self.on_device.remove(seq)
+            self.on_host.append(group)
+
+    @precondition(lambda self: self.on_host)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        group = data.draw(st.sampled_from(self.on_host))
+        if self.alloc.can_swap_in(group):
+            self.alloc.swap_in(group)
+            self.replay()
+            self.on_host.remove(group)
+            self.on_device.extend(group)
+
+    @precondition(lambda self: self.on_host)
+    @rule(data=st.data())
+    def abort_swapped(self, data):
+        group = data.draw(st.sampled_from(self.on_host))
+        self.on_host.remove(group)
+        for seq in group:
+            self.alloc.free(seq)
+
+    # -- invariants
+    @invariant()
+    def integrity(self):
+        self.alloc.check_integrity()
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        bs = self.alloc.block_size
+        for seq in self.on_device:
+            table = self.alloc.block_table(seq)
+            stored = [self.device[table[p // bs]][p % bs] for p in range(seq.num_computed_tokens)]
+            assert stored == seq.token_ids[: seq.num_computed_tokens], f"{seq} reads wrong K/V"
+
+    def teardown(self):
+        for group in self.on_host:
+            for seq in group:
+                self.alloc.free(seq)
+        for seq in self.on_device:
+            self.alloc.free(seq)
+        self.alloc.check_integrity()
+        usage = self.alloc.usage()
+        held = self.alloc.num_blocks - usage["blocks_free"]
+        assert held == 0, f"{held} device blocks leaked after every sequence was freed"
+        host_held = getattr(self.alloc, "num_host_blocks", 0) - usage["host_blocks_free"]
+        assert host_held == 0, f"{host_held} host blocks leaked after every sequence was freed"
+
+
+def machine_for(
+    cls: type, options: dict[str, Any] | None = None, capacity: int | None = None
+) -> type[AllocatorMachine]:
+    """An `AllocatorMachine` subclass bound to one allocator class and its options."""
+    return type(
+        f"{cls.__name__}Machine",
+        (AllocatorMachine,),
+        {"cls": cls, "options": dict(options or {}), "capacity": capacity},
+    )
+
+
+def run_allocator_machine(
+    cls: type,
+    options: dict[str, Any] | None = None,
+    *,
+    capacity: int | None = None,
+    max_examples: int = 60,
+    steps: int = 30,
+) -> None:
+    """Runs the state machine on `cls(**options)`; hypothesis raises (with the
+    shrunk sequence of actions) on the first broken property."""
+    machine = machine_for(cls, options, capacity)
+    settings = hypothesis.settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    stateful.run_state_machine_as_test(machine, settings=settings)

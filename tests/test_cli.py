@@ -1,0 +1,115 @@
+"""The `servelab` command: one run writes results.json / requests.csv /
+steps.csv and prints its summary; a typo exits 2 naming the accepted keys;
+`hydra/launcher=joblib` runs a sweep in parallel; options a plugin registers
+through `servelab_register_configs` work on the command line;
+`servelab-report` runs as a console script."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from servelab.build import build_engine
+from servelab.runner import serve
+from servelab.workload import make_workload
+
+BIN = Path(sys.executable).parent
+SMALL = ["workload.scale=0.05", "run.progress=false", "engine.num_threads=1"]
+
+
+def servelab(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
+    command = [str(BIN / "servelab"), *args]
+    if script is not None:
+        command = [sys.executable, "-c", script, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_one_run_writes_its_results_and_prints_the_summary(tmp_path):
+    done = servelab(
+        "scheduler=chunked", "scheduler.chunk_size=4", f"hydra.run.dir={tmp_path}", *SMALL
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "output_tok_s" in done.stdout and "scheduler=chunked" in done.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["scheduler"] == {
+        "name": "chunked",
+        "admission": "on_demand",
+        "chunk_size": 4,
+    }
+    assert "scheduler.chunk_size=4" in results["overrides"]
+    assert results["choices"]["scheduler"] == "chunked"
+    summary = results["summary"]
+    assert summary["requests"] == 8 and summary["finished_pct"] == 100
+    with open(tmp_path / "requests.csv", newline="") as handle:
+        requests = list(csv.DictReader(handle))
+    with open(tmp_path / "steps.csv", newline="") as handle:
+        steps = list(csv.DictReader(handle))
+    assert len(requests) == 8 and len(steps) == summary["steps"]
+    assert sum(int(r["output_tokens"]) for r in requests) == summary["output_tokens"]
+    for row in requests:
+        assert len(json.loads(row["token_times"])) == len(json.loads(row["token_steps"]))
+
+
+def test_a_misspelt_option_exits_2_and_lists_the_accepted_keys(tmp_path):
+    done = servelab(
+        "scheduler=chunked", "+scheduler.chunk_sise=4", f"hydra.run.dir={tmp_path}", *SMALL
+    )
+    assert done.returncode == 2
+    assert "servelab: error: unknown option 'chunk_sise'" in done.stderr
+    assert "chunk_size" in done.stderr and "admission" in done.stderr
+    done = servelab("+workload.repet=2", f"hydra.run.dir={tmp_path}", *SMALL)
+    assert done.returncode == 2 and "'repet'" in done.stderr and "repeat" in done.stderr
+
+
+def test_joblib_launcher_runs_a_sweep_and_the_report_reads_it(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = servelab(
+        "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "scheduler=static,continuous",
+        f"hydra.sweep.dir={sweep}", *SMALL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.parent.name for p in sweep.glob("*/results.json")) == ["0", "1"]
+    report = subprocess.run(
+        [str(BIN / "servelab-report"), str(sweep)], capture_output=True, text=True, timeout=120
+    )
+    assert report.returncode == 0, report.stderr[-2000:]
+    with open(sweep / "summary.csv", newline="") as handle:
+        assert sorted(row["scheduler"] for row in csv.DictReader(handle)) == [
+            "continuous",
+            "static",
+        ]
+
+
+def test_a_plugin_registered_config_option_works_on_the_command_line(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys
+        from servelab import hookimpl
+        from servelab.plugin_manager import get_plugin_manager
+
+        class AddsConfigs:
+            @hookimpl
+            def servelab_register_configs(self, store):
+                node = {"name": "continuous", "admission": "reserve"}
+                store.store(group="scheduler", name="reserving", node=node)
+
+        get_plugin_manager().register(AddsConfigs(), name="adds-configs")
+        sys.argv[0] = "servelab"
+        from servelab.cli import main
+        main()
+        """
+    )
+    done = servelab("scheduler=reserving", f"hydra.run.dir={tmp_path}", *SMALL, script=script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["scheduler"] == {"name": "continuous", "admission": "reserve"}
+
+
+def test_the_progress_bar_runs_without_a_terminal():
+    engine = build_engine({"model": "tiny", "engine": {"num_threads": 1}})
+    requests = make_workload({"name": "seeds", "scale": 0.05}, engine.model_config.vocab_size)
+    assert serve(engine, requests, progress=True)["requests"] == 8

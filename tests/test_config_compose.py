@@ -1,0 +1,208 @@
+"""Every config in conf/ composes with Hydra's compose API, and every valid
+combination builds an engine (without running it). Every option of every
+built-in part is in its YAML file, so it can be set on the command line; a
+misspelt option is an error that lists the accepted ones."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+import servelab.conf
+from servelab.build import build_engine
+from servelab.errors import ConfigError
+from servelab.model.config import ModelConfig
+from servelab.model.transformer import Transformer
+from servelab.options import describe_options
+from servelab.plugin_manager import get_plugin_manager, lookup
+from servelab.report import report_options
+from servelab.runner import RUNNER_NODES, run_options
+from servelab.workload import make_workload
+
+CONF = Path(servelab.conf.__file__).parent
+COMPONENTS = ("scheduler", "allocator", "preemption", "attention")
+SMALL_KV = ["engine.kv_cache_memory=8MiB", "engine.swap_space=1MiB"]  # fast to allocate
+BIG_MODELS = {"qwen3-0.6b"}  # random init of 0.6B parameters: built only when SERVELAB_SLOW=1
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_context():
+    with initialize_config_module(config_module="servelab.conf", version_base="1.3"):
+        yield
+
+
+def compose_plain(overrides: list[str]) -> dict:
+    cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def engine_config(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in RUNNER_NODES}
+
+
+def test_every_group_has_options_and_the_defaults_list_is_kept():
+    groups = {"model", "scheduler", "allocator", "preemption", "attention", "workload", "device"}
+    for group in groups | {"experiment"}:
+        assert options(group), group
+    config = compose_plain([])
+    assert groups - {"device"} <= set(config) and {"engine", "run", "report"} <= set(config)
+    assert options("model") == ["bench", "qwen3-0.6b", "tiny", "tiny-llama", "tiny-qwen2"]
+    assert options("device") == ["cpu", "cuda"]
+
+
+@pytest.mark.parametrize(
+    ("group", "option"),
+    [(g, o) for g in ("model", *COMPONENTS, "workload", "device") for o in options(g)],
+)
+def test_every_option_composes(group, option):
+    config = compose_plain([f"{group}={option}"])
+    if group == "device":
+        assert config["engine"]["device"] == option
+    elif group in COMPONENTS or group == "model":
+        assert config[group]["name"] == option
+    else:
+        assert config["workload"]["name"] in ("seeds", "synthetic", "interference", "trace")
+
+
+@pytest.mark.parametrize("combo", list(itertools.product(*(options(c) for c in COMPONENTS))))
+def test_every_component_combination_builds(combo):
+    overrides = [f"{group}={option}" for group, option in zip(COMPONENTS, combo)]
+    config = compose_plain(overrides + SMALL_KV)
+    engine = build_engine(engine_config(config))
+    for group, option in zip(COMPONENTS, combo):
+        assert engine.config[group]["name"] == option
+    assert engine.scheduler.max_num_seqs == config["engine"]["max_num_seqs"]
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_every_model_builds(model):
+    if model in BIG_MODELS and not os.environ.get("SERVELAB_SLOW"):
+        pytest.skip("random init of a 0.6B model takes ~15 s; set SERVELAB_SLOW=1")
+    kv = ["engine.kv_cache_memory=512MiB"] if model in BIG_MODELS else SMALL_KV
+    config = compose_plain([f"model={model}", *kv])
+    engine = build_engine(engine_config(config))
+    assert engine.model_config.vocab_size > 0
+
+
+def test_model_path_loads_a_checkpoint_folder(tmp_path):
+    hf = dict(
+        model_type="llama", vocab_size=48, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
+    )  # fmt: skip
+    model = Transformer(ModelConfig.from_hf_dict(hf), torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    tensors = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = compose_plain([f"model.path={tmp_path}", "engine.max_model_len=256", *SMALL_KV])
+    engine = build_engine(engine_config(config))
+    assert engine.model_config.vocab_size == 48
+
+
+@pytest.mark.parametrize("device", options("device"))
+def test_devices(device):
+    config = engine_config(compose_plain([f"device={device}", *SMALL_KV]))
+    if device == "cuda" and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            build_engine(config)
+        return
+    assert build_engine(config).device.type == device
+
+
+@pytest.mark.parametrize("workload", options("workload"))
+def test_every_workload_makes_requests(workload, tmp_path):
+    overrides = [f"workload={workload}"]
+    if workload == "trace":
+        trace = tmp_path / "t.jsonl"
+        trace.write_text('{"prompt_len": 4, "output_len": 2}\n{"prompt_len": 6, "output_len": 3}\n')
+        overrides.append(f"workload.path={trace}")
+    config = compose_plain(overrides)
+    requests = make_workload(config["workload"], vocab_size=512, max_model_len=1024)
+    assert requests and all(r.prompt_token_ids and r.params.max_tokens >= 1 for r in requests)
+
+
+def sweep_jobs(preset: str) -> list[list[str]]:
+    """The override lists of a preset's multirun (the product of its sweeper params)."""
+    cfg = compose(
+        config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True
+    )
+    params = cfg.hydra.sweeper.params
+    params = OmegaConf.to_container(params) if params is not None else {}
+    axes = [
+        [f"{key}={value.strip()}" for value in str(values).split(",")]
+        for key, values in params.items()
+    ]
+    return [list(job) for job in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize("preset", options("experiment"))
+def test_every_preset_job_composes_and_builds(preset):
+    jobs = sweep_jobs(preset)
+    if preset == "reference":
+        assert jobs == [[]]  # one run, not a sweep
+    else:
+        assert len(jobs) >= 2, f"{preset} is a multirun preset"
+    for job in jobs:
+        config = compose_plain([f"experiment={preset}", *job])
+        if config["model"]["name"] in BIG_MODELS and not os.environ.get("SERVELAB_SLOW"):
+            continue
+        engine = build_engine(engine_config(config))
+        requests = make_workload(
+            config["workload"], engine.model_config.vocab_size, engine.max_model_len
+        )
+        assert requests
+        assert config["report"]["title"] or preset == "reference"
+
+
+def test_reference_preset_is_the_benchmark_workload():
+    config = compose_plain(["experiment=reference"])
+    assert config["model"]["name"] == "bench" and config["engine"]["num_threads"] == 2
+    requests = make_workload(config["workload"], vocab_size=1024)
+    assert len(requests) == 64 and all(r.arrival_time == 0 for r in requests)
+    assert all(32 <= len(r.prompt_token_ids) <= 256 for r in requests)
+    assert all(16 <= r.params.max_tokens <= 256 for r in requests)
+    assert all(r.params.greedy and r.params.ignore_eos for r in requests)
+
+
+@pytest.mark.parametrize("kind", COMPONENTS)
+def test_every_builtin_option_is_in_its_yaml(kind):
+    get_plugin_manager()
+    for path in (CONF / kind).glob("*.yaml"):
+        node = yaml.safe_load(path.read_text())
+        cls = lookup(kind, node["name"])
+        assert set(node) - {"name"} == set(describe_options(cls, kind)), path.name
+
+
+def test_a_misspelt_option_is_an_error_listing_the_accepted_ones():
+    # without `+`, Hydra itself refuses a key the config does not have
+    with pytest.raises(ConfigCompositionException):
+        compose_plain(["scheduler=chunked", "scheduler.chunk_sise=8"])
+    # with `+`, it reaches build_engine, which lists the accepted options
+    config = compose_plain(["scheduler=chunked", "+scheduler.chunk_sise=8"])
+    with pytest.raises(ConfigError) as err:
+        build_engine(engine_config(config))
+    assert "'chunk_sise'" in str(err.value) and "chunk_size" in str(err.value)
+    config = compose_plain(["+workload.num_request=3"])
+    with pytest.raises(ConfigError, match="accepted: seed, repeat, scale"):
+        make_workload(config["workload"], vocab_size=512)
+    with pytest.raises(ConfigError, match="accepted: idle_sleep, progress, warmup"):
+        run_options({"progres": False})
+    with pytest.raises(ConfigError, match="accepted: title, sort, figures, claims"):
+        report_options({"claim": []})
+    config = compose_plain(["+engine.max_num_seq=3"])
+    with pytest.raises(ConfigError, match="unknown engine option 'max_num_seq'"):
+        build_engine(engine_config(config))

@@ -113,3 +113,13 @@ def test_the_progress_bar_runs_without_a_terminal():
     engine = build_engine({"model": "tiny", "engine": {"num_threads": 1}})
     requests = make_workload({"name": "seeds", "scale": 0.05}, engine.model_config.vocab_size)
     assert serve(engine, requests, progress=True)["requests"] == 8
+
+
+def test_the_readme_commands_run(tmp_path):
+    # the quick start's default run, and the classic baseline from the README
+    for args in ([], ["scheduler=static", "allocator=contiguous", "attention=padded"]):
+        done = servelab(*args, f"hydra.run.dir={tmp_path / str(len(args))}", "run.progress=false")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "output_tok_s" in done.stdout
+        results = json.loads((tmp_path / str(len(args)) / "results.json").read_text())
+        assert results["summary"]["finished_pct"] == 100

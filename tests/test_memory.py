@@ -58,7 +58,7 @@ def run_checked(llm: LLM, requests, abort_at: dict[int, int] | None = None, reje
     return finished, aborted, eng
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_engine():
     return tiny(kv_cache_memory=4096 * KIB, max_num_seqs=4)
 
@@ -95,12 +95,17 @@ def requests(draw):
 def test_nothing_lost_under_memory_pressure(policy, admission):
     preemptions = []
 
-    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(
+        max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+    )
     @given(
         reqs=requests(),
         scheduler=st.sampled_from(["continuous", "chunked", "static"]),
         allocator=st.sampled_from(
-            [{"name": "paged", "block_size": 4}, {"name": "paged", "block_size": 4, "prefix_caching": True}]
+            [
+                {"name": "paged", "block_size": 4},
+                {"name": "paged", "block_size": 4, "prefix_caching": True},
+            ]
         ),
         budget=st.integers(MAX_MODEL_LEN, 80),
         abort=st.dictionaries(st.integers(0, 6), st.integers(0, 12), max_size=2),
@@ -145,26 +150,48 @@ def test_nothing_lost_under_memory_pressure(policy, admission):
 
 
 def test_swap_really_swaps_and_recompute_really_recomputes():
-    reqs = [([20 + i] * 30, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), 0) for i in range(4)]
+    reqs = [
+        ([20 + i] * 30, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), 0)
+        for i in range(4)
+    ]
     for policy, key in (("swap", "preemptions_swap"), ("recompute", "preemptions_recompute")):
-        llm = tiny(preemption=policy, kv_cache_memory=96 * KIB, allocator={"name": "paged", "block_size": 4})
+        llm = tiny(
+            preemption=policy,
+            kv_cache_memory=96 * KIB,
+            allocator={"name": "paged", "block_size": 4},
+        )
         finished, _, eng = run_checked(llm, reqs)
         assert eng.scheduler.stats()[key] > 0
         for i, (prompt, params, _) in enumerate(reqs):
             assert finished[f"r{i}"].token_ids == alone(tuple(prompt), params)[0]
     assert eng.kv_cache.bytes_swapped_out == 0
-    swap_llm = tiny(preemption="swap", kv_cache_memory=96 * KIB, allocator={"name": "paged", "block_size": 4})
+    swap_llm = tiny(
+        preemption="swap", kv_cache_memory=96 * KIB, allocator={"name": "paged", "block_size": 4}
+    )
     _, _, eng = run_checked(swap_llm, reqs)
-    assert eng.kv_cache.bytes_swapped_out > 0 and eng.kv_cache.bytes_swapped_in == eng.kv_cache.bytes_swapped_out
+    assert (
+        eng.kv_cache.bytes_swapped_out > 0
+        and eng.kv_cache.bytes_swapped_in == eng.kv_cache.bytes_swapped_out
+    )
 
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full():
-    reqs = [([30 + i] * 30, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), 0) for i in range(4)]
-    llm = tiny(preemption="swap", kv_cache_memory=96 * KIB, swap_space=0, allocator={"name": "paged", "block_size": 4})
+    reqs = [
+        ([30 + i] * 30, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), 0)
+        for i in range(4)
+    ]
+    llm = tiny(
+        preemption="swap",
+        kv_cache_memory=96 * KIB,
+        swap_space=0,
+        allocator={"name": "paged", "block_size": 4},
+    )
     finished, _, eng = run_checked(llm, reqs)
     stats = eng.scheduler.stats()
     assert stats["preemptions_swap"] == 0 and stats["preemptions_recompute"] > 0
-    assert all(finished[f"r{i}"].token_ids == alone(tuple(p), sp)[0] for i, (p, sp, _) in enumerate(reqs))
+    assert all(
+        finished[f"r{i}"].token_ids == alone(tuple(p), sp)[0] for i, (p, sp, _) in enumerate(reqs)
+    )
 
 
 def test_lowest_priority_latest_arrival_is_the_victim():
@@ -172,16 +199,21 @@ def test_lowest_priority_latest_arrival_is_the_victim():
     from servelab.sequence import Sequence
 
     policy = lookup("preemption", "recompute")()
-    seqs = [Sequence(f"r{i}", [1], SamplingParams(), arrival_time=t, priority=p) for i, (t, p) in
-            enumerate([(0.0, 0), (1.0, 0), (2.0, 0), (0.5, 1)])]
+    seqs = [
+        Sequence(f"r{i}", [1], SamplingParams(), arrival_time=t, priority=p)
+        for i, (t, p) in enumerate([(0.0, 0), (1.0, 0), (2.0, 0), (0.5, 1)])
+    ]
     assert policy.select_victim([[s] for s in seqs])[0].request_id == "r3"  # lowest priority
     assert policy.select_victim([[s] for s in seqs[:3]])[0].request_id == "r2"  # latest arrival
 
 
 # -- a request that can never fit
 def test_never_fitting_request_rejected_under_reserve_with_numbers():
-    llm = tiny(scheduler={"name": "continuous", "admission": "reserve"}, kv_cache_memory=128 * KIB,
-               allocator={"name": "paged", "block_size": 4})
+    llm = tiny(
+        scheduler={"name": "continuous", "admission": "reserve"},
+        kv_cache_memory=128 * KIB,
+        allocator={"name": "paged", "block_size": 4},
+    )
     big = SamplingParams(temperature=0.0, max_tokens=34, n=4, ignore_eos=True)
     with pytest.raises(RequestError, match=r"can never fit.*n=4.*needs 64 KV blocks.*has 32"):
         llm.engine.add_request([5] * 30, big)
@@ -204,7 +236,35 @@ def test_parallel_greedy_samples_equal_single_greedy_and_copy_on_write(allocator
     kv = 4096 * KIB
     llm = tiny(allocator=allocator, kv_cache_memory=kv)
     params = SamplingParams(temperature=0.0, max_tokens=9, n=3, ignore_eos=True)
-    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37]
+    prompt = [
+        11,
+        12,
+        13,
+        14,
+        15,
+        16,
+        17,
+        18,
+        19,
+        20,
+        21,
+        22,
+        23,
+        24,
+        25,
+        26,
+        27,
+        28,
+        29,
+        30,
+        31,
+        32,
+        33,
+        34,
+        35,
+        36,
+        37,
+    ]
     finished, _, eng = run_checked(llm, [(prompt, params, 0)])
     single = alone(tuple(prompt), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))[0]
     assert [c.token_ids for c in finished["r0"].outputs] == [single] * 3
@@ -223,15 +283,26 @@ def test_seeded_parallel_samples_differ_and_are_reproducible():
 # -- prefix caching
 def test_prefix_cache_serves_shared_prompts_and_changes_nothing():
     system = list(range(40, 72))  # 32 shared tokens
-    reqs = [(system + [100 + i, 101 + i, 102 + i], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), 0)
-            for i in range(5)]
-    plain, _, plain_eng = run_checked(tiny(allocator={"name": "paged", "block_size": 4}, max_num_seqs=1), reqs)
+    reqs = [
+        (
+            system + [100 + i, 101 + i, 102 + i],
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+            0,
+        )
+        for i in range(5)
+    ]
+    plain, _, plain_eng = run_checked(
+        tiny(allocator={"name": "paged", "block_size": 4}, max_num_seqs=1), reqs
+    )
     cached, _, eng = run_checked(
-        tiny(allocator={"name": "paged", "block_size": 4, "prefix_caching": True}, max_num_seqs=1), reqs
+        tiny(allocator={"name": "paged", "block_size": 4, "prefix_caching": True}, max_num_seqs=1),
+        reqs,
     )
     assert {k: v.token_ids for k, v in plain.items()} == {k: v.token_ids for k, v in cached.items()}
     usage = eng.allocator.usage()
-    assert usage["prefix_hit_tokens"] == 4 * 32  # every request after the first reuses 8 full blocks
+    assert (
+        usage["prefix_hit_tokens"] == 4 * 32
+    )  # every request after the first reuses 8 full blocks
     prefill = sum(s.prefill_tokens for s in eng.metrics.steps)
     plain_prefill = sum(s.prefill_tokens for s in plain_eng.metrics.steps)
     assert plain_prefill - prefill == 4 * 32
@@ -239,9 +310,13 @@ def test_prefix_cache_serves_shared_prompts_and_changes_nothing():
 
 def test_hash_collisions_are_caught_by_the_token_check(monkeypatch):
     monkeypatch.setattr(PagedAllocator, "_chain_hash", lambda self, parent, tokens: 7)
-    reqs = [([60 + i] * 12 + [i], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 0) for i in range(3)]
+    reqs = [
+        ([60 + i] * 12 + [i], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 0)
+        for i in range(3)
+    ]
     finished, _, eng = run_checked(
-        tiny(allocator={"name": "paged", "block_size": 4, "prefix_caching": True}, max_num_seqs=1), reqs
+        tiny(allocator={"name": "paged", "block_size": 4, "prefix_caching": True}, max_num_seqs=1),
+        reqs,
     )
     for i, (p, sp, _) in enumerate(reqs):
         assert finished[f"r{i}"].token_ids == alone(tuple(p), sp)[0]
@@ -253,12 +328,21 @@ def _abort_case(state: str):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     if state == "forked":
         llm = tiny(allocator={"name": "paged", "block_size": 4})
-        reqs = [([7] * 10, SamplingParams(temperature=0.0, max_tokens=12, n=3, ignore_eos=True), 0),
-                ([8] * 10, params, 0)]
+        reqs = [
+            ([7] * 10, SamplingParams(temperature=0.0, max_tokens=12, n=3, ignore_eos=True), 0),
+            ([8] * 10, params, 0),
+        ]
         return llm, reqs, 3
     if state == "swapped":
-        llm = tiny(preemption="swap", kv_cache_memory=96 * KIB, allocator={"name": "paged", "block_size": 4})
-        reqs = [([20 + i] * 30, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), i) for i in range(4)]
+        llm = tiny(
+            preemption="swap",
+            kv_cache_memory=96 * KIB,
+            allocator={"name": "paged", "block_size": 4},
+        )
+        reqs = [
+            ([20 + i] * 30, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), i)
+            for i in range(4)
+        ]
         return llm, reqs, None
     llm = tiny(max_num_seqs=1)
     return llm, [([7] * 10, params, 0), ([8] * 10, params, 0)], 2
@@ -268,7 +352,10 @@ def _abort_case(state: str):
 def test_abort_frees_everything(state):
     llm, reqs, when = _abort_case(state)
     eng = llm.engine
-    ids = [eng.add_request(p, sp, request_id=f"r{i}", priority=pr) for i, (p, sp, pr) in enumerate(reqs)]
+    ids = [
+        eng.add_request(p, sp, request_id=f"r{i}", priority=pr)
+        for i, (p, sp, pr) in enumerate(reqs)
+    ]
     victim = {"waiting": ids[1], "running": ids[0], "forked": ids[0]}.get(state)
     outs = {}
     for step in range(200):
@@ -277,10 +364,17 @@ def test_abort_frees_everything(state):
             when = step
         if step == when:
             group = eng.groups[victim]
-            held = [s for s in group.seqs if s.seq_id in eng.allocator.tables or s.seq_id in eng.allocator.host_tables]
+            held = [
+                s
+                for s in group.seqs
+                if s.seq_id in eng.allocator.tables or s.seq_id in eng.allocator.host_tables
+            ]
             outs[victim] = eng.abort(victim)
             assert outs[victim] is not None
-            assert not any(s.seq_id in eng.allocator.tables or s.seq_id in eng.allocator.host_tables for s in held)
+            assert not any(
+                s.seq_id in eng.allocator.tables or s.seq_id in eng.allocator.host_tables
+                for s in held
+            )
             if state == "forked":
                 assert len(held) == 3
         for out in eng.step():
@@ -292,15 +386,27 @@ def test_abort_frees_everything(state):
     assert outs[victim].finish_reason == "abort"
     assert eng.abort(victim) is None  # a finished request cannot be aborted again
     usage = eng.allocator.usage()
-    assert usage["blocks_free"] == usage["blocks_total"] and usage["host_blocks_free"] == usage["host_blocks_total"]
+    assert (
+        usage["blocks_free"] == usage["blocks_total"]
+        and usage["host_blocks_free"] == usage["host_blocks_total"]
+    )
 
 
 # -- reservation waste at equal memory (the seeds' length mix)
 def _waste(allocator) -> tuple[float, int]:
-    llm = LLM(model="tiny", dtype="float32", max_model_len=1024, kv_cache_memory=4 * 1024 * 512, allocator=allocator)
+    llm = LLM(
+        model="tiny",
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory=4 * 1024 * 512,
+        allocator=allocator,
+    )
     eng = llm.engine
     for i, (p, o) in enumerate(SEEDS_LENGTHS):
-        eng.add_request([3 + (i + k) % 400 for k in range(p)], SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
+        eng.add_request(
+            [3 + (i + k) % 400 for k in range(p)],
+            SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True),
+        )
     peak = 0
     while eng.has_unfinished():
         eng.step()
@@ -314,8 +420,10 @@ def test_paged_wastes_less_than_contiguous_at_equal_memory(capsys):
     contiguous, contiguous_peak = _waste("contiguous")
     paged, paged_peak = _waste({"name": "paged", "block_size": 16})
     with capsys.disabled():
-        print(f"\nreservation waste at equal memory (seeds' mix): contiguous {contiguous:.1f}% "
-              f"(peak {contiguous_peak} seqs), paged {paged:.2f}% (peak {paged_peak} seqs)")
+        print(
+            f"\nreservation waste at equal memory (seeds' mix): contiguous {contiguous:.1f}% "
+            f"(peak {contiguous_peak} seqs), paged {paged:.2f}% (peak {paged_peak} seqs)"
+        )
     assert paged < 4.0
     assert paged < contiguous
     assert paged_peak >= 2 * contiguous_peak

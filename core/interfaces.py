@@ -47,6 +47,13 @@ class KVAllocator(abc.ABC):
         """Free blocks `allocate(seq, num_tokens)` would take now (prefix-cache
         hits and copy-on-write included)."""
 
+    def blocks_needed_together(self, requests: list[tuple[Sequence, int]]) -> int:
+        """Free blocks allocating every `(seq, num_tokens)` pair would take,
+        where the sequences may share blocks (a forked group). The default adds
+        the single needs up, an upper bound; an allocator with copy-on-write
+        should count a shared block's copies exactly."""
+        return sum(self.blocks_needed(seq, n) for seq, n in requests)
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Could `allocate(seq, num_tokens)` succeed now?"""
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
@@ -166,6 +173,9 @@ class AttentionBackend(abc.ABC):
     """
 
     description: ClassVar[str] = ""
+    # True when forward() never syncs with the host and skips negative slots,
+    # so a decode step can be captured in a CUDA graph (see servelab.cuda_graphs)
+    graph_safe: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads

@@ -117,13 +117,20 @@ class BaseScheduler(Scheduler):
 
     def admit(self, plan: StepPlan, budget: int) -> int:
         """Admits waiting groups in queue order while limits allow; returns the budget left."""
-        while self.waiting:
+        return self.admit_in_order(plan, budget)
+
+    def admit_in_order(self, plan: StepPlan, budget: int, max_groups: int | None = None) -> int:
+        """Admits from the head of the waiting queue until a group does not fit
+        (first come, first served: no overtaking) or `max_groups` were admitted."""
+        admitted = 0
+        while self.waiting and (max_groups is None or admitted < max_groups):
             group = self.waiting[0]
             used = self.try_admit(group, plan, budget)
             if used is None:
                 break
             if self.waiting and self.waiting[0] is group:
                 self.waiting.pop(0)
+            admitted += 1
             budget -= used
         return budget
 
@@ -158,7 +165,7 @@ class BaseScheduler(Scheduler):
                 candidates = [g.unfinished() for g in queue if not g.is_finished] + [seqs]
                 victim = self.preemption.select_victim(candidates)
                 victim_group = victim[0].group
-                if victim_group is group and not kept and not queue:
+                if victim_group is group and not queue and all(g.is_finished for g in kept):
                     # alone in the cache and still no room: it can never finish
                     for seq in seqs:
                         self.finish(seq, FinishReason.CACHE_FULL)
@@ -256,14 +263,9 @@ class BaseScheduler(Scheduler):
         return group.params.n * cdiv(tokens, self.allocator.block_size)
 
     def can_allocate_all(self, seqs: list[Sequence], counts: list[int]) -> bool:
-        """Room for every sequence's tokens this step; the needs of a group's
-        sequences add up (conservative by at most one copy-on-write per group)."""
-        need = sum(
-            self.allocator.blocks_needed(s, s.num_computed_tokens + c)
-            for s, c in zip(seqs, counts)
-            if c
-        )
-        return need <= self.allocator.num_free_blocks
+        """Room for every sequence's tokens this step, counted together."""
+        pairs = [(s, s.num_computed_tokens + c) for s, c in zip(seqs, counts) if c]
+        return self.allocator.blocks_needed_together(pairs) <= self.allocator.num_free_blocks
 
     def allocate_and_plan(self, seqs: list[Sequence], counts: list[int], plan: StepPlan) -> None:
         for seq, count in zip(seqs, counts):

@@ -124,7 +124,7 @@ def test_nothing_lost_under_memory_pressure(policy, admission):
         abort = {i: s for i, s in abort.items() if i < len(reqs)}
         rejected: dict[str, str] = {}
         finished, aborted, eng = run_checked(llm, reqs, abort, rejected)
-        for rid, error in rejected.items():  # reserve: a group whose worst case exceeds the cache
+        for error in rejected.values():  # reserve: a group whose worst case exceeds the cache
             assert admission == "reserve" and "can never fit" in error
         assert len(rejected) < len(reqs) or admission == "on_demand"
         for i, (prompt, params, _) in enumerate(reqs):
@@ -427,3 +427,46 @@ def test_paged_wastes_less_than_contiguous_at_equal_memory(capsys):
     assert paged < 4.0
     assert paged < contiguous
     assert paged_peak >= 2 * contiguous_peak
+
+
+@pytest.mark.parametrize("writers", [1, 2, 3, 4])
+def test_blocks_needed_together_counts_copy_on_write_exactly(writers):
+    from servelab.sequence import Sequence
+
+    alloc = PagedAllocator(token_capacity=64, host_token_capacity=0, max_model_len=32, block_size=4)
+    parent = Sequence("r", [1, 2, 3, 4, 5, 6], SamplingParams())
+    alloc.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    alloc.commit(parent)
+    family = [parent]
+    for i in range(3):  # four holders of the partial second block
+        child = parent.fork(i + 1, parent.params)
+        alloc.fork(parent, child)
+        family.append(child)
+    requests = [(s, 7) for s in family[:writers]]
+    predicted = alloc.blocks_needed_together(requests)
+    before = alloc.num_free_blocks
+    for seq, n in requests:
+        alloc.allocate(seq, n)
+    # the block has 4 holders: every writer copies, except the last of all 4, who keeps it
+    expected = writers if writers < 4 else 3
+    assert before - alloc.num_free_blocks == predicted == expected
+    alloc.check_integrity()
+
+
+def test_blocks_needed_together_lets_the_last_sharer_keep_its_block():
+    from servelab.sequence import Sequence
+
+    alloc = PagedAllocator(token_capacity=64, host_token_capacity=0, max_model_len=32, block_size=4)
+    parent = Sequence("r", [1, 2, 3, 4, 5, 6], SamplingParams())
+    alloc.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    alloc.commit(parent)
+    child = parent.fork(1, parent.params)
+    alloc.fork(parent, child)
+    predicted = alloc.blocks_needed_together([(parent, 7), (child, 7)])
+    assert predicted == 1  # one copies, the other keeps the block
+    before = alloc.num_free_blocks
+    alloc.allocate(parent, 7)
+    alloc.allocate(child, 7)
+    assert before - alloc.num_free_blocks == 1

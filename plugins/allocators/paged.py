@@ -169,6 +169,23 @@ class PagedAllocator(KVAllocator):
             return max(0, cdiv(num_tokens, self.block_size) - len(matched)) + reclaimed
         return max(0, cdiv(num_tokens, self.block_size) - len(table)) + self._cow_needed(seq, table)
 
+    def blocks_needed_together(self, requests: list[tuple[Sequence, int]]) -> int:
+        # the last of k writers into a block that only they share keeps it: k - 1 copies
+        need = 0
+        writers: dict[int, int] = {}
+        for seq, num_tokens in requests:
+            table = self.tables.get(seq.seq_id)
+            if table is None:
+                need += self.blocks_needed(seq, num_tokens)
+                continue
+            need += max(0, cdiv(num_tokens, self.block_size) - len(table))
+            index = seq.num_computed_tokens // self.block_size
+            if index < len(table) and self.ref_count[table[index]] > 1:
+                writers[table[index]] = writers.get(table[index], 0) + 1
+        for block, count in writers.items():
+            need += count if self.ref_count[block] > count else count - 1
+        return need
+
     def _cow_needed(self, seq: Sequence, table: list[int]) -> int:
         index = seq.num_computed_tokens // self.block_size
         return int(index < len(table) and self.ref_count[table[index]] > 1)

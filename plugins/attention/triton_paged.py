@@ -66,6 +66,7 @@ class TritonPagedBackend(AttentionBackend):
     description: ClassVar[str] = (
         "own Triton kernels: paged KV store + one attention kernel for mixed prefill/decode batches"
     )
+    graph_safe: ClassVar[bool] = True  # device-tensor plan, no host sync, skips negative slots
 
     def check(self, allocator: KVAllocator, device: torch.device, dtype: torch.dtype) -> None:
         hd = self.head_dim

@@ -60,16 +60,10 @@ class StaticScheduler(BaseScheduler):
         if not self.batch:
             if not self.waiting or not self.batch_ready():
                 return budget
-            while self.waiting and len(self.running) < self.batch_size:
-                group = self.waiting[0]
-                used = self.try_admit(group, plan, budget)
-                if used is None:
-                    break
-                if self.waiting and self.waiting[0] is group:
-                    self.waiting.pop(0)
-                self.added_at.pop(group.request_id, None)
-                budget -= used
+            budget = self.admit_in_order(plan, budget, self.batch_size - len(self.running))
             self.batch = list(self.running)
+            for group in self.batch:
+                self.added_at.pop(group.request_id, None)
             return budget
         # a running batch admits nobody new, only its own preempted members
         for group in [g for g in self.waiting if g in self.batch]:

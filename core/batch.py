@@ -7,8 +7,10 @@ with one index (`num_decodes`, `num_decode_tokens`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from servelab.sequence import Sequence
@@ -134,41 +136,71 @@ class AttentionMetadata:
         num_decodes: int | None = None,
     ) -> AttentionMetadata:
         """Builds every tensor from plain lists (tests and the engine both use this)."""
+        return cls.build(
+            query_lens,
+            seq_lens,
+            block_tables,
+            block_size,
+            sample_mask=sample_mask,
+            device=device,
+            num_decodes=num_decodes,
+        )
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        sample_mask: list[bool] | np.ndarray | None = None,
+        device: torch.device | str = "cpu",
+        num_decodes: int | None = None,
+    ) -> AttentionMetadata:
+        """Builds every tensor with a fixed number of numpy operations: the cost
+        grows with the number of sequences only through reading their lists,
+        never through a Python loop over tokens. `block_tables` are referenced,
+        not copied: the metadata is valid for the step it was built for."""
         num_seqs = len(query_lens)
+        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
+        s_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
         if num_decodes is None:
-            num_decodes = 0
-            for q in query_lens:
-                if q != 1:
-                    break
-                num_decodes += 1
-        positions: list[int] = []
-        slots: list[int] = []
-        for q, s, table in zip(query_lens, seq_lens, block_tables):
-            for p in range(s - q, s):
-                positions.append(p)
-                slots.append(table[p // block_size] * block_size + p % block_size)
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        ssl = [0]
-        for s in seq_lens:
-            ssl.append(ssl[-1] + s)
+            not_one = np.flatnonzero(q_lens != 1)
+            num_decodes = int(not_one[0]) if not_one.size else num_seqs
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        ssl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(s_lens, out=ssl[1:])
+        num_tokens = int(qsl[-1])
+        context = s_lens - q_lens
+        table_array = block_table_array(block_tables)
+
+        # token t of sequence i sits at position context[i] + (t - qsl[i])
+        if num_tokens == num_seqs:  # one query per sequence (decode): no repeat needed
+            seq_of_token = np.arange(num_seqs)
+            positions = context
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+            positions = np.arange(num_tokens) - (qsl[:-1] - context)[seq_of_token]
+        if num_tokens:
+            blocks = table_array[seq_of_token, positions // block_size].astype(np.int64)
+            slots = blocks * block_size + positions % block_size
+        else:
+            slots = np.zeros(0, dtype=np.int64)
         if sample_mask is None:
-            sample_mask = [True] * num_seqs
-        logits_idx = [qsl[i + 1] - 1 for i in range(num_seqs) if sample_mask[i]]
-        width = max((len(t) for t in block_tables), default=0) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        i32 = dict(dtype=torch.int32)
-        i64 = dict(dtype=torch.int64)
+            logits_idx = qsl[1:] - 1
+        else:
+            logits_idx = (qsl[1:] - 1)[np.asarray(sample_mask, dtype=bool).reshape(num_seqs)]
+
         tensors = dict(
-            query_start_loc=torch.tensor(qsl, **i32),
-            seq_start_loc=torch.tensor(ssl, **i32),
-            seq_lens=torch.tensor(seq_lens, **i32),
-            context_lens=torch.tensor([s - q for s, q in zip(seq_lens, query_lens)], **i32),
-            block_tables=torch.tensor(padded, **i32).reshape(num_seqs, width),
-            slot_mapping=torch.tensor(slots, **i64),
-            positions=torch.tensor(positions, **i64),
-            logits_indices=torch.tensor(logits_idx, **i64),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+            seq_start_loc=torch.from_numpy(ssl.astype(np.int32)),
+            seq_lens=torch.from_numpy(s_lens.astype(np.int32)),
+            context_lens=torch.from_numpy(context.astype(np.int32)),
+            block_tables=torch.from_numpy(table_array),
+            slot_mapping=torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
+            positions=torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)),
+            logits_indices=torch.from_numpy(np.ascontiguousarray(logits_idx, dtype=np.int64)),
         )
         device = torch.device(device)
         if device.type != "cpu":
@@ -176,12 +208,29 @@ class AttentionMetadata:
         return cls(
             num_seqs=num_seqs,
             num_decodes=num_decodes,
-            num_tokens=qsl[-1],
+            num_tokens=num_tokens,
             block_size=block_size,
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-            block_tables_cpu=[list(t) for t in block_tables],
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
+            query_lens_cpu=[int(q) for q in query_lens]
+            if not isinstance(query_lens, list)
+            else query_lens,
+            seq_lens_cpu=[int(s) for s in seq_lens] if not isinstance(seq_lens, list) else seq_lens,
+            block_tables_cpu=block_tables if isinstance(block_tables, list) else list(block_tables),
+            max_query_len=int(q_lens.max()) if num_seqs else 0,
+            max_seq_len=int(s_lens.max()) if num_seqs else 0,
             **tensors,
         )
+
+
+def block_table_array(block_tables: list[list[int]]) -> np.ndarray:
+    """Ragged block tables as one int32 `[num_seqs, max_blocks]` array, padded
+    with 0 (at least one column), in three numpy calls whatever the batch."""
+    num_seqs = len(block_tables)
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
+    width = int(lens.max()) if num_seqs else 0
+    array = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
+    if width:
+        total = int(lens.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int32, count=total)
+        # a row-major boolean mask assigns row by row, each row's blocks in order
+        array[np.arange(array.shape[1]) < lens[:, None]] = flat
+    return array

@@ -34,6 +34,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "seed": 0,
     "num_threads": None,  # None: leave torch's default
+    "compile": False,  # torch.compile the model's forward (dynamic shapes)
 }
 COMPONENTS = ("scheduler", "allocator", "preemption", "attention")
 COMPONENT_DEFAULTS = {
@@ -200,6 +201,7 @@ def build_engine(config: Mapping) -> Engine:
         max_model_len,
         seed=int(opts["seed"]),
         notify=notify,
+        compile=bool(opts["compile"]),
         config={"model": config.get("model", "tiny"), "engine": opts, **parts},
     )
     notify("servelab_engine_ready", engine=engine)

@@ -3,10 +3,9 @@
 One step, as data flows (see DESIGN.md):
     plan   = scheduler.schedule()
     kv_cache.apply(plan.copies)
-    meta   = metadata for the plan          (once per step)
-    attn   = backend.plan(meta)             (once per step)
-    hidden = model(input_ids, positions, kv_cache.layers, backend, attn)
-    tokens = sampler(model.compute_logits(hidden[last token of each sampling seq]))
+    batch  = runner.prepare(plan)           (metadata and backend.plan, once per step)
+    hidden = runner.run_model(batch)        (model(input_ids, positions, kv_cache.layers, backend, attn))
+    tokens = runner.sample(hidden, batch)   (LM head on the last token of each sampling seq)
     done   = scheduler.update(plan, tokens)
 """
 
@@ -19,11 +18,12 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from servelab.batch import AttentionMetadata, StepPlan
+from servelab.batch import StepPlan
 from servelab.errors import RequestError
 from servelab.interfaces import AttentionBackend, KVAllocator, Scheduler
 from servelab.kv_cache import KVCache
 from servelab.metrics import MetricsCollector, RequestRecord, StepRecord
+from servelab.model_runner import ModelRunner
 from servelab.sequence import (
     CompletionOutput,
     FinishReason,
@@ -50,6 +50,7 @@ class Engine:
         seed: int = 0,
         notify: Callable[..., None] | None = None,
         config: dict | None = None,
+        compile: bool = False,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -64,6 +65,10 @@ class Engine:
         self.config = config or {}
         self.notify = notify or (lambda hook, **kwargs: None)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # input preparation, the model forward and sampling: the step's tensor work
+        self.runner = ModelRunner(
+            model, backend, kv_cache, allocator, sampler, device, self.generator, compile=compile
+        )
         self.groups: dict[str, SequenceGroup] = {}
         self.metrics = MetricsCollector()
         self.eos_token_ids = frozenset(model_config.eos_token_ids or ())
@@ -162,48 +167,12 @@ class Engine:
         return outputs
 
     def _run(self, plan: StepPlan) -> dict[int, list[int]]:
-        items = plan.scheduled
-        for item in items:
+        now = None
+        for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = self.now()
-        input_ids: list[int] = []
-        for item in items:
-            input_ids += item.seq.token_ids[item.start : item.start + item.num_query_tokens]
-        meta = AttentionMetadata.from_lists(
-            query_lens=[i.num_query_tokens for i in items],
-            seq_lens=[i.start + i.num_query_tokens for i in items],
-            block_tables=[self.allocator.block_table(i.seq) for i in items],
-            block_size=self.allocator.block_size,
-            sample_mask=[i.samples for i in items],
-            device=self.device,
-            num_decodes=plan.num_decodes,
-        )
-        attn_plan = self.backend.plan(meta)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta.positions, self.kv_cache.layers, self.backend, attn_plan)
-        # rows to sample: one per sampling sequence, n for a prompt about to fork
-        rows, params, positions, indices, owners = [], [], [], [], []
-        sampling = [i for i in items if i.samples]
-        for row, item in enumerate(sampling):
-            seq = item.seq
-            group = seq.group
-            count = group.params.n if group.needs_fork and seq.num_output_tokens == 0 else 1
-            for k in range(count):
-                rows.append(row)
-                params.append(seq.params)
-                positions.append(seq.num_output_tokens)
-                indices.append(k if count > 1 else seq.sample_index)
-                owners.append(seq.seq_id)
-        if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[meta.logits_indices])
-        if len(rows) != len(sampling):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = self.sampler.sample(logits, params, positions, self.generator, indices).tolist()
-        sampled: dict[int, list[int]] = {}
-        for owner, token in zip(owners, tokens):
-            sampled.setdefault(owner, []).append(int(token))
-        return sampled
+                now = self.now() if now is None else now
+                item.seq.first_scheduled_time = now
+        return self.runner.execute(plan)
 
     # -- bookkeeping
     def _finish_group(self, group: SequenceGroup) -> RequestOutput:

@@ -7,7 +7,12 @@ Rules:
   rotate-half RoPE) so logits match `transformers` to rounding; a float64 model
   stays float64 everywhere (norms and RoPE included);
 - per-step work (RoPE cos/sin gather) happens once in `forward`; a layer only
-  projects, normalises, rotates and calls `backend.forward`.
+  projects, normalises, rotates and calls `backend.forward`;
+- projections that read the same input run as one matmul (q/k/v, gate/up):
+  their parameters are row views of one fused weight, so a checkpoint still
+  loads them by name and no memory is doubled. A parameter replaced after
+  construction (no longer a view) falls back to separate matmuls, never to
+  stale weights.
 """
 
 from __future__ import annotations
@@ -34,13 +39,79 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        # float64 stays float64; anything narrower is upcast to float32 like HF
-        compute_dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
-        x = x.to(compute_dtype)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm over the last dim; `weight` broadcasts against `x` (per-head
+    weights of several heads at once are fine).
+
+    float32 and float64 take torch's fused kernel, which computes HF's exact
+    operations (`x * rsqrt(mean(x^2) + eps)`, then `* weight`) in one pass and
+    bit for bit; narrower dtypes are upcast to float32 like HF."""
+    if x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype:
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> FusedLinear:
+    """Re-points the weights (and biases) of `linears`, which read the same
+    input, at consecutive rows of one new tensor, so one matmul computes them
+    all. Call after the parameters are allocated and before they are loaded:
+    the old values are not copied."""
+    first = linears[0].weight
+    rows = [lin.out_features for lin in linears]
+    weight = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, device=first.device)
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if all(has_bias):
+        bias = torch.empty(sum(rows), dtype=first.dtype, device=first.device)
+    offset = 0
+    for lin, n in zip(linears, rows):
+        lin.weight = nn.Parameter(weight[offset : offset + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[offset : offset + n], requires_grad=False)
+        offset += n
+    return FusedLinear(weight, bias, linears, rows)
+
+
+class FusedLinear:
+    """One matmul for several linears whose parameters are views of `weight`."""
+
+    def __init__(self, weight, bias, linears: list[nn.Linear], rows: list[int]) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.linears = linears
+        self.rows = rows
+        # where each linear's parameters must live for the fused tensors to be current
+        row_bytes = weight.shape[1] * weight.element_size()
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        self._weight_ptrs = [weight.data_ptr() + s * row_bytes for s in starts]
+        self._bias_ptrs = (
+            [bias.data_ptr() + s * bias.element_size() for s in starts]
+            if bias is not None
+            else None
+        )
+
+    def is_current(self) -> bool:
+        """Whether every linear still reads its rows of the fused tensors (a
+        parameter replaced or moved since fusing makes this False)."""
+        for i, lin in enumerate(self.linears):
+            if lin.weight.data_ptr() != self._weight_ptrs[i]:
+                return False
+            if self._bias_ptrs is not None and lin.bias.data_ptr() != self._bias_ptrs[i]:
+                return False
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., sum(rows)]`: the linears' outputs side by side."""
+        if self.is_current():
+            return F.linear(x, self.weight, self.bias)
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -81,6 +152,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+@torch.compiler.disable
+def attend(backend: AttentionBackend, q, k, v, kv_cache: KVCache, attn_plan: Any) -> torch.Tensor:
+    """`backend.forward`, always eager: under `torch.compile` the layers around it
+    are compiled, while a backend's per-step plan (Python lists, loops over
+    sequences) would only force recompilations."""
+    return backend.forward(q, k, v, kv_cache, attn_plan)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -103,6 +182,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: FusedLinear | None = None  # set by `fuse()` once parameters exist
+
+    def fuse(self) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -114,16 +197,27 @@ class Attention(nn.Module):
         attn_plan: Any,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+        # q and k heads are normalised and rotated together: every op works per head
+        qk = qkv[:, : num_heads + num_kv_heads]
+        v = qkv[:, num_heads + num_kv_heads :]
         if self.q_norm is not None:  # Qwen3: per-head norm before RoPE
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, attn_plan)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+            weight = torch.cat(
+                [
+                    self.q_norm.weight.expand(num_heads, head_dim),
+                    self.k_norm.weight.expand(num_kv_heads, head_dim),
+                ]
+            )
+            qk = rms_norm(qk, weight, self.q_norm.eps)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        out = attend(backend, q, k, v, kv_cache, attn_plan)
+        return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
 
 class MLP(nn.Module):
@@ -135,9 +229,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(inner, hidden, bias=False, dtype=dtype)
+        self.gate_up: FusedLinear | None = None  # set by `fuse()` once parameters exist
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -187,6 +288,9 @@ class Transformer(nn.Module):
                 else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
         self.to_empty(device=device)
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
         cos, sin = rope_cos_sin(config, device)
         # RoPE tables are derived, not weights: kept out of the state dict
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)

@@ -12,8 +12,16 @@ after a cached prefix needs no extra mask.
   (fp16/bf16). It reads the paged cache directly where it takes a
   `block_table` (PyTorch >= 2.12) and the block size is a multiple of 256;
   otherwise the step's pages are gathered into packed K/V first;
+- `sdpa`: PyTorch's SDPA over pages gathered through the block table, any
+  device and dtype: the decodes of a step in one batched call (padded to
+  their longest context, masked), every prefill chunk in its own call (a
+  fresh prompt over its own K/V, no cache read);
+- `cpu`: `sdpa`, with the decodes read straight through the block table by
+  a C++ kernel (`cpu_paged`, float32, built on first use; `sdpa`'s batched
+  call where it cannot run): the fast path on a CPU;
 - `reference`: `varlen_attention_reference`, plain torch, runs anywhere;
-- `auto`: the first of flash_attn, torch, reference whose constraints hold.
+- `auto`: the first of flash_attn, torch, reference whose constraints hold
+  (`sdpa` and `cpu` only when asked for: `reference` is the specification).
 """
 
 from __future__ import annotations
@@ -32,16 +40,25 @@ from servelab.batch import AttentionMetadata
 from servelab.errors import ConfigError
 from servelab.hookspecs import hookimpl
 from servelab.interfaces import AttentionBackend, KVAllocator
+from servelab.plugins.attention import cpu_paged
 from servelab.plugins.attention.common import (
+    DecodeBatchPlan,
+    PerSeqPlan,
+    Workspace,
+    decode_attention,
     expand_kv_heads,
     flat_cache,
     packed_context_slots,
+    per_seq_attention,
+    plan_decode_batch,
+    plan_per_seq,
     store_kv,
 )
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("auto", "flash_attn", "torch", "reference")
+IMPLS = ("auto", "flash_attn", "torch", "reference", "sdpa", "cpu")
+SDPA_IMPLS = ("sdpa", "cpu")  # impls that plan batched decodes + per-sequence prefill calls
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # FlashAttention-2 reads a paged cache only when a page holds a multiple of 256 tokens.
 FLASH_PAGE_MULTIPLE = 256
@@ -200,6 +217,10 @@ class FlashVarlenPlan:
     max_seqlen_k: int
     block_size: int
     context_slots: torch.Tensor | None  # packed context slots; only when pages are gathered
+    decodes: DecodeBatchPlan | None = None  # impl=sdpa/cpu: the batched decode call
+    prefills: PerSeqPlan | None = None  # impl=sdpa/cpu: one call per prefill chunk
+    num_decodes: int = 0
+    meta: AttentionMetadata | None = None  # impl=cpu: to plan the SDPA fallback lazily
 
     @property
     def decode_only(self) -> bool:
@@ -227,6 +248,7 @@ class FlashVarlenBackend(AttentionBackend):
         self.active_impl: str | None = None  # what `impl` resolved to, set by check() or first use
         self._torch_call: TorchVarlenCall | None = None
         self._flash_fns: tuple[KernelFn, KernelFn] | None = None  # varlen_func, with_kvcache
+        self.workspace = Workspace()  # impl=sdpa: gathered K/V reused across layers and steps
 
     # -- choosing the impl
 
@@ -238,8 +260,8 @@ class FlashVarlenBackend(AttentionBackend):
     def _select(
         self, block_size: int, device: torch.device, dtype: torch.dtype, allocator: str
     ) -> None:
-        if self.impl == "reference":
-            chosen = "reference"
+        if self.impl in ("reference", *SDPA_IMPLS):
+            chosen = self.impl
         elif self.impl in ("flash_attn", "torch"):
             problems = self._problems(self.impl, block_size, device, dtype)
             if problems:
@@ -291,6 +313,9 @@ class FlashVarlenBackend(AttentionBackend):
             and self._torch_call is not None
             and not self._torch_call.paged
         )
+        sdpa = (self.active_impl or self.impl) in SDPA_IMPLS
+        # the cpu impl's kernel reads decodes through the block table: no padded gather plan
+        kernel_decodes = (self.active_impl or self.impl) == "cpu" and meta.block_tables.is_cpu
         return FlashVarlenPlan(
             slot_mapping=meta.slot_mapping,
             cu_seqlens_q=meta.query_start_loc,
@@ -300,7 +325,13 @@ class FlashVarlenBackend(AttentionBackend):
             max_seqlen_q=meta.max_query_len,
             max_seqlen_k=meta.max_seq_len,
             block_size=meta.block_size,
-            context_slots=packed_context_slots(meta) if gathers else None,
+            context_slots=packed_context_slots(meta) if gathers and not sdpa else None,
+            decodes=plan_decode_batch(meta, self.num_kv_heads)
+            if sdpa and not kernel_decodes
+            else None,
+            prefills=plan_per_seq(meta, first=meta.num_decodes) if sdpa else None,
+            num_decodes=meta.num_decodes,
+            meta=meta if kernel_decodes else None,
         )
 
     def forward(
@@ -319,6 +350,8 @@ class FlashVarlenBackend(AttentionBackend):
             return self._forward_flash_attn(q, k_cache, v_cache, plan)
         if self.active_impl == "torch":
             return self._forward_torch(q, k_cache, v_cache, plan)
+        if self.active_impl in SDPA_IMPLS:
+            return self._forward_sdpa(q, k, v, k_cache, v_cache, plan)
         return varlen_attention_reference(
             q,
             k_cache,
@@ -362,6 +395,41 @@ class FlashVarlenBackend(AttentionBackend):
             causal=True,
             block_table=plan.block_table,
         )
+
+    def _forward_sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: FlashVarlenPlan,
+    ) -> torch.Tensor:
+        prefills = plan.prefills
+        assert prefills is not None, "plan() ran before impl='sdpa'/'cpu' was chosen"
+        num_decodes = plan.num_decodes
+        if num_decodes == q.shape[0]:  # a decode-only step: one call, nothing to assemble
+            return self._decode(q, k_cache, v_cache, plan)
+        out = torch.empty_like(q)
+        if num_decodes:
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, plan)
+        return per_seq_attention(
+            q, k, v, k_cache, v_cache, prefills, self.scale, out, self.workspace
+        )
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
+    ) -> torch.Tensor:
+        """The step's decodes (its first rows, one query each)."""
+        num = q.shape[0]
+        if plan.decodes is None:  # impl=cpu: the kernel, where it serves this layer
+            if cpu_paged.supports(q, k_cache) and cpu_paged.kernel() is not None:
+                return cpu_paged.paged_decode(
+                    q, k_cache, v_cache, plan.block_table[:num], plan.seq_lens[:num], self.scale
+                )
+            assert plan.meta is not None
+            plan.decodes = plan_decode_batch(plan.meta, self.num_kv_heads)  # once per step
+        return decode_attention(q, k_cache, v_cache, plan.decodes, self.scale, self.workspace)
 
     def _forward_torch(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan

@@ -1,8 +1,12 @@
 """`padded`: the textbook batched attention. Every sequence's queries are padded
 to the longest query and its keys to the longest context, so one masked SDPA
-call over `[num_seqs, num_heads, max_query_len, max_seq_len]` serves the whole
+call over `[num_seqs, heads, max_query_len, max_seq_len]` serves the whole
 batch. Simple and kernel-friendly, but a single long sequence makes every
 other sequence pay for its length: `stats()` counts that waste.
+
+Grouped-query heads are not copied: the `group` query heads that share a KV
+head become `group * max_query_len` query rows of that head (the mask is
+repeated per group), so SDPA reads each gathered key once per KV head.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ import torch.nn.functional as F
 from servelab.batch import AttentionMetadata
 from servelab.hookspecs import hookimpl
 from servelab.interfaces import AttentionBackend
-from servelab.plugins.attention.common import context_slots, expand_kv_heads, flat_cache, store_kv
+from servelab.plugins.attention.common import (
+    Workspace,
+    gather_padded,
+    padded_key_rows,
+    store_kv,
+)
 
 
 @dataclass
@@ -28,9 +37,8 @@ class PaddedPlan:
     max_seq_len: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where this step's K/V go
     token_to_row: torch.Tensor  # int64 [num_tokens]: packed token -> row i * max_query_len + j
-    key_slots: torch.Tensor  # int64 [num_seqs, max_seq_len]: cache slot of each padded key
-    key_is_padding: torch.Tensor  # bool [num_seqs, max_seq_len, 1, 1]
-    attn_mask: torch.Tensor  # bool [num_seqs, 1, max_query_len, max_seq_len], True = attend
+    key_rows: torch.Tensor  # int64 [num_seqs * kv_heads * max_seq_len]: see padded_key_rows
+    attn_mask: torch.Tensor  # bool [num_seqs, 1, group * max_query_len, max_seq_len], True = attend
 
 
 class PaddedBackend(AttentionBackend):
@@ -42,6 +50,7 @@ class PaddedBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.num_queries_per_kv = num_heads // num_kv_heads
+        self.workspace = Workspace()
         self._stats = dict(
             planned_steps=0.0,
             real_query_tokens=0.0,
@@ -54,7 +63,6 @@ class PaddedBackend(AttentionBackend):
         num_seqs, max_q, max_k = meta.num_seqs, meta.max_query_len, meta.max_seq_len
         device = meta.slot_mapping.device
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        seq_lens = meta.seq_lens.long()
         context_lens = meta.context_lens.long()
 
         # packed token t of sequence i, query j -> padded row i * max_q + j
@@ -66,20 +74,14 @@ class PaddedBackend(AttentionBackend):
         )
         token_to_row = seq_ids * max_q + query_index
 
-        # Keys past a sequence's length read whatever slot its (zero-padded) block
-        # table points to; they are masked below and zeroed in forward.
-        key_pos = torch.arange(max_k, device=device)
-        all_seqs = torch.arange(num_seqs, device=device).unsqueeze(1)
-        key_slots = context_slots(
-            meta.block_tables, all_seqs, key_pos.unsqueeze(0), meta.block_size
-        )
-        key_is_real = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # [num_seqs, max_k]
-
+        key_rows, key_is_real = padded_key_rows(meta, num_seqs, max_k, self.num_kv_heads)
         # Query j of sequence i (position context_lens[i] + j) sees keys up to its
         # own position. A padding query row (j >= query_len) then sees every real
         # key, so no row is fully masked (that would give NaN); its output is dropped.
+        key_pos = torch.arange(max_k, device=device)
         query_pos = context_lens.view(-1, 1, 1) + torch.arange(max_q, device=device).view(1, -1, 1)
         attn_mask = key_is_real.unsqueeze(1) & (key_pos.view(1, 1, -1) <= query_pos)
+        attn_mask = attn_mask.repeat(1, self.num_queries_per_kv, 1)  # one copy per query head
 
         self._count_padding(meta)
         return PaddedPlan(
@@ -88,8 +90,7 @@ class PaddedBackend(AttentionBackend):
             max_seq_len=max_k,
             slot_mapping=meta.slot_mapping,
             token_to_row=token_to_row,
-            key_slots=key_slots,
-            key_is_padding=(~key_is_real).view(num_seqs, max_k, 1, 1),
+            key_rows=key_rows,
             attn_mask=attn_mask.unsqueeze(1),
         )
 
@@ -111,26 +112,29 @@ class PaddedBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
-        num_seqs, max_q = plan.num_seqs, plan.max_query_len
+        num_seqs, max_q, max_k = plan.num_seqs, plan.max_query_len, plan.max_seq_len
+        kv_heads, group, head_dim = self.num_kv_heads, self.num_queries_per_kv, self.head_dim
 
-        q_rows = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
+        # [num_seqs, max_q, kv_heads, group, dim] -> [num_seqs, kv_heads, group * max_q, dim]
+        q_rows = q.new_zeros(num_seqs * max_q, self.num_heads, head_dim)
         q_rows.index_copy_(0, plan.token_to_row, q)
-        q_padded = q_rows.view(num_seqs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-        k_padded = self._padded_context(k_cache, plan)
-        v_padded = self._padded_context(v_cache, plan)
+        q_padded = q_rows.view(num_seqs, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        q_padded = q_padded.reshape(num_seqs, kv_heads, group * max_q, head_dim)
 
+        shape = (num_seqs, kv_heads, max_k, head_dim)
+        take = self.workspace.take
+        keys = gather_padded(
+            k_cache, plan.key_rows, num_seqs, max_k, take("k", shape, k_cache.dtype, q.device)
+        )
+        values = gather_padded(
+            v_cache, plan.key_rows, num_seqs, max_k, take("v", shape, v_cache.dtype, q.device)
+        )
         out = F.scaled_dot_product_attention(
-            q_padded, k_padded, v_padded, attn_mask=plan.attn_mask, scale=self.scale
-        )  # [num_seqs, num_heads, max_q, head_dim]
-        out_rows = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads, self.head_dim)
+            q_padded, keys, values, attn_mask=plan.attn_mask, scale=self.scale
+        )  # [num_seqs, kv_heads, group * max_q, dim]
+        out = out.view(num_seqs, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out_rows = out.reshape(num_seqs * max_q, self.num_heads, head_dim)
         return out_rows.index_select(0, plan.token_to_row)
-
-    def _padded_context(self, cache: torch.Tensor, plan: PaddedPlan) -> torch.Tensor:
-        """`[num_seqs, num_heads, max_seq_len, head_dim]` keys or values. Padding
-        keys are zeroed: they are masked, but an unwritten cache slot may hold
-        NaN/Inf (uninitialised memory) and 0 * NaN is still NaN."""
-        context = flat_cache(cache)[plan.key_slots].masked_fill(plan.key_is_padding, 0)
-        return expand_kv_heads(context.transpose(1, 2), self.num_queries_per_kv, dim=1)
 
     def stats(self) -> dict[str, float]:
         """Cumulative over planned steps (not layers): real vs padding query and key slots."""

@@ -1,0 +1,458 @@
+"""End-to-end output throughput on a GPU, per attention backend, CUDA graphs off/on.
+
+The workload nano-vllm and vLLM publish: the Qwen3-0.6B shape with random
+weights (servelab model `qwen3-0.6b`), 256 requests whose prompt and output
+lengths are uniform in [100, 1024], seed 0, `ignore_eos`, bf16.
+
+    python benchmarks/gpu_throughput.py                      # CUDA, every backend
+    python benchmarks/gpu_throughput.py --backends triton_paged --graphs on
+    python benchmarks/gpu_throughput.py --tiny               # CPU smoke test, tiny model
+
+Figures per run:
+- output tok/s: sampled tokens / wall time of the timed run (warm-up excluded);
+- decode roofline: a decode step must read every weight once and every
+  scheduled sequence's KV context once; those bytes over the device bandwidth
+  (measured here with a large copy) are the step's floor. The fraction is
+  sum(floors) / sum(wall times) over the decode-only steps.
+
+CUDA graphs are asked for through the engine option `cuda_graphs`; an engine
+without that option is reported as "not supported". The KV cache is sized by
+the engine's `gpu_memory_utilization` when it has that option, else here from
+`torch.cuda.mem_get_info` (`servelab.device.kv_cache_budget`), capped at what
+the workload can hold at once. Every run is warmed up first (kernels compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from servelab import LLM, ConfigError, SamplingParams
+from servelab.build import engine_options
+from servelab.cuda_graphs import DecodeGraphRunner, backend_is_graph_safe
+from servelab.device import (
+    estimate_activation_bytes,
+    kv_cache_budget,
+    model_weight_bytes,
+)
+from servelab.model.config import named_config
+from servelab.options import construct
+from servelab.plugin_manager import get_plugin_manager
+
+CUDA_BACKENDS = ("triton_paged", "flash_varlen", "padded", "per_request")
+TINY_BACKENDS = ("per_request", "padded", "flash_varlen")
+
+
+# -- workload
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(
+    num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int
+) -> Workload:
+    """Prompt and output lengths uniform in [min_len, max_len], random token ids."""
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_requests):
+        prompt_len = rng.randint(min_len, max_len)
+        prompts.append([rng.randrange(vocab_size) for _ in range(prompt_len)])
+        output_lens.append(rng.randint(min_len, max_len))
+    return Workload(prompts, output_lens)
+
+
+# -- device figures
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s: a large copy, bytes read + written, median."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(iters + 3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            begin = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - begin
+        if i >= 3:  # warm-up copies first
+            times.append(seconds)
+    del src, dst
+    return 2 * (nbytes // 2) * 2 / statistics.median(times)
+
+
+# -- one run
+
+
+@dataclass
+class StepShape:
+    context_tokens: int  # sum of the scheduled sequences' context after the step
+    decode_only: bool
+
+
+class StepShapes:
+    """Records each step's scheduled context by wrapping the scheduler's
+    `schedule()`; records line up with `engine.metrics.steps` (the engine
+    records a step under the same condition)."""
+
+    def __init__(self, scheduler) -> None:
+        self.shapes: list[StepShape] = []
+        schedule = scheduler.schedule
+
+        def recording_schedule():
+            plan = schedule()
+            if not (plan.is_empty and not plan.preempted):
+                self.shapes.append(
+                    StepShape(
+                        context_tokens=sum(i.start + i.num_query_tokens for i in plan.scheduled),
+                        decode_only=all(i.num_query_tokens == 1 for i in plan.scheduled),
+                    )
+                )
+            return plan
+
+        scheduler.schedule = recording_schedule
+
+
+@dataclass
+class RunResult:
+    backend: str
+    graphs: str
+    status: str = "ok"
+    requests_done: int = 0
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    output_tok_s: float = 0.0
+    decode_steps: int = 0
+    decode_tok_s: float = 0.0
+    roofline_fraction: float = float("nan")
+    kv_cache_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def engine_has_option(name: str, value) -> bool:
+    """Whether this servelab's engine accepts option `name` (checked without building)."""
+    try:
+        engine_options({name: value})
+    except ConfigError:
+        return False
+    return True
+
+
+def kv_cache_bytes(args, config, workload: Workload) -> int:
+    """KV budget from the device (utilization - weights - activations), capped
+    at what the workload can hold at once; on the CPU, just that cap."""
+    kv_per_token = config.kv_bytes_per_token(args.dtype)
+    blocks_per_seq = -(-args.max_model_len // args.block_size) + 1
+    need = min(len(workload.prompts), args.max_num_seqs) * blocks_per_seq * args.block_size
+    need_bytes = need * kv_per_token
+    if args.device != "cuda":
+        return need_bytes
+    free, total = torch.cuda.mem_get_info()
+    weights = model_weight_bytes(config, args.dtype)
+    activations = estimate_activation_bytes(
+        config, args.max_num_batched_tokens, args.max_num_seqs, args.dtype
+    )
+    budget = kv_cache_budget(
+        total, args.gpu_memory_utilization, weights, activations, free - weights
+    )
+    return min(budget, need_bytes)
+
+
+def build_llm(args, backend: str, graphs: bool | None, kv_bytes: int | None) -> LLM:
+    """The engine for one run; `kv_bytes` None lets the engine size its KV cache
+    from `gpu_memory_utilization`, `graphs` None leaves `cuda_graphs` unset."""
+    attention = {"name": "flash_varlen", "impl": "auto"} if backend == "flash_varlen" else backend
+    options = dict(
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=0,
+    )
+    if args.device == "cpu":
+        # tiny kernels: one thread, as conf/device/cpu.yaml; spinning threads collapse on shared cores
+        options["num_threads"] = 1
+    if kv_bytes is None:
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    else:
+        options["kv_cache_memory"] = kv_bytes
+    if graphs is not None:
+        options["cuda_graphs"] = graphs
+    allocator = {"name": "paged", "block_size": args.block_size}
+    return LLM(model=args.model, attention=attention, allocator=allocator, **options)
+
+
+def warm_up(llm: LLM, args, vocab_size: int) -> None:
+    """Requests of varied lengths, up to 32 at once and finishing one by one, so
+    kernels compile their variants for many batch shapes and allocators warm up
+    before the clock starts."""
+    count = min(32, args.max_num_seqs)
+    warm = make_workload(count, args.min_len // 4 + 1, args.max_len // 4 + 1, vocab_size, seed=1)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=min(n, 64), ignore_eos=True)
+        for n in warm.output_lens
+    ]
+    llm.generate(warm.prompts, params)
+
+
+def timed_run(llm: LLM, workload: Workload, max_seconds: float) -> tuple[int, float, list]:
+    """Runs the workload (stopping at `max_seconds`); returns (requests done,
+    wall seconds, [(StepRecord, StepShape)] of the timed steps)."""
+    engine = llm.engine
+    shapes = StepShapes(engine.scheduler)
+    first_step = len(engine.metrics.steps)
+    for prompt, n in zip(workload.prompts, workload.output_lens):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    done = 0
+    begin = time.perf_counter()
+    while engine.has_unfinished() and time.perf_counter() - begin < max_seconds:
+        done += len(engine.step())
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - begin
+    steps = engine.metrics.steps[first_step:]
+    if len(steps) != len(shapes.shapes):  # an engine that records steps differently
+        print(f"warning: {len(steps)} step records but {len(shapes.shapes)} scheduled steps")
+    return done, wall, list(zip(steps, shapes.shapes))
+
+
+def find_graph_runner(engine) -> DecodeGraphRunner | None:
+    """The engine's decode graph runner, wherever the engine keeps it (on itself
+    or on one of its parts, such as its model runner)."""
+    parts = [engine, *vars(engine).values()]
+    for part in parts:
+        for value in getattr(part, "__dict__", {}).values():
+            if isinstance(value, DecodeGraphRunner):
+                return value
+    return None
+
+
+def run_one(args, backend: str, graphs: bool | None, workload, bandwidth) -> RunResult:
+    label = "n/a" if graphs is None else ("on" if graphs else "off")
+    result = RunResult(backend, label)
+    config = named_config(args.model)
+    engine_sizes_kv = args.device == "cuda" and engine_has_option(
+        "gpu_memory_utilization", args.gpu_memory_utilization
+    )
+    try:
+        kv_bytes = None if engine_sizes_kv else kv_cache_bytes(args, config, workload)
+        llm = build_llm(args, backend, graphs, kv_bytes)
+    except ConfigError as err:
+        result.status = f"config error: {err}"
+        return result
+    try:
+        warm_up(llm, args, config.vocab_size)
+        done, wall, paired = timed_run(llm, workload, args.max_seconds)
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+        result.kv_cache_bytes = llm.engine.kv_cache.device_pool.nbytes
+        kv_per_token = config.kv_bytes_per_token(args.dtype)
+        result.requests_done, result.wall_s = done, wall
+        result.output_tokens = sum(step.sampled_tokens for step, _ in paired)
+        result.output_tok_s = result.output_tokens / wall if wall > 0 else 0.0
+        decode = [(s, shape) for s, shape in paired if shape.decode_only]
+        result.decode_steps = len(decode)
+        decode_wall = sum(s.wall_time for s, _ in decode)
+        if decode and decode_wall > 0:
+            result.decode_tok_s = sum(s.sampled_tokens for s, _ in decode) / decode_wall
+            floor = sum(weight_bytes + sh.context_tokens * kv_per_token for _, sh in decode)
+            result.roofline_fraction = floor / bandwidth / decode_wall
+        if done < len(workload.prompts):
+            result.status = f"partial: stopped at {args.max_seconds:.0f} s"
+        runner = find_graph_runner(llm.engine)
+        if graphs and runner is not None:
+            result.notes.append(
+                runner.disabled_reason
+                or f"{runner.num_replays} decode replays, {runner.num_eager} eager forwards"
+            )
+    except Exception as err:  # one backend's failure is a row of the table, not the end
+        traceback.print_exc()
+        result.status = f"error: {type(err).__name__}: {err}"
+    finally:
+        del llm
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+# -- report
+
+
+def table(results: list[RunResult]) -> str:
+    lines = [
+        "| backend | graphs | output tok/s | decode tok/s | decode roofline | done | wall s | status |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        status = "; ".join([r.status, *r.notes])
+        if not r.wall_s:  # skipped or refused: no figures
+            lines.append(f"| {r.backend} | {r.graphs} | - | - | - | - | - | {status} |")
+            continue
+        roof = "-" if math.isnan(r.roofline_fraction) else f"{100 * r.roofline_fraction:.1f}%"
+        lines.append(
+            f"| {r.backend} | {r.graphs} | {r.output_tok_s:,.0f} | {r.decode_tok_s:,.0f} | "
+            f"{roof} | {r.requests_done} | {r.wall_s:.1f} | {status} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--tiny", action="store_true", help="CPU smoke test: tiny model, 8 short requests"
+    )
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument(
+        "--backends", nargs="+", default=None, help=f"default: {' '.join(CUDA_BACKENDS)}"
+    )
+    p.add_argument("--graphs", choices=("off", "on", "both"), default="both")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--max-seconds", type=float, default=120.0, help="per run; partial runs say so")
+    p.add_argument("--bandwidth-bytes", type=int, default=2 * 1024**3, help="size of the copy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for gpu_throughput.{md,json} (default $OUT)")
+    p.add_argument(
+        "--merge", nargs="+", metavar="FOLDER", help="merge earlier runs' reports, run nothing"
+    )
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.model, args.device, args.dtype = "tiny", "cpu", "float32"
+        args.requests, args.min_len, args.max_len = min(args.requests, 8), 4, 32
+        args.max_num_seqs, args.max_num_batched_tokens = 8, 256
+        args.block_size, args.bandwidth_bytes = 4, 64 * 1024**2
+        args.backends = args.backends or list(TINY_BACKENDS)
+    args.backends = args.backends or list(CUDA_BACKENDS)
+    args.max_model_len = 2 * args.max_len
+    args.max_num_batched_tokens = max(args.max_num_batched_tokens, args.max_model_len)
+    if args.out is None and os.environ.get("OUT"):
+        args.out = os.environ["OUT"]
+    return args
+
+
+def graph_safe(args, backend: str) -> bool:
+    config = named_config(args.model)
+    get_plugin_manager()
+    spec = {"name": "flash_varlen", "impl": "auto"} if backend == "flash_varlen" else backend
+    part = construct(
+        "attention",
+        spec,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        scale=config.attention_scale,
+    )
+    return backend_is_graph_safe(part)
+
+
+def plan_runs(args) -> list[tuple[str, bool | None, str | None]]:
+    """(backend, graphs option or None to leave it unset, reason to skip or None)."""
+    supported = engine_has_option("cuda_graphs", True)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
+    runs = []
+    for backend in args.backends:
+        for graphs in modes:
+            if not supported:
+                skip = "not supported by this engine" if graphs else None
+                runs.append((backend, None if not graphs else True, skip))
+            elif graphs and not graph_safe(args, backend):
+                runs.append((backend, True, "backend not graph-safe: same as off"))
+            else:
+                runs.append((backend, graphs, None))
+    return runs
+
+
+def write_report(args, header: str, bandwidth: float, results: list[RunResult]) -> str:
+    report = header + "\n\n" + table(results) + "\n"
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_throughput.md"), "w") as f:
+            f.write(report)
+        runs = [asdict(r) for r in results]
+        with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
+            json.dump(
+                {"header": header, "bandwidth_bytes_per_s": bandwidth, "runs": runs}, f, indent=1
+            )
+    return report
+
+
+def merge(folders: list[str], out: str | None) -> str:
+    """One report from the gpu_throughput.json of several runs (one per folder)."""
+    parts = [
+        json.loads(open(os.path.join(f, "gpu_throughput.json")).read())
+        for f in folders
+        if os.path.isfile(os.path.join(f, "gpu_throughput.json"))
+    ]
+    if not parts:
+        return "no results"
+    results = [RunResult(**run) for part in parts for run in part["runs"]]
+    args = argparse.Namespace(out=out)
+    return write_report(args, parts[0]["header"], parts[0]["bandwidth_bytes_per_s"], results)
+
+
+def main(argv=None) -> list[RunResult]:
+    args = parse_args(argv)
+    if args.merge:
+        print(merge(args.merge, args.out))
+        return []
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --tiny on a CPU")
+    device = torch.device(args.device)
+    config = named_config(args.model)
+    workload = make_workload(
+        args.requests, args.min_len, args.max_len, config.vocab_size, args.seed
+    )
+    bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    header = (
+        f"{args.model} ({args.dtype}) on {name}: {len(workload.prompts)} requests, prompt and "
+        f"output lengths uniform in [{args.min_len}, {args.max_len}], "
+        f"{workload.num_output_tokens} output tokens; copy bandwidth {bandwidth / 1e9:,.0f} GB/s"
+    )
+    print(header, flush=True)
+    results = []
+    for backend, graphs, skip in plan_runs(args):
+        if skip:
+            results.append(RunResult(backend, "on", status=skip))
+        else:
+            results.append(run_one(args, backend, graphs, workload, bandwidth))
+            print(table(results[-1:]).splitlines()[-1], flush=True)
+        write_report(args, header, bandwidth, results)  # after every run: a timeout keeps the rest
+    print("\n" + write_report(args, header, bandwidth, results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,539 @@
+"""The CUDA execution path: decode CUDA graphs (`servelab.cuda_graphs`), KV
+sizing and pinned step staging (`servelab.device`), and the GPU benchmark.
+
+On the CPU: bucket choice, graph-safety, the eager fallback, and the padded
+decode a graph replays — run eagerly through the same static buffers with the
+real graph-safe backend (`triton_paged`, interpreted) — against the plain eager
+step; KV sizing with made-up device figures; staging round trips; a smoke run
+of `benchmarks/gpu_throughput.py --tiny`.
+
+On a CUDA device only (skipped elsewhere): graph capture and replay against
+eager, greedy tokens on CUDA against the CPU for every attention backend whose
+`check()` accepts the setup, every backend's attention at the Qwen3-0.6B head
+shape in bf16 and float32 against a float64 reference, and the device readings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from servelab.batch import AttentionMetadata
+from servelab.cuda_graphs import (
+    PAD_SLOT,
+    DecodeGraphRunner,
+    backend_is_graph_safe,
+    graph_buckets,
+    pick_bucket,
+)
+from servelab.device import (
+    GiB,
+    MemoryBudget,
+    StepStaging,
+    device_memory_budget,
+    estimate_activation_bytes,
+    kv_cache_budget,
+    model_weight_bytes,
+)
+from servelab.errors import ConfigError
+from servelab.kv_cache import KVCache
+from servelab.model.config import NAMED_SHAPES, named_config
+from servelab.model.loader import load_model
+from servelab.model.transformer import Transformer
+from servelab.options import construct
+from servelab.plugin_manager import get_plugin_manager
+
+HAS_CUDA = torch.cuda.is_available()
+# triton_paged runs compiled where CUDA is, interpreted on CPU tensors elsewhere
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("padded", "per_request", "flash_varlen", "triton_paged")
+
+
+def make_backend(spec, config):
+    get_plugin_manager()
+    return construct(
+        "attention",
+        spec,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        scale=config.attention_scale,
+    )
+
+
+# ---------------------------------------------------------------- buckets
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 100, 256, 257])
+def test_buckets_hold_every_batch_with_little_padding(max_num_seqs):
+    buckets = graph_buckets(max_num_seqs)
+    assert list(buckets) == sorted(set(buckets)) and buckets[-1] == max_num_seqs
+    for n in range(1, max_num_seqs + 1):
+        expected = min(b for b in buckets if b >= n)  # brute force
+        assert pick_bucket(buckets, n) == expected
+        assert expected - n < 16  # at most one bucket step of padding rows
+    assert pick_bucket(buckets, max_num_seqs + 1) is None
+
+
+def test_graph_buckets_rejects_an_empty_engine():
+    with pytest.raises(ValueError):
+        graph_buckets(0)
+
+
+def test_graph_safety_comes_from_the_backend():
+    config = named_config("tiny")
+    assert backend_is_graph_safe(make_backend("triton_paged", config))
+    for name in ("padded", "per_request", "flash_varlen"):
+        assert not backend_is_graph_safe(make_backend(name, config)), name
+    # a declared flag wins over the name
+    assert backend_is_graph_safe(SimpleNamespace(name="mine", graph_safe=True))
+    assert not backend_is_graph_safe(SimpleNamespace(name="triton_paged", graph_safe=False))
+
+
+# ---------------------------------------------------------------- a decode scene
+
+
+@dataclass
+class DecodeScene:
+    """A tiny model whose KV cache holds prefilled prompts, and two decode steps:
+    `steps[0]` for every sequence, `steps[1]` for the first few only (so the
+    second step's padding rows held real sequences in the first)."""
+
+    model: Transformer
+    backend: object
+    kv: KVCache
+    steps: list[tuple[torch.Tensor, AttentionMetadata]]
+    block_size: int
+    max_model_len: int
+
+    def forward(self, ids, positions, plan):
+        return self.model(ids, positions, self.kv.layers, self.backend, plan)
+
+    def eager(self, ids, meta):
+        return self.forward(ids, meta.positions, self.backend.plan(meta))
+
+
+def make_scene(device, dtype, backend_name, prompt_lens=(3, 9, 1, 14, 6), second=3, seed=0):
+    model, config, _ = load_model("tiny", dtype, device, seed=0)
+    backend = make_backend(backend_name, config)
+    rng = random.Random(seed)
+    block_size, max_model_len = 4, 32
+    blocks = [-(-(p + 2) // block_size) for p in prompt_lens]  # room for two decode tokens
+    num_blocks = sum(blocks) + 3  # spare blocks nobody may touch
+    physical = rng.sample(range(num_blocks), num_blocks)
+    tables, used = [], 0
+    for n in blocks:
+        tables.append(physical[used : used + n])
+        used += n
+    kv = KVCache(
+        config.num_layers,
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        torch.device(device),
+    )
+    scene = DecodeScene(model, backend, kv, [], block_size, max_model_len)
+    lens = list(prompt_lens)
+    prompt_ids = [rng.randrange(config.vocab_size) for _ in range(sum(lens))]
+    meta = AttentionMetadata.from_lists(lens, lens, tables, block_size, device=device)
+    ids = torch.tensor(prompt_ids, device=device)
+    with torch.inference_mode():
+        scene.eager(ids, meta)  # prefill: the cache now holds every prompt
+    for count in (len(lens), second):
+        seq_lens = [n + 1 for n in lens[:count]]
+        meta = AttentionMetadata.from_lists(
+            [1] * count, seq_lens, tables[:count], block_size, device=device
+        )
+        ids = torch.tensor([rng.randrange(config.vocab_size) for _ in range(count)], device=device)
+        scene.steps.append((ids, meta))
+        lens[:count] = seq_lens
+    return scene
+
+
+def written_slots(scene) -> torch.Tensor:
+    return torch.cat([meta.slot_mapping for _, meta in scene.steps]).cpu()
+
+
+def assert_near(have: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Equal when `tol` is 0, else ||have - want|| / ||want|| <= tol (no NaN passes)."""
+    assert have.shape == want.shape
+    if tol == 0:
+        assert torch.equal(have, want)
+        return
+    have, want = have.double().cpu(), want.double().cpu()
+    err = float((have - want).norm() / want.norm())
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+def assert_same_decode(scene, run_candidate, tol):
+    """Runs both steps eagerly, then through `run_candidate` from the same cache:
+    same hidden states and K/V at the written slots (to `tol`), every other slot
+    untouched (exactly)."""
+    pool = scene.kv.device_pool
+    before = pool.clone()
+    with torch.inference_mode():
+        expected = [scene.eager(ids, meta).clone() for ids, meta in scene.steps]
+        expected_pool = pool.clone()
+        pool.copy_(before)
+        got = [run_candidate(ids, meta).clone() for ids, meta in scene.steps]
+    for want, have in zip(expected, got, strict=True):
+        assert_near(have, want, tol)
+    slots = written_slots(scene)
+    flat = lambda t: t.flatten(2, 3).cpu()  # [2, layers, slots, heads, dim]
+    untouched = torch.ones(flat(pool).shape[2], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat(pool)[:, :, untouched], flat(before)[:, :, untouched]), (
+        "a padding row wrote K/V"
+    )
+    assert_near(flat(pool)[:, :, slots], flat(expected_pool)[:, :, slots], tol)
+
+
+# ---------------------------------------------------------------- the runner on the CPU
+
+
+def test_padded_decode_matches_eager_and_writes_only_real_slots():
+    """What a replay computes (static buffers, padded to 8 then 4 rows, graph-safe
+    backend), run eagerly: the second step's padding rows were real rows of the first."""
+    scene = make_scene(TRITON_DEVICE, torch.float64, "triton_paged")
+    runner = DecodeGraphRunner(
+        scene.forward,
+        scene.backend,
+        max_num_seqs=8,
+        max_model_len=scene.max_model_len,
+        block_size=scene.block_size,
+        device=TRITON_DEVICE,
+    )
+    assert [pick_bucket(runner.buckets, m.num_seqs) for _, m in scene.steps] == [8, 4]
+    assert_same_decode(scene, runner.run_padded_eager, tol=1e-12)
+    assert torch.all(runner.static.slot_mapping[3:4] == PAD_SLOT)
+
+
+def test_one_big_bucket_pads_a_single_sequence():
+    scene = make_scene(TRITON_DEVICE, torch.float64, "triton_paged", prompt_lens=(5, 2), second=1)
+    runner = DecodeGraphRunner(
+        scene.forward,
+        scene.backend,
+        max_num_seqs=8,
+        max_model_len=scene.max_model_len,
+        block_size=scene.block_size,
+        device=TRITON_DEVICE,
+        buckets=[8],
+    )
+    assert_same_decode(scene, runner.run_padded_eager, tol=1e-12)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_runner_on_cpu_runs_eagerly(enabled):
+    scene = make_scene("cpu", torch.float32, "per_request")
+    runner = DecodeGraphRunner(
+        scene.forward,
+        scene.backend,
+        max_num_seqs=8,
+        max_model_len=scene.max_model_len,
+        block_size=scene.block_size,
+        device="cpu",
+        enabled=enabled,
+    )
+    assert not runner.enabled
+    assert ("CUDA device" if enabled else "off") in runner.disabled_reason
+    runner.capture()  # nothing to capture
+    assert not runner.graphs
+    assert_same_decode(scene, runner.run, tol=0)
+    assert runner.num_eager == 2 and runner.num_replays == 0
+
+
+def test_padded_eager_refuses_prefill_and_oversized_batches():
+    scene = make_scene("cpu", torch.float32, "per_request", prompt_lens=(2, 3, 4), second=1)
+    runner = DecodeGraphRunner(
+        scene.forward, scene.backend, max_num_seqs=2, max_model_len=32, block_size=4, device="cpu"
+    )
+    ids, meta = scene.steps[0]  # three sequences, largest bucket 2
+    with pytest.raises(ValueError, match="exceeds"):
+        runner.run_padded_eager(ids, meta)
+    prefill = AttentionMetadata.from_lists([2], [2], [[0]], 4)
+    with pytest.raises(ValueError, match="decode"):
+        runner.run_padded_eager(torch.tensor([1, 2]), prefill)
+
+
+# ---------------------------------------------------------------- KV sizing
+
+
+def test_kv_budget_is_utilization_minus_weights_and_activations():
+    total, weights, act = 80 * GiB, int(1.2 * GiB), 3 * GiB
+    expected = int(total * 0.9) - weights - act
+    assert kv_cache_budget(total, 0.9, weights, act) == expected
+    # plenty free: no cap; little free: the activations must still fit next to the cache
+    assert kv_cache_budget(total, 0.9, weights, act, free_bytes=total - weights) == expected
+    assert kv_cache_budget(total, 0.9, weights, act, free_bytes=10 * GiB) == 10 * GiB - act
+
+
+def test_kv_budget_error_names_the_numbers():
+    with pytest.raises(ConfigError) as err:
+        kv_cache_budget(16 * GiB, 0.25, 3 * GiB, 2 * GiB)
+    message = str(err.value)
+    for figure in ("0.25", "16.00 GiB", "4.00 GiB", "3.00 GiB", "2.00 GiB"):
+        assert figure in message, (figure, message)
+    with pytest.raises(ConfigError, match="another process"):
+        kv_cache_budget(16 * GiB, 0.9, GiB, 2 * GiB, free_bytes=GiB)
+
+
+@pytest.mark.parametrize("utilization", [0, -0.1, 1.5, True, "0.9"])
+def test_utilization_must_be_a_fraction(utilization):
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        kv_cache_budget(GiB, utilization, 0, 0)
+
+
+def test_utilization_needs_cuda():
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
+        device_memory_budget("cpu", 0.9, 0)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_bytes_match_the_model(name, dtype):
+    model = Transformer(named_config(name), dtype, "meta")  # shapes only, no memory
+    actual = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model_weight_bytes(named_config(name), dtype) == actual
+
+
+def test_activation_estimate_covers_the_largest_tensors():
+    config = named_config("qwen3-0.6b")
+    tokens, seqs = 8192, 256
+    estimate = estimate_activation_bytes(config, tokens, seqs, "bfloat16")
+    mlp_pair = 2 * tokens * config.intermediate_size * 2  # gate and up outputs, bf16
+    logits = seqs * config.vocab_size * 4  # float32 logits
+    assert estimate >= mlp_pair + logits
+    assert estimate < estimate_activation_bytes(config, 2 * tokens, seqs, "bfloat16")
+    assert estimate < estimate_activation_bytes(config, tokens, 2 * seqs, "bfloat16")
+
+
+def test_memory_budget_keeps_its_figures():
+    budget = MemoryBudget(10 * GiB, 0.5, GiB, GiB)
+    assert budget.allowed_bytes == 5 * GiB and budget.kv_bytes == 3 * GiB
+
+
+# ---------------------------------------------------------------- step staging
+
+
+def test_staging_round_trip_with_one_upload():
+    staging = StepStaging("cpu", capacity_bytes=64)  # small: forces growth
+    staging.begin()
+    staging.put("positions", [5, 6, 7], torch.int64)
+    staging.put("seq_lens", np.array([6, 7, 8], dtype=np.int64), torch.int32)
+    view = staging.host_view("slots", 3, torch.int64)
+    view.numpy()[:] = np.arange(3) * 10  # filled in place, after growth moved the buffer
+    staging.put("table", torch.tensor([[1, 2], [3, 4]]), torch.int32)
+    out = staging.upload()
+    assert out["positions"].tolist() == [5, 6, 7] and out["positions"].dtype == torch.int64
+    assert out["seq_lens"].tolist() == [6, 7, 8] and out["seq_lens"].dtype == torch.int32
+    assert out["slots"].tolist() == [0, 10, 20]
+    assert out["table"].tolist() == [1, 2, 3, 4]
+    base = staging.device_buffer.data_ptr()
+    assert all((t.data_ptr() - base) % StepStaging.ALIGN == 0 for t in out.values())
+    assert staging.capacity_bytes >= staging.used_bytes > 64
+    assert not staging.host.is_pinned()  # nothing to copy to: no pinning
+    staging.begin()
+    assert staging.used_bytes == 0
+    staging.put("positions", [9], torch.int64)
+    assert staging.upload()["positions"].tolist() == [9]
+
+
+# ---------------------------------------------------------------- the benchmark, tiny
+
+
+def load_benchmark():
+    path = ROOT / "benchmarks" / "gpu_throughput.py"
+    spec = importlib.util.spec_from_file_location("gpu_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_throughput_benchmark_tiny_smoke(tmp_path):
+    bench = load_benchmark()
+    results = bench.main(
+        [
+            "--tiny",
+            "--backends",
+            "padded",
+            "--graphs",
+            "off",
+            "--requests",
+            "4",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    workload = bench.make_workload(4, 4, 32, named_config("tiny").vocab_size, seed=0)
+    (result,) = results
+    assert result.status == "ok" and result.requests_done == 4
+    assert result.output_tokens == workload.num_output_tokens  # ignore_eos: every token
+    assert result.output_tok_s > 0 and 0 < result.roofline_fraction < 1
+    assert (tmp_path / "gpu_throughput.md").is_file() and (
+        tmp_path / "gpu_throughput.json"
+    ).is_file()
+
+
+# ---------------------------------------------------------------- CUDA only
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_matches_eager(dtype):
+    scene = make_scene("cuda", dtype, "triton_paged")
+    runner = DecodeGraphRunner(
+        scene.forward,
+        scene.backend,
+        max_num_seqs=8,
+        max_model_len=scene.max_model_len,
+        block_size=scene.block_size,
+        device="cuda",
+    )
+    assert runner.enabled, runner.disabled_reason
+    before = scene.kv.device_pool.clone()
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert torch.equal(scene.kv.device_pool, before), "capture wrote K/V"
+    assert_same_decode(scene, runner.run, tol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert runner.num_replays == 2 and runner.num_eager == 0
+    prefill = AttentionMetadata.from_lists([2], [2], [[0]], scene.block_size, device="cuda")
+    with torch.inference_mode():
+        runner.run(torch.tensor([1, 2], device="cuda"), prefill)
+    assert runner.num_eager == 1  # a prefill never replays
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_graph_unsafe_backend_runs_eagerly_on_cuda():
+    scene = make_scene("cuda", torch.float32, "per_request")
+    runner = DecodeGraphRunner(
+        scene.forward, scene.backend, max_num_seqs=8, max_model_len=32, block_size=4, device="cuda"
+    )
+    assert "per_request" in runner.disabled_reason
+    runner.capture()
+    assert not runner.graphs
+    assert_same_decode(scene, runner.run, tol=0)
+
+
+def greedy_tokens(attention, device, prompts, max_tokens=12):
+    from servelab import LLM, SamplingParams
+
+    llm = LLM(model="tiny", attention=attention, device=device, dtype="float32", max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_greedy_tokens_on_cuda_equal_the_cpu(attention):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(3, 40))] for _ in range(5)]
+    try:
+        on_cuda = greedy_tokens(attention, "cuda", prompts)
+    except ConfigError as err:  # the backend's check() refuses float32 on CUDA
+        pytest.skip(f"{attention}: {err}")
+    assert on_cuda == greedy_tokens("per_request", "cpu", prompts)
+
+
+def dense_reference(q, keys, values, context_len, scale):
+    """One sequence in float64 from unpaged K/V: q [Q, H, D], keys/values [S, KVH, D]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    query_pos = context_len + torch.arange(q.shape[0])
+    hidden = torch.arange(k.shape[0])[None, :] > query_pos[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("spec", [*BACKENDS, {"name": "flash_varlen", "impl": "torch"}], ids=str)
+def test_backend_attention_on_cuda_at_qwen3_heads(spec, dtype):
+    """A mixed batch (decodes, a chunk mid-context, a whole prompt) at 16 query /
+    8 KV heads, head_dim 128, against a float64 dense reference."""
+    config = named_config("qwen3-0.6b")
+    backend = make_backend(spec, config)
+    block_size, device = 16, torch.device("cuda")
+    try:
+        backend.check(SimpleNamespace(block_size=block_size, name="paged"), device, dtype)
+    except ConfigError as err:
+        pytest.skip(str(err))
+    query_lens, context_lens = [1, 1, 37, 120], [300, 17, 64, 0]
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    gen = torch.Generator().manual_seed(0)
+    nkv, hd = config.num_kv_heads, config.head_dim
+    blocks = [-(-s // block_size) for s in seq_lens]
+    physical = torch.randperm(sum(blocks) + 2, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks:
+        tables.append(physical[used : used + n])
+        used += n
+    cache = torch.zeros(sum(blocks) + 2, block_size, nkv, hd, dtype=dtype, device=device)
+    k_cache, v_cache = cache.clone(), cache.clone()
+    keys = [torch.randn(s, nkv, hd, generator=gen).to(dtype) for s in seq_lens]
+    values = [torch.randn(s, nkv, hd, generator=gen).to(dtype) for s in seq_lens]
+    for table, c, k, v in zip(tables, context_lens, keys, values):
+        for pos in range(c):
+            k_cache[table[pos // block_size], pos % block_size] = k[pos].to(device)
+            v_cache[table[pos // block_size], pos % block_size] = v[pos].to(device)
+    q = torch.randn(sum(query_lens), config.num_heads, hd, generator=gen).to(dtype)
+    new_k = torch.cat([k[c:] for k, c in zip(keys, context_lens)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, context_lens)])
+    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size, device=device)
+    plan = backend.plan(meta)
+    out = backend.forward(
+        q.to(device), new_k.to(device), new_v.to(device), (k_cache, v_cache), plan
+    )
+    starts = np.cumsum([0, *query_lens])
+    want = torch.cat(
+        [
+            dense_reference(q[a:b], k, v, c, config.attention_scale)
+            for a, b, k, v, c in zip(starts, starts[1:], keys, values, context_lens)
+        ]
+    )
+    err = (out.double().cpu() - want).norm() / want.norm()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-3), float(err)
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_device_memory_budget_reads_the_device():
+    weights = torch.empty(256 * 1024**2, dtype=torch.uint8, device="cuda")  # stands for weights
+    budget = device_memory_budget("cuda", 0.5, activation_peak_bytes=GiB)
+    assert budget.total_bytes == torch.cuda.get_device_properties(0).total_memory
+    assert budget.weights_bytes >= weights.numel()
+    assert budget.kv_bytes <= int(budget.total_bytes * 0.5) - budget.weights_bytes - GiB
+    with pytest.raises(ConfigError, match="no room"):
+        _ = device_memory_budget("cuda", 1e-6, activation_peak_bytes=GiB).kv_bytes
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_staging_pins_and_uploads_to_cuda():
+    staging = StepStaging("cuda", capacity_bytes=32)
+    assert staging.host.is_pinned()
+    for step in range(3):
+        staging.begin()
+        values = list(range(step, step + 100))
+        staging.put("positions", values, torch.int64)
+        staging.put("seq_lens", values, torch.int32)
+        out = staging.upload()
+        assert out["positions"].device.type == "cuda"
+        assert out["positions"].tolist() == values and out["seq_lens"].tolist() == values

@@ -39,11 +39,11 @@ NUM_THREADS = 2  # the reference machine: 2 cores; torch.set_num_threads(2) for 
 # Options a built-in part is benchmarked with (several rows where they matter);
 # a part registered by a plugin runs with its defaults.
 BENCH_VARIANTS: dict[str, dict[str, list[dict]]] = {
-    "scheduler": {"chunked": [{"chunk_size": 256}]},
+    "scheduler": {"chunked": [{"chunk_size": 128}]},
     "allocator": {"paged": [{"prefix_caching": False}, {"prefix_caching": True}]},
     # `reference` is flash_varlen's specification (a Python loop per sequence):
     # benchmark the implementations meant to be fast
-    "attention": {"flash_varlen": [{"impl": "sdpa"}]},
+    "attention": {"flash_varlen": [{"impl": "sdpa"}, {"impl": "cpu"}]},
 }
 
 
@@ -99,7 +99,9 @@ def reference_config(**parts: Any) -> dict[str, Any]:
     """The preset's engine config (no workload) with `parts` replacing components
     and `engine=` options merged into the engine node."""
     preset = reference_preset()
-    config = {k: copy.deepcopy(v) for k, v in preset.items() if k not in ("workload", "run", "report")}
+    config = {
+        k: copy.deepcopy(v) for k, v in preset.items() if k not in ("workload", "run", "report")
+    }
     engine_options = parts.pop("engine", {})
     config.update(copy.deepcopy(parts))
     config["engine"].update(engine_options)

@@ -135,32 +135,12 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         num_decodes: int | None = None,
     ) -> AttentionMetadata:
-        """Builds every tensor from plain lists (tests and the engine both use this)."""
-        return cls.build(
-            query_lens,
-            seq_lens,
-            block_tables,
-            block_size,
-            sample_mask=sample_mask,
-            device=device,
-            num_decodes=num_decodes,
-        )
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        block_size: int,
-        sample_mask: list[bool] | np.ndarray | None = None,
-        device: torch.device | str = "cpu",
-        num_decodes: int | None = None,
-    ) -> AttentionMetadata:
-        """Builds every tensor with a fixed number of numpy operations: the cost
-        grows with the number of sequences only through reading their lists,
-        never through a Python loop over tokens. `block_tables` are referenced,
-        not copied: the metadata is valid for the step it was built for."""
+        """Builds every tensor from plain lists (tests and the engine both use this)
+        with a fixed number of numpy operations: the cost grows with the number of
+        sequences only through reading their lists, never through a Python loop
+        over tokens. `block_tables` are referenced, not copied: the metadata
+        describes the step it was built for. `num_decodes` defaults to the
+        leading one-query sequences."""
         num_seqs = len(query_lens)
         q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
         s_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
@@ -210,11 +190,9 @@ class AttentionMetadata:
             num_decodes=num_decodes,
             num_tokens=num_tokens,
             block_size=block_size,
-            query_lens_cpu=[int(q) for q in query_lens]
-            if not isinstance(query_lens, list)
-            else query_lens,
-            seq_lens_cpu=[int(s) for s in seq_lens] if not isinstance(seq_lens, list) else seq_lens,
-            block_tables_cpu=block_tables if isinstance(block_tables, list) else list(block_tables),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            block_tables_cpu=block_tables,
             max_query_len=int(q_lens.max()) if num_seqs else 0,
             max_seq_len=int(s_lens.max()) if num_seqs else 0,
             **tensors,

@@ -34,7 +34,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "seed": 0,
     "num_threads": None,  # None: leave torch's default
-    "compile": False,  # torch.compile the model's forward (dynamic shapes)
+    "compile": False,  # torch.compile the model's forward (dynamic shapes, attention eager)
 }
 COMPONENTS = ("scheduler", "allocator", "preemption", "attention")
 COMPONENT_DEFAULTS = {

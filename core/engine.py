@@ -206,6 +206,7 @@ class Engine:
             recomputed_tokens=sum(s.num_recomputed_tokens for s in group.seqs),
         )
         self.metrics.requests.append(record)
+        row = record.row()  # built once (it copies the record): the output and the hook share it
         output = RequestOutput(
             request_id=group.request_id,
             prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
@@ -219,10 +220,10 @@ class Engine:
                 for s in sorted(group.seqs, key=lambda s: s.sample_index)
             ],
             finished=True,
-            metrics=record.row(),
+            metrics=row,
         )
         del self.groups[group.request_id]
-        self.notify("servelab_request_end", engine=self, request=record.row())
+        self.notify("servelab_request_end", engine=self, request=dict(row))
         return output
 
     def _detokenize(self, token_ids: list[int]) -> str | None:

@@ -61,8 +61,9 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.generator = generator
-        # `torch.compile` of the model's forward; shapes change every step, so
-        # they are dynamic from the start (the backend's forward is traced too)
+        # `torch.compile` of the model's forward; shapes change every step, so they
+        # are dynamic from the start. The backend's forward stays eager
+        # (`transformer.attend`): its per-step plan would only force recompiles.
         self.compiled_forward = torch.compile(model.forward, dynamic=True) if compile else None
 
     # -- inputs
@@ -117,7 +118,7 @@ class ModelRunner:
                 indices.append(k if forks > 1 else seq.sample_index)
                 owners.append(seq.seq_id)
             num_sampling += 1
-        meta = AttentionMetadata.build(
+        meta = AttentionMetadata.from_lists(
             query_lens,
             seq_lens,
             tables,

@@ -104,7 +104,7 @@ def test_chunked_prefill(tmp_path):
     runs = run_preset(
         tmp_path, "chunked_prefill",
         "workload.num_long=2", "workload.long_prompt_len=1536", "workload.decoder_output_len=96",
-        "workload.first_long_at=0.02", "workload.long_every=0.15",
+        "workload.first_long_at=0.02", "workload.long_every=0.05",
     )  # fmt: skip
     chunked, whole = runs["chunked"], runs["continuous"]
     assert whole["longest_stall_prefill_tokens"] == 1536

@@ -12,10 +12,11 @@ Rules:
 - float32 only (float64 keeps PyTorch's SDPA: the oracle's exactness never
   depends on this kernel); head_dim in `HEAD_DIMS`; any block size, any
   grouped-query ratio;
-- built with `torch.utils.cpp_extension.load_inline` the first time a step
-  needs it (about half a minute; cached by torch across processes); a machine
-  without a C++ compiler gets `None` from `kernel()` and a logged reason, and
-  callers fall back to the SDPA path;
+- built with `torch.utils.cpp_extension.load_inline` when an engine that
+  uses it is built (about half a minute the first time; torch caches the
+  build across processes); a machine without a C++ compiler, or
+  `SERVELAB_CPU_KERNEL=0` in the environment, gets `None` from `kernel()`
+  and a logged reason, and callers fall back to the SDPA path;
 - `exp` is a Cephes-style polynomial (a couple of float32 ulps): results match
   SDPA to float32 rounding, not bit for bit.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from types import ModuleType
 
 import torch
@@ -170,12 +172,17 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const int64_t work_size = static_cast<int64_t>(num_heads) * (2 * D + kTile + 2);
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  // thread w takes sequences w, w + T, w + 2T...: contexts of every length on each
+  // thread (a contiguous split would give one thread the batch's long tail)
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_seqs);
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(work_size);
-    for (int64_t seq = begin; seq < end; ++seq) {
-      attend_seq<D>(qp + seq * num_heads * D, kp, vp, tables + seq * width, lens[seq],
-                    block_size, num_heads, kv_heads, scale, op + seq * num_heads * D,
-                    work.data());
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t seq = worker; seq < num_seqs; seq += num_workers) {
+        attend_seq<D>(qp + seq * num_heads * D, kp, vp, tables + seq * width, lens[seq],
+                      block_size, num_heads, kv_heads, scale, op + seq * num_heads * D,
+                      work.data());
+      }
     }
   });
 }
@@ -209,6 +216,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 @functools.cache
 def kernel() -> ModuleType | None:
     """The compiled extension, or None (logged once) when it cannot be built."""
+    if os.environ.get("SERVELAB_CPU_KERNEL", "1") == "0":
+        log.info("servelab: SERVELAB_CPU_KERNEL=0, the CPU paged-decode kernel is off")
+        return None
     try:
         from torch.utils.cpp_extension import load_inline
 

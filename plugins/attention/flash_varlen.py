@@ -42,17 +42,19 @@ from servelab.hookspecs import hookimpl
 from servelab.interfaces import AttentionBackend, KVAllocator
 from servelab.plugins.attention import cpu_paged
 from servelab.plugins.attention.common import (
-    DecodeBatchPlan,
-    PerSeqPlan,
     Workspace,
-    decode_attention,
     expand_kv_heads,
     flat_cache,
     packed_context_slots,
+    store_kv,
+)
+from servelab.plugins.attention.sdpa_paths import (
+    DecodeBatchPlan,
+    PerSeqPlan,
+    decode_attention,
     per_seq_attention,
     plan_decode_batch,
     plan_per_seq,
-    store_kv,
 )
 
 logger = logging.getLogger(__name__)
@@ -262,6 +264,8 @@ class FlashVarlenBackend(AttentionBackend):
     ) -> None:
         if self.impl in ("reference", *SDPA_IMPLS):
             chosen = self.impl
+            if chosen == "cpu" and device.type == "cpu" and dtype == torch.float32:
+                cpu_paged.kernel()  # built now, with the engine, not inside a timed step
         elif self.impl in ("flash_attn", "torch"):
             problems = self._problems(self.impl, block_size, device, dtype)
             if problems:

@@ -20,12 +20,8 @@ import torch.nn.functional as F
 from servelab.batch import AttentionMetadata
 from servelab.hookspecs import hookimpl
 from servelab.interfaces import AttentionBackend
-from servelab.plugins.attention.common import (
-    Workspace,
-    gather_padded,
-    padded_key_rows,
-    store_kv,
-)
+from servelab.plugins.attention.common import Workspace, store_kv
+from servelab.plugins.attention.sdpa_paths import gather_padded, padded_key_rows
 
 
 @dataclass

@@ -16,13 +16,8 @@ import torch
 from servelab.batch import AttentionMetadata
 from servelab.hookspecs import hookimpl
 from servelab.interfaces import AttentionBackend
-from servelab.plugins.attention.common import (
-    PerSeqPlan,
-    Workspace,
-    per_seq_attention,
-    plan_per_seq,
-    store_kv,
-)
+from servelab.plugins.attention.common import Workspace, store_kv
+from servelab.plugins.attention.sdpa_paths import PerSeqPlan, per_seq_attention, plan_per_seq
 
 # the plan of a step: one call per sequence (kept under its historical name)
 PerRequestPlan = PerSeqPlan

@@ -22,7 +22,12 @@ import torch
 from servelab.model.config import ModelConfig
 from servelab.model.loader import load_model
 from servelab.model.transformer import rope_inv_freq
-from servelab.testing.hf_reference import HF_CLASSES, make_hf_exact_float64, reference_inv_freq
+from servelab.testing.hf_reference import (
+    HF_CLASSES,
+    make_hf_exact_float64,
+    randomise_norms_and_biases,
+    reference_inv_freq,
+)
 from tests.helpers_model import PagedDriver
 
 TOL = 1e-9
@@ -59,13 +64,7 @@ def build_hf_model(arch: str, tied: bool, rope_scaling: dict | None = None, seed
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float64).eval()
-    # HF starts norms at 1 and biases at 0: randomise them so a mis-wired one shows up
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
+    randomise_norms_and_biases(model)
     return model
 
 

@@ -69,6 +69,16 @@ def make_hf_exact_float64(hf_model, inv_freq: list[float]) -> None:
     rotary.forward = types.MethodType(_rope_float64, rotary)
 
 
+@torch.no_grad()
+def randomise_norms_and_biases(model) -> None:
+    """HF starts norms at 1 and biases at 0: randomise them so a mis-wired one shows up."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1 + 0.2 * torch.randn_like(param))
+        elif name.endswith("bias"):
+            param.copy_(0.2 * torch.randn_like(param))
+
+
 def build_tiny_hf(
     arch: str,
     seed: int = 0,
@@ -99,12 +109,7 @@ def build_tiny_hf(
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float64).eval()
-    with torch.no_grad():  # HF starts norms at 1 and biases at 0: randomise them
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
+    randomise_norms_and_biases(model)
     theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
     rope_dim = hidden_size // 4 if arch == "qwen2" else head_dim
     make_hf_exact_float64(model, reference_inv_freq(rope_dim, theta, None))

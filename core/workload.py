@@ -158,17 +158,6 @@ def clip_lengths(prompt_len: int, output_len: int, max_model_len: int | None) ->
     return prompt_len, output_len
 
 
-def sampling(
-    output_len: int, temperature: float, ignore_eos: bool, seed: int | None
-) -> SamplingParams:
-    return SamplingParams(
-        temperature=float(temperature),
-        max_tokens=int(output_len),
-        ignore_eos=bool(ignore_eos),
-        seed=None if temperature == 0 else seed,
-    )
-
-
 def check_keys(node: Mapping, accepted: list[str], what: str) -> None:
     unknown = [k for k in node if k not in accepted]
     if unknown:
@@ -178,7 +167,64 @@ def check_keys(node: Mapping, accepted: list[str], what: str) -> None:
         )
 
 
+def check_int(what: str, value: Any, minimum: int) -> None:
+    if not (isinstance(value, int) and value >= minimum):
+        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass
+class RequestBuilder:
+    """What every builder shares: one generator seeded with `seed` for all its
+    random draws (the builder's order of draws fixes its requests), the
+    sampling options, and the engine's length limit. Request `index` k samples
+    with seed `seed * 100_003 + k`, so each request has its own stream."""
+
+    vocab_size: int
+    max_model_len: int | None
+    seed: int
+    temperature: float
+    ignore_eos: bool
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+
+    def random_prompt(self, length: int) -> list[int]:
+        return random_prompt(self.rng, length, self.vocab_size)
+
+    def request(
+        self, index: int, prompt: list[int], output_len: int, **fields: Any
+    ) -> WorkloadRequest:
+        """A request of exactly these prompt tokens; `fields` are `WorkloadRequest`'s."""
+        params = SamplingParams(
+            temperature=float(self.temperature),
+            max_tokens=int(output_len),
+            ignore_eos=bool(self.ignore_eos),
+            seed=None if self.temperature == 0 else self.seed * 100_003 + index,
+        )
+        return WorkloadRequest(prompt, params, **fields)
+
+    def random_request(
+        self,
+        index: int,
+        prompt_len: int,
+        output_len: int,
+        prefix: list[int] | None = None,
+        **fields: Any,
+    ) -> WorkloadRequest:
+        """`prefix` then random tokens, `prompt_len` of them, lengths clipped to
+        what the engine serves (the prefix counts in the prompt, and is cut too
+        when it alone is too long)."""
+        prefix = prefix or []
+        p, o = clip_lengths(len(prefix) + prompt_len, output_len, self.max_model_len)
+        own = self.random_prompt(max(0, p - len(prefix)))
+        return self.request(index, (prefix + own)[:p], o, **fields)
+
+
 # -- builders: (vocab_size, max_model_len, **options) -> requests
+#
+# Each keeps its options in its own signature: they are the config node's keys
+# (`workload_options`), listed in this order in an unknown-option error.
 
 
 def seeds_workload(
@@ -195,25 +241,22 @@ def seeds_workload(
 ) -> list[WorkloadRequest]:
     """The seeds' heterogeneous mix (`SEEDS_LENGTHS`), `repeat` times in order;
     `scale` multiplies every length (a smaller copy of the same shape)."""
-    if not (isinstance(repeat, int) and repeat >= 1):
-        raise ConfigError(f"workload seeds: repeat must be an integer >= 1, got {repeat!r}")
+    check_int("workload seeds: repeat", repeat, 1)
     if not scale > 0:
         raise ConfigError(f"workload seeds: scale must be > 0, got {scale!r}")
-    rng = np.random.default_rng(seed)
+    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
     mix = SEEDS_LENGTHS * repeat
-    times = arrival_times(len(mix), arrival, rate, cv, rng)
-    requests = []
-    for i, (p, o) in enumerate(mix):
-        p, o = clip_lengths(round(p * scale), round(o * scale), max_model_len)
-        requests.append(
-            WorkloadRequest(
-                random_prompt(rng, p, vocab_size),
-                sampling(o, temperature, ignore_eos, seed * 100_003 + i),
-                arrival_time=float(times[i]),
-                request_id=f"seed-{i}",
-            )
+    times = arrival_times(len(mix), arrival, rate, cv, build.rng)
+    return [
+        build.random_request(
+            i,
+            round(p * scale),
+            round(o * scale),
+            arrival_time=float(times[i]),
+            request_id=f"seed-{i}",
         )
-    return requests
+        for i, (p, o) in enumerate(mix)
+    ]
 
 
 _DEFAULT_PROMPT = {"dist": "uniform", "mean": 128, "std": 0, "min": 32, "max": 256}
@@ -239,36 +282,30 @@ def synthetic_workload(
     and optionally one shared system prompt of `shared_prefix_len` tokens put
     in front of the prompts of exactly round(shared_fraction * num_requests)
     requests (chosen at random); `prompt_len` is the length after it."""
-    if not (isinstance(num_requests, int) and num_requests >= 1):
-        raise ConfigError(f"workload num_requests must be an integer >= 1, got {num_requests!r}")
-    if not (isinstance(shared_prefix_len, int) and shared_prefix_len >= 0):
-        raise ConfigError(
-            f"workload shared_prefix_len must be an integer >= 0, got {shared_prefix_len!r}"
-        )
+    check_int("workload num_requests", num_requests, 1)
+    check_int("workload shared_prefix_len", shared_prefix_len, 0)
     if not 0.0 <= shared_fraction <= 1.0:
         raise ConfigError(f"workload shared_fraction must be in [0, 1], got {shared_fraction!r}")
-    rng = np.random.default_rng(seed)
+    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
+    rng = build.rng  # the draws below, in this order, fix the requests
     prompts = LengthDist.from_node(prompt_len, "workload.prompt_len").sample(rng, num_requests)
     outputs = LengthDist.from_node(output_len, "workload.output_len").sample(rng, num_requests)
     times = arrival_times(num_requests, arrival, rate, cv, rng)
-    system = random_prompt(rng, shared_prefix_len, vocab_size)
+    system = build.random_prompt(shared_prefix_len)
     num_shared = round(shared_fraction * num_requests) if shared_prefix_len else 0
     shared = set(rng.permutation(num_requests)[:num_shared].tolist())
-    requests = []
-    for i in range(num_requests):
-        prefix = system if i in shared else []
-        p, o = clip_lengths(len(prefix) + prompts[i], outputs[i], max_model_len)
-        own = random_prompt(rng, max(0, p - len(prefix)), vocab_size)
-        requests.append(
-            WorkloadRequest(
-                (prefix + own)[:p],
-                sampling(o, temperature, ignore_eos, seed * 100_003 + i),
-                arrival_time=float(times[i]),
-                request_id=f"req-{i}",
-                meta={"shared_prefix": i in shared},
-            )
+    return [
+        build.random_request(
+            i,
+            prompts[i],
+            outputs[i],
+            prefix=system if i in shared else None,
+            arrival_time=float(times[i]),
+            request_id=f"req-{i}",
+            meta={"shared_prefix": i in shared},
         )
-    return requests
+        for i in range(num_requests)
+    ]
 
 
 def interference_workload(
@@ -290,35 +327,33 @@ def interference_workload(
     requests arrive at 0 and decode steadily; `num_long` long prompts arrive at
     `first_long_at + k * long_every` seconds and must be prefilled while the
     decoders run (the seeds' "a 4096-token prompt stalls every decode")."""
-    for key, value in (("num_decoders", num_decoders), ("num_long", num_long)):
-        if not (isinstance(value, int) and value >= 0):
-            raise ConfigError(f"workload {key} must be an integer >= 0, got {value!r}")
+    check_int("workload num_decoders", num_decoders, 0)
+    check_int("workload num_long", num_long, 0)
     if first_long_at < 0 or long_every < 0:
         raise ConfigError("workload first_long_at and long_every must be >= 0 seconds")
-    rng = np.random.default_rng(seed)
-    requests = []
-    for i in range(num_decoders):
-        p, o = clip_lengths(decoder_prompt_len, decoder_output_len, max_model_len)
-        requests.append(
-            WorkloadRequest(
-                random_prompt(rng, p, vocab_size),
-                sampling(o, temperature, ignore_eos, seed * 100_003 + i),
-                request_id=f"decoder-{i}",
-                meta={"kind": "decoder"},
-            )
+    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
+    decoders = [
+        build.random_request(
+            i,
+            decoder_prompt_len,
+            decoder_output_len,
+            request_id=f"decoder-{i}",
+            meta={"kind": "decoder"},
         )
-    for k in range(num_long):
-        p, o = clip_lengths(long_prompt_len, long_output_len, max_model_len)
-        requests.append(
-            WorkloadRequest(
-                random_prompt(rng, p, vocab_size),
-                sampling(o, temperature, ignore_eos, seed * 100_003 + num_decoders + k),
-                arrival_time=first_long_at + k * long_every,
-                request_id=f"long-{k}",
-                meta={"kind": "long"},
-            )
+        for i in range(num_decoders)
+    ]
+    longs = [
+        build.random_request(
+            num_decoders + k,
+            long_prompt_len,
+            long_output_len,
+            arrival_time=first_long_at + k * long_every,
+            request_id=f"long-{k}",
+            meta={"kind": "long"},
         )
-    return sorted(requests, key=lambda r: r.arrival_time)
+        for k in range(num_long)
+    ]
+    return sorted(decoders + longs, key=lambda r: r.arrival_time)
 
 
 TRACE_KEYS = ("prompt_len", "prompt_token_ids", "output_len", "arrival_time", "priority")
@@ -345,7 +380,7 @@ def trace_workload(
     file = Path(str(path)).expanduser()
     if not file.is_file():
         raise ConfigError(f"workload trace: no such file {str(file)!r}")
-    rng = np.random.default_rng(seed)
+    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
     requests = []
     with file.open(encoding="utf-8") as lines:
         for lineno, line in enumerate(lines, start=1):
@@ -354,16 +389,18 @@ def trace_workload(
             where = f"{file}:{lineno}"
             prompt, output_len, arrival, priority = parse_trace_line(line, where, vocab_size)
             if isinstance(prompt, int):
-                prompt = random_prompt(rng, prompt, vocab_size)
+                prompt = build.random_prompt(prompt)
+            # a trace is replayed as written: too long is an error, never clipped
             if max_model_len is not None and len(prompt) + output_len > max_model_len:
                 raise ConfigError(
                     f"{where}: prompt ({len(prompt)} tokens) + output_len ({output_len}) exceeds "
                     f"max_model_len={max_model_len}"
                 )
             requests.append(
-                WorkloadRequest(
+                build.request(
+                    lineno,
                     prompt,
-                    sampling(output_len, temperature, ignore_eos, seed * 100_003 + lineno),
+                    output_len,
                     arrival_time=arrival * time_scale,
                     priority=priority,
                     request_id=f"trace-{lineno}",

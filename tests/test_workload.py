@@ -144,6 +144,43 @@ def test_interference_mix_has_steady_decoders_and_periodic_long_prompts():
     assert all(len(r.prompt_token_ids) == 300 for r in longs)
 
 
+def test_a_shared_prefix_longer_than_the_engine_allows_is_cut():
+    node = {
+        "name": "synthetic",
+        "num_requests": 4,
+        "shared_prefix_len": 100,
+        "shared_fraction": 1.0,
+        "prompt_len": 10,
+        "output_len": 5,
+    }
+    full = make_workload(node, VOCAB)
+    assert all(len(r.prompt_token_ids) == 110 for r in full)
+    cut = make_workload(node, VOCAB, max_model_len=64)
+    # one token is left for the output: the prompt keeps the prefix's first 63 tokens
+    system = full[0].prompt_token_ids[:100]
+    assert [r.prompt_token_ids for r in cut] == [system[:63]] * 4
+    assert [r.params.max_tokens for r in cut] == [1] * 4
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"name": "seeds", "repeat": 2},
+        {"name": "synthetic", "num_requests": 16},
+        {"name": "interference", "num_decoders": 5, "num_long": 3},
+    ],
+)
+def test_every_sampled_request_has_its_own_seed_and_greedy_ones_none(node):
+    sampled = make_workload({**node, "temperature": 0.8}, VOCAB)
+    seeds = [r.params.seed for r in sampled]
+    assert None not in seeds and len(set(seeds)) == len(seeds)
+    # another workload seed gives every request another sampling seed
+    other = make_workload({**node, "temperature": 0.8, "seed": 1}, VOCAB)
+    assert not set(seeds) & {r.params.seed for r in other}
+    greedy = make_workload(node, VOCAB)
+    assert all(r.params.seed is None for r in greedy)
+
+
 # -- traces
 
 

@@ -15,11 +15,11 @@ Figures per run:
   (measured here with a large copy) are the step's floor. The fraction is
   sum(floors) / sum(wall times) over the decode-only steps.
 
-CUDA graphs are asked for through the engine option `cuda_graphs`; an engine
-without that option is reported as "not supported". The KV cache is sized by
-the engine's `gpu_memory_utilization` when it has that option, else here from
-`torch.cuda.mem_get_info` (`servelab.device.kv_cache_budget`), capped at what
-the workload can hold at once. Every run is warmed up first (kernels compile).
+CUDA graphs are the engine option `cuda_graphs` (the status column adds the
+engine's `graphs_status` and its replay count). On CUDA the engine sizes its KV
+cache itself from `gpu_memory_utilization`; on the CPU (`--tiny`) it gets
+`kv_cache_memory` = what the workload can hold at once. Every run is warmed up
+first (kernels compile; with graphs, the capture happens when the engine is built).
 """
 
 from __future__ import annotations
@@ -38,13 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from servelab import LLM, ConfigError, SamplingParams
-from servelab.build import engine_options
-from servelab.cuda_graphs import DecodeGraphRunner, backend_is_graph_safe
-from servelab.device import (
-    estimate_activation_bytes,
-    kv_cache_budget,
-    model_weight_bytes,
-)
+from servelab.cuda_graphs import backend_is_graph_safe
 from servelab.model.config import named_config
 from servelab.options import construct
 from servelab.plugin_manager import get_plugin_manager
@@ -153,38 +147,18 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
 
 
-def engine_has_option(name: str, value) -> bool:
-    """Whether this servelab's engine accepts option `name` (checked without building)."""
-    try:
-        engine_options({name: value})
-    except ConfigError:
-        return False
-    return True
-
-
-def kv_cache_bytes(args, config, workload: Workload) -> int:
-    """KV budget from the device (utilization - weights - activations), capped
-    at what the workload can hold at once; on the CPU, just that cap."""
+def workload_kv_bytes(args, config, workload: Workload) -> int:
+    """KV bytes for every sequence the workload can run at once (the CPU run's
+    `kv_cache_memory`; on CUDA the engine sizes its cache from the device)."""
     kv_per_token = config.kv_bytes_per_token(args.dtype)
     blocks_per_seq = -(-args.max_model_len // args.block_size) + 1
     need = min(len(workload.prompts), args.max_num_seqs) * blocks_per_seq * args.block_size
-    need_bytes = need * kv_per_token
-    if args.device != "cuda":
-        return need_bytes
-    free, total = torch.cuda.mem_get_info()
-    weights = model_weight_bytes(config, args.dtype)
-    activations = estimate_activation_bytes(
-        config, args.max_num_batched_tokens, args.max_num_seqs, args.dtype
-    )
-    budget = kv_cache_budget(
-        total, args.gpu_memory_utilization, weights, activations, free - weights
-    )
-    return min(budget, need_bytes)
+    return need * kv_per_token
 
 
-def build_llm(args, backend: str, graphs: bool | None, kv_bytes: int | None) -> LLM:
+def build_llm(args, backend: str, graphs: bool, kv_bytes: int | None) -> LLM:
     """The engine for one run; `kv_bytes` None lets the engine size its KV cache
-    from `gpu_memory_utilization`, `graphs` None leaves `cuda_graphs` unset."""
+    from `gpu_memory_utilization`."""
     attention = {"name": "flash_varlen", "impl": "auto"} if backend == "flash_varlen" else backend
     options = dict(
         device=args.device,
@@ -193,6 +167,7 @@ def build_llm(args, backend: str, graphs: bool | None, kv_bytes: int | None) -> 
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=0,
+        cuda_graphs=graphs,
     )
     if args.device == "cpu":
         # tiny kernels: one thread, as conf/device/cpu.yaml; spinning threads collapse on shared cores
@@ -201,8 +176,6 @@ def build_llm(args, backend: str, graphs: bool | None, kv_bytes: int | None) -> 
         options["gpu_memory_utilization"] = args.gpu_memory_utilization
     else:
         options["kv_cache_memory"] = kv_bytes
-    if graphs is not None:
-        options["cuda_graphs"] = graphs
     allocator = {"name": "paged", "block_size": args.block_size}
     return LLM(model=args.model, attention=attention, allocator=allocator, **options)
 
@@ -241,26 +214,11 @@ def timed_run(llm: LLM, workload: Workload, max_seconds: float) -> tuple[int, fl
     return done, wall, list(zip(steps, shapes.shapes))
 
 
-def find_graph_runner(engine) -> DecodeGraphRunner | None:
-    """The engine's decode graph runner, wherever the engine keeps it (on itself
-    or on one of its parts, such as its model runner)."""
-    parts = [engine, *vars(engine).values()]
-    for part in parts:
-        for value in getattr(part, "__dict__", {}).values():
-            if isinstance(value, DecodeGraphRunner):
-                return value
-    return None
-
-
-def run_one(args, backend: str, graphs: bool | None, workload, bandwidth) -> RunResult:
-    label = "n/a" if graphs is None else ("on" if graphs else "off")
-    result = RunResult(backend, label)
+def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
+    result = RunResult(backend, "on" if graphs else "off")
     config = named_config(args.model)
-    engine_sizes_kv = args.device == "cuda" and engine_has_option(
-        "gpu_memory_utilization", args.gpu_memory_utilization
-    )
     try:
-        kv_bytes = None if engine_sizes_kv else kv_cache_bytes(args, config, workload)
+        kv_bytes = None if args.device == "cuda" else workload_kv_bytes(args, config, workload)
         llm = build_llm(args, backend, graphs, kv_bytes)
     except ConfigError as err:
         result.status = f"config error: {err}"
@@ -283,12 +241,14 @@ def run_one(args, backend: str, graphs: bool | None, workload, bandwidth) -> Run
             result.roofline_fraction = floor / bandwidth / decode_wall
         if done < len(workload.prompts):
             result.status = f"partial: stopped at {args.max_seconds:.0f} s"
-        runner = find_graph_runner(llm.engine)
-        if graphs and runner is not None:
-            result.notes.append(
-                runner.disabled_reason
-                or f"{runner.num_replays} decode replays, {runner.num_eager} eager forwards"
-            )
+        runner = llm.engine.runner
+        if graphs:
+            result.notes.append(f"graphs {runner.graphs_status}")
+            if runner.graphs is not None and runner.graphs.enabled:
+                result.notes.append(
+                    f"{runner.graphs.num_replays} decode replays, "
+                    f"{runner.graphs.num_eager} eager forwards"
+                )
     except Exception as err:  # one backend's failure is a row of the table, not the end
         traceback.print_exc()
         result.status = f"error: {type(err).__name__}: {err}"
@@ -377,17 +337,14 @@ def graph_safe(args, backend: str) -> bool:
     return backend_is_graph_safe(part)
 
 
-def plan_runs(args) -> list[tuple[str, bool | None, str | None]]:
-    """(backend, graphs option or None to leave it unset, reason to skip or None)."""
-    supported = engine_has_option("cuda_graphs", True)
+def plan_runs(args) -> list[tuple[str, bool, str | None]]:
+    """(backend, cuda_graphs, reason to skip or None). Graphs on with a backend
+    that is not graph-safe would run eagerly, the same as off: skipped."""
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     runs = []
     for backend in args.backends:
         for graphs in modes:
-            if not supported:
-                skip = "not supported by this engine" if graphs else None
-                runs.append((backend, None if not graphs else True, skip))
-            elif graphs and not graph_safe(args, backend):
+            if graphs and not graph_safe(args, backend):
                 runs.append((backend, True, "backend not graph-safe: same as off"))
             else:
                 runs.append((backend, graphs, None))

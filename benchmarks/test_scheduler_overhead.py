@@ -15,7 +15,7 @@ import pytest
 import torch
 from reference_workload import SMOKE, node_id, variants
 
-from servelab.batch import AttentionMetadata
+from servelab.batch import AttentionMetadata, SampledTokens
 from servelab.model_runner import ModelRunner
 from servelab.options import construct
 from servelab.sequence import SamplingParams, Sequence, SequenceGroup
@@ -82,9 +82,10 @@ def decode_step(scheduler, runner: ModelRunner):
     def step() -> int:
         plan = scheduler.schedule()
         batch = runner.prepare(plan)
-        sampled = {owner: [5] for owner in batch.sample_owners}  # the stub model's token
+        owners = batch.sample_owners
+        sampled = SampledTokens(owners, [5] * len(owners))  # the stub model's token
         scheduler.update(plan, sampled, float(next(clock)))
-        return len(plan.scheduled)
+        return plan.num_batch_decodes + len(plan.items)  # sequences in the step
 
     return step
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from servelab.sequence import Sequence
+
+if TYPE_CHECKING:
+    from servelab.device import StepStaging
 
 
 @dataclass
@@ -46,41 +50,136 @@ class ScheduledSeq:
     seq: Sequence
     num_query_tokens: int
     start: int = -1
-    samples: bool = False
+    samples: bool | None = None  # None: derived from the sequence when scheduled
 
     def __post_init__(self) -> None:
         if self.start < 0:
             self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_query_tokens == self.seq.num_tokens
+        if self.samples is None:
+            self.samples = self.start + self.num_query_tokens == self.seq.num_tokens
 
     @property
     def is_decode(self) -> bool:
-        return self.num_query_tokens == 1 and self.samples and self.seq.num_output_tokens > 0
+        return (
+            self.num_query_tokens == 1 and self.samples and self.start >= self.seq.num_prompt_tokens
+        )
 
 
-@dataclass
 class StepPlan:
-    """What the scheduler decided for one step."""
+    """What the scheduler decided for one step.
 
-    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefills
-    copies: BlockCopies = field(default_factory=BlockCopies)
-    preempted: list[Sequence] = field(default_factory=list)  # preempted during this schedule()
-    idle_slots: int = 0  # static batching: finished sequences still holding a slot
+    A step's sequences are `scheduled`: decodes first, then prefill chunks. In
+    a steady decode phase the decodes come as one `DecodeBatch` (`decodes`)
+    instead of one `ScheduledSeq` each, so planning a step costs array
+    operations, not Python work per sequence; `items` holds the rest. The
+    batch changes after the step, so the plan keeps what it was when
+    scheduled: its rows' sequences (`decode_seqs`, `decode_seq_ids`) and the
+    position each computes (`decode_starts`). Reading `scheduled` lists every
+    sequence either way (built once, on first use): the hot path reads
+    `decodes` and `items`, everything else may read `scheduled`.
+    """
+
+    def __init__(
+        self,
+        scheduled: list[ScheduledSeq] | None = None,
+        copies: BlockCopies | None = None,
+        preempted: list[Sequence] | None = None,
+        idle_slots: int = 0,
+        decodes=None,
+        decode_starts: np.ndarray | None = None,
+    ) -> None:
+        self.items: list[ScheduledSeq] = scheduled if scheduled is not None else []
+        self.copies = copies if copies is not None else BlockCopies()
+        self.preempted: list[Sequence] = preempted if preempted is not None else []
+        self.idle_slots = idle_slots  # static batching: finished sequences still holding a slot
+        self.decodes = decodes  # a servelab.decode_batch.DecodeBatch, or None
+        self.decode_starts = decode_starts  # int64 [rows]: position each batch row computes
+        # the batch's row lists when scheduled (the batch replaces, never mutates, them)
+        self.decode_seqs: list[Sequence] = decodes.seqs if decodes is not None else []
+        self.decode_seq_ids: list[int] = decodes.seq_ids if decodes is not None else []
+        self._listed: list[ScheduledSeq] | None = None
+
+    @property
+    def num_batch_decodes(self) -> int:
+        return 0 if self.decodes is None else len(self.decode_starts)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        if self.decodes is None:
+            return self.items
+        if self._listed is None:
+            starts = self.decode_starts.tolist()
+            self._listed = [
+                ScheduledSeq(seq, 1, start, True) for seq, start in zip(self.decode_seqs, starts)
+            ] + self.items
+        return self._listed
+
+    @scheduled.setter
+    def scheduled(self, items: list[ScheduledSeq]) -> None:
+        self.items, self.decodes, self.decode_starts, self._listed = items, None, None, None
+        self.decode_seqs, self.decode_seq_ids = [], []
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.items and not self.num_batch_decodes
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
+        return self.num_batch_decodes + sum(1 for s in self.items if s.is_decode)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_query_tokens for s in self.scheduled)
+        return self.num_batch_decodes + sum(s.num_query_tokens for s in self.items)
 
     def sort_decodes_first(self) -> None:
-        self.scheduled.sort(key=lambda s: not s.is_decode)  # stable: keeps order within each part
+        self.items.sort(key=lambda s: not s.is_decode)  # stable: keeps order within each part
+
+    def __repr__(self) -> str:
+        return (
+            f"StepPlan(batch_decodes={self.num_batch_decodes}, items={len(self.items)}, "
+            f"preempted={len(self.preempted)}, idle_slots={self.idle_slots})"
+        )
+
+
+class SampledTokens:
+    """The tokens one step sampled: `tokens[i]` belongs to sequence `owners[i]`
+    (a prompt that forks now owns n consecutive entries). A plan's decode-batch
+    rows come first, one token each, in row order, so `update` reads them by
+    position; `get(seq_id)` serves everything else (and dict-style callers)."""
+
+    def __init__(self, owners: list[int], tokens: list[int]) -> None:
+        self.owners = owners
+        self.tokens = tokens
+        self._by_seq: dict[int, list[int]] | None = None
+
+    def _index(self) -> dict[int, list[int]]:
+        if self._by_seq is None:
+            by_seq: dict[int, list[int]] = {}
+            for owner, token in zip(self.owners, self.tokens):
+                if owner in by_seq:
+                    by_seq[owner].append(token)
+                else:
+                    by_seq[owner] = [token]
+            self._by_seq = by_seq
+        return self._by_seq
+
+    def get(self, seq_id: int, default=None):
+        return self._index().get(seq_id, default)
+
+    def __getitem__(self, seq_id: int) -> list[int]:
+        return self._index()[seq_id]
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._index()
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+    def __iter__(self):
+        return iter(self._index())
+
+    def items(self):
+        return self._index().items()
 
 
 @dataclass
@@ -134,13 +233,16 @@ class AttentionMetadata:
         sample_mask: list[bool] | None = None,
         device: torch.device | str = "cpu",
         num_decodes: int | None = None,
+        staging: StepStaging | None = None,
     ) -> AttentionMetadata:
         """Builds every tensor from plain lists (tests and the engine both use this)
         with a fixed number of numpy operations: the cost grows with the number of
         sequences only through reading their lists, never through a Python loop
         over tokens. `block_tables` are referenced, not copied: the metadata
         describes the step it was built for. `num_decodes` defaults to the
-        leading one-query sequences."""
+        leading one-query sequences.
+
+        Where the tensors live: see `to_device`."""
         num_seqs = len(query_lens)
         q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
         s_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
@@ -182,9 +284,8 @@ class AttentionMetadata:
             positions=torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)),
             logits_indices=torch.from_numpy(np.ascontiguousarray(logits_idx, dtype=np.int64)),
         )
-        device = torch.device(device)
-        if device.type != "cpu":
-            tensors = {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
+        if staging is not None or torch.device(device).type != "cpu":
+            tensors = cls.to_device(tensors, device, staging)
         return cls(
             num_seqs=num_seqs,
             num_decodes=num_decodes,
@@ -197,6 +298,26 @@ class AttentionMetadata:
             max_seq_len=int(s_lens.max()) if num_seqs else 0,
             **tensors,
         )
+
+    @staticmethod
+    def to_device(
+        tensors: dict[str, torch.Tensor],
+        device: torch.device | str,
+        staging: StepStaging | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """A step's host tensors where the step runs. With `staging` (begun by the
+        caller, who may have put fields of its own first): views of its device
+        buffer after one upload of every field, valid until its next `begin`.
+        Else on the CPU the tensors themselves, and on another device one pinned
+        copy per tensor."""
+        if staging is not None:
+            for name, tensor in tensors.items():
+                staging.put(name, tensor, tensor.dtype)
+            views = staging.upload()
+            return {name: views[name].view(t.shape) for name, t in tensors.items()}
+        if torch.device(device).type == "cpu":
+            return tensors
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
 
 
 def block_table_array(block_tables: list[list[int]]) -> np.ndarray:

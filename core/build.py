@@ -14,6 +14,12 @@ from typing import Any
 
 import torch
 
+from servelab.device import (
+    allocated_before_weights,
+    check_utilization,
+    device_memory_budget,
+    estimate_activation_bytes,
+)
 from servelab.engine import Engine
 from servelab.errors import ConfigError
 from servelab.kv_cache import KVCache
@@ -35,6 +41,11 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "num_threads": None,  # None: leave torch's default
     "compile": False,  # torch.compile the model's forward (dynamic shapes, attention eager)
+    # replay decode steps through CUDA graphs (CUDA and a graph-safe backend; else eager + warning)
+    "cuda_graphs": False,
+    # None: the KV cache takes kv_cache_memory; a fraction in (0, 1]: it takes what this
+    # share of the CUDA device leaves after the weights and an activation estimate
+    "gpu_memory_utilization": None,
 }
 COMPONENTS = ("scheduler", "allocator", "preemption", "attention")
 COMPONENT_DEFAULTS = {
@@ -112,6 +123,8 @@ def model_source(node: Any) -> str:
 
 
 def engine_options(node: Mapping | None) -> dict[str, Any]:
+    """The engine node over `ENGINE_DEFAULTS`; an unknown option, or a value the
+    device options cannot take, is a ConfigError."""
     options = dict(ENGINE_DEFAULTS)
     for key, value in (node or {}).items():
         if key not in ENGINE_DEFAULTS:
@@ -119,7 +132,49 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
                 f"unknown engine option {key!r}; accepted: {', '.join(sorted(ENGINE_DEFAULTS))}"
             )
         options[key] = value
+    if not isinstance(options["cuda_graphs"], bool):
+        raise ConfigError(
+            f"engine option cuda_graphs must be true or false, got {options['cuda_graphs']!r}"
+        )
+    if options["gpu_memory_utilization"] is not None:
+        check_utilization(options["gpu_memory_utilization"])
     return options
+
+
+def kv_cache_bytes(
+    opts: Mapping[str, Any],
+    device: torch.device,
+    model_config,
+    dtype: torch.dtype,
+    max_num_batched_tokens: int,
+    allocated_before: int,
+) -> int:
+    """The KV cache's memory. `kv_cache_memory`, unless `gpu_memory_utilization`
+    is set: then that share of the device, read after the weights loaded, less
+    the weights (what torch allocated since `allocated_before`) and an estimate
+    of the activation peak (the largest step; with CUDA graphs also the largest
+    decode bucket, whose memory the graphs' pool keeps)."""
+    utilization = opts["gpu_memory_utilization"]
+    if utilization is None:
+        return parse_bytes(opts["kv_cache_memory"], "kv_cache_memory")
+    max_num_seqs = int(opts["max_num_seqs"])
+    activations = estimate_activation_bytes(
+        model_config, max_num_batched_tokens, max_num_seqs, dtype
+    )
+    if opts["cuda_graphs"]:
+        activations += estimate_activation_bytes(model_config, max_num_seqs, max_num_seqs, dtype)
+    budget = device_memory_budget(device, utilization, activations, allocated_before)
+    kv_bytes = budget.kv_bytes
+    log.info(
+        "KV cache: %.2f GiB (gpu_memory_utilization=%s of %.2f GiB, weights %.2f GiB, "
+        "activation estimate %.2f GiB); kv_cache_memory is ignored",
+        kv_bytes / 1024**3,
+        utilization,
+        budget.total_bytes / 1024**3,
+        budget.weights_bytes / 1024**3,
+        activations / 1024**3,
+    )
+    return kv_bytes
 
 
 def build_engine(config: Mapping) -> Engine:
@@ -137,6 +192,10 @@ def build_engine(config: Mapping) -> Engine:
         torch.set_num_threads(int(opts["num_threads"]))
 
     source = model_source(config.get("model", "tiny"))
+    # read before the weights load: a CPU device fails here, not after a long load, and
+    # what torch already held on the device is not counted as weights
+    sizes_from_device = opts["gpu_memory_utilization"] is not None
+    allocated_before = allocated_before_weights(device) if sizes_from_device else 0
     model, model_config, tokenizer = load_model(source, dtype, device, seed=opts["seed"])
     max_model_len = int(opts["max_model_len"])
     if max_model_len > model_config.max_position_embeddings:
@@ -147,9 +206,10 @@ def build_engine(config: Mapping) -> Engine:
     bytes_per_token = KVCache.bytes_per_token(
         model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype
     )
-    token_capacity = parse_bytes(opts["kv_cache_memory"], "kv_cache_memory") // bytes_per_token
-    host_capacity = parse_bytes(opts["swap_space"], "swap_space") // bytes_per_token
     batched = opts["max_num_batched_tokens"] or max(2048, max_model_len)
+    kv_bytes = kv_cache_bytes(opts, device, model_config, dtype, int(batched), allocated_before)
+    token_capacity = kv_bytes // bytes_per_token
+    host_capacity = parse_bytes(opts["swap_space"], "swap_space") // bytes_per_token
 
     parts = {c: config.get(c) or COMPONENT_DEFAULTS[c] for c in COMPONENTS}
     allocator = construct(
@@ -204,5 +264,11 @@ def build_engine(config: Mapping) -> Engine:
         compile=bool(opts["compile"]),
         config={"model": config.get("model", "tiny"), "engine": opts, **parts},
     )
+    if opts["cuda_graphs"]:
+        # captured before the first step (and before engine_ready): the capture runs
+        # every bucket once, so Triton compiles outside any measured step
+        engine.runner.enable_decode_graphs(
+            max_num_seqs=int(opts["max_num_seqs"]), max_model_len=max_model_len
+        )
     notify("servelab_engine_ready", engine=engine)
     return engine

@@ -30,6 +30,8 @@ def _hydra_app(cfg) -> dict:
         "overrides": list(hydra_cfg.overrides.task),
         "choices": choices,
         "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num")},
+        # what the engine made of the device options (graphs captured, or why not)
+        "cuda_graphs": result.engine.runner.graphs_status,
     }
     save_run(hydra_cfg.runtime.output_dir, result, config, meta)
     title = ", ".join(f"{k}={_part_name(config[k])}" for k in COMPONENT_GROUPS if k in config)

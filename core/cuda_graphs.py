@@ -179,7 +179,7 @@ class DecodeGraphRunner:
         self.static = StaticDecodeInputs.allocate(
             self.max_batch, self.max_blocks_per_seq, self.device
         )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
         self._outputs: dict[int, torch.Tensor] = {}
         self._plans: dict[int, Any] = {}  # kept alive: a graph reads what its plan points at
         self._pool: Any = None
@@ -193,7 +193,7 @@ class DecodeGraphRunner:
     def _why_disabled(self, enabled: bool) -> str | None:
         if not enabled:
             return "CUDA graphs are off (engine.cuda_graphs=false)"
-        if self.device.type != "cuda":
+        if not self._device_has_graphs():
             return f"CUDA graphs need a CUDA device, got {self.device}"
         if not backend_is_graph_safe(self.backend):
             name = getattr(self.backend, "name", type(self.backend).__name__)
@@ -202,6 +202,9 @@ class DecodeGraphRunner:
                 "syncs with the host or cannot skip padding slots): decode runs eagerly"
             )
         return None
+
+    def _device_has_graphs(self) -> bool:
+        return self.device.type == "cuda"
 
     # -- capture
 
@@ -219,17 +222,25 @@ class DecodeGraphRunner:
             plan = self.backend.plan(meta)
             ids, positions = self.static.input_ids[:batch], self.static.positions[:batch]
             self.forward(ids, positions, plan)  # warm-up: compile outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self.forward(ids, positions, plan)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self.graphs[batch] = graph
-            self._outputs[batch] = out
+            self.graphs[batch], self._outputs[batch] = self._capture_graph(ids, positions, plan)
             self._plans[batch] = plan
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", list(self.buckets))
+
+    def _capture_graph(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Any
+    ) -> tuple[Any, torch.Tensor]:
+        """One graph of `forward(input_ids, positions, plan)` in the shared pool:
+        `(graph, its output buffer)`; `graph.replay()` reruns it on whatever the
+        static inputs hold then."""
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.forward(input_ids, positions, plan)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, out
 
     # -- one step
 

@@ -7,8 +7,9 @@ Rules:
   A budget <= 0 is a `ConfigError` naming every number; when other processes
   hold memory, the budget shrinks to what is actually free (with a warning);
 - everything here that only does arithmetic runs on any machine, so the CPU
-  tests cover it; reading the device (`device_memory_budget`,
-  `profile_peak_bytes`) needs CUDA;
+  tests cover it; reading the device (`read_device_memory`, the one function
+  that does, and `profile_peak_bytes`) needs CUDA, and on any other device it
+  is a ConfigError that names the alternative, `kv_cache_memory`;
 - `StepStaging` pins its host buffer only for a CUDA device; on a CPU device
   the "device" buffer is the host buffer itself and `upload` copies nothing.
 """
@@ -111,26 +112,53 @@ def check_utilization(utilization: float) -> None:
         )
 
 
-def device_memory_budget(
-    device: torch.device | str, utilization: float, activation_peak_bytes: int
-) -> MemoryBudget:
-    """Reads the device after the weights are loaded: total and free memory from
-    `torch.cuda.mem_get_info`, the weights as everything torch has allocated on
-    it so far. Only CUDA devices have a utilization to speak of."""
-    check_utilization(utilization)
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One reading of a device's memory."""
+
+    total_bytes: int
+    free_bytes: int  # free on the device, whoever holds the rest
+    allocated_bytes: int  # what this process's torch allocator holds on it
+
+
+def read_device_memory(device: torch.device | str) -> DeviceMemory:
+    """The one place the device's memory is read (tests replace it with made-up
+    figures). Only a CUDA device has memory to size a KV cache from."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ConfigError(
             f"gpu_memory_utilization sizes the KV cache from a CUDA device's memory; on "
-            f"device={device.type} set kv_cache_memory instead"
+            f"device={device.type} set kv_cache_memory instead (and leave "
+            "gpu_memory_utilization null)"
         )
     free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free, torch.cuda.memory_allocated(device))
+
+
+def allocated_before_weights(device: torch.device | str) -> int:
+    """What torch already holds on the device, read before the weights load so
+    it is not counted as weights; a non-CUDA device is a ConfigError here,
+    before any loading."""
+    return read_device_memory(device).allocated_bytes
+
+
+def device_memory_budget(
+    device: torch.device | str,
+    utilization: float,
+    activation_peak_bytes: int,
+    allocated_before: int = 0,
+) -> MemoryBudget:
+    """Reads the device after the weights are loaded: total and free memory, and
+    the weights as what torch allocated on it since `allocated_before` (a
+    `read_device_memory` taken before loading; 0 counts everything allocated)."""
+    check_utilization(utilization)
+    now = read_device_memory(device)
     return MemoryBudget(
-        total_bytes=total,
+        total_bytes=now.total_bytes,
         utilization=utilization,
-        weights_bytes=torch.cuda.memory_allocated(device),
+        weights_bytes=max(0, now.allocated_bytes - allocated_before),
         activation_peak_bytes=activation_peak_bytes,
-        free_bytes=free,
+        free_bytes=now.free_bytes,
     )
 
 
@@ -224,6 +252,7 @@ class StepStaging:
         self._fields: list[tuple[str, int, int, torch.dtype]] = []  # name, offset, numel, dtype
         self._cursor = 0
         self._copy_done: torch.cuda.Event | None = None
+        self.views: dict[str, torch.Tensor] = {}  # the last upload's device views, by name
         self._allocate(max(capacity_bytes, self.ALIGN))
 
     @property
@@ -248,6 +277,7 @@ class StepStaging:
             self._copy_done.synchronize()
             self._copy_done = None
         self._fields.clear()
+        self.views = {}
         self._cursor = 0
 
     def host_view(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -276,16 +306,18 @@ class StepStaging:
         return view
 
     def upload(self) -> dict[str, torch.Tensor]:
-        """One copy of the used bytes to the device; returns `{name: device view}`."""
+        """One copy of the used bytes to the device; returns `{name: device view}`
+        (1-D; also kept as `views`, so fields put by different callers are found)."""
         used = self._cursor
         if self.on_cuda and used:
             self.device_buffer[:used].copy_(self.host[:used], non_blocking=True)
             self._copy_done = torch.cuda.Event()
             self._copy_done.record(torch.cuda.current_stream(self.device))
-        return {
+        self.views = {
             name: self.device_buffer[offset : offset + numel * dtype.itemsize].view(dtype)
             for name, offset, numel, dtype in self._fields
         }
+        return self.views
 
     def _grow(self, needed: int) -> None:
         if self._copy_done is not None:  # the old host buffer may still be a copy source

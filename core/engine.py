@@ -166,9 +166,9 @@ class Engine:
         self._record_step(plan, start)
         return outputs
 
-    def _run(self, plan: StepPlan) -> dict[int, list[int]]:
+    def _run(self, plan: StepPlan):
         now = None
-        for item in plan.scheduled:
+        for item in plan.items:  # a decode batch's rows were all scheduled before
             if item.seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
                 item.seq.first_scheduled_time = now
@@ -237,22 +237,22 @@ class Engine:
         if plan.is_empty and not plan.preempted:
             return
         step = self._step_index
-        self.metrics.note_step(step, plan.scheduled)
+        self.metrics.note_step(step, plan.items, plan.decode_seq_ids)
         usage = self.allocator.usage()
         stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
         delta = self.metrics.deltas(self._metric_counters(usage, stats))
         # after update(): a decode is a one-token step past the prompt (plan.num_decodes
         # would now also count a one-token prompt, which has its first token by now)
-        decode_tokens = sum(
-            1
-            for i in plan.scheduled
-            if i.num_query_tokens == 1 and i.start >= i.seq.num_prompt_tokens
+        batch_rows = plan.num_batch_decodes
+        decode_tokens = batch_rows + sum(
+            1 for i in plan.items if i.num_query_tokens == 1 and i.start >= i.seq.num_prompt_tokens
         )
+        num_seqs = batch_rows + len(plan.items)
         record = StepRecord(
             step=step,
             start_time=start,
             wall_time=self.now() - start,
-            num_seqs=len(plan.scheduled),
+            num_seqs=num_seqs,
             prefill_tokens=plan.num_tokens - decode_tokens,
             decode_tokens=decode_tokens,
             idle_slots=plan.idle_slots,
@@ -260,8 +260,8 @@ class Engine:
             kv_tokens_used=int(usage["tokens_used"]),
             kv_tokens_reserved=int(usage["tokens_reserved"]),
             kv_tokens_capacity=int(usage["tokens_capacity"]),
-            num_prefills=len(plan.scheduled) - decode_tokens,
-            sampled_tokens=sum(1 for item in plan.scheduled if item.samples),
+            num_prefills=num_seqs - decode_tokens,
+            sampled_tokens=batch_rows + sum(1 for item in plan.items if item.samples),
             padding_tokens=int(delta.pop("attn_padded_query_slots", 0)),
             padded_key_slots=int(delta.pop("attn_padded_key_slots", 0)),
             real_key_tokens=int(delta.pop("attn_real_key_tokens", 0)),

@@ -81,6 +81,34 @@ class KVAllocator(abc.ABC):
         """Called after a step computed tokens of `seq`: full blocks may now be
         published to the prefix cache. No-op without prefix caching."""
 
+    # -- the decode fast path (servelab.decode_batch); the defaults are correct
+    # for any allocator, an override only makes them cheap
+    def extend_decodes(self, seqs: list[Sequence], rows: list[int]) -> list[int] | None:
+        """Room for one more token in each of `seqs`, all decoding (each computes
+        its last token), where exactly `seqs[r]` for r in `rows` need a new
+        block at the end of their table. Returns those new blocks, in `rows`
+        order; or None, changing nothing, when that is not all it takes (blocks
+        are short, or a write needs copy-on-write): the caller then takes the
+        general path."""
+        pairs = [(seq, seq.num_computed_tokens + 1) for seq in seqs]
+        need = self.blocks_needed_together(pairs)
+        if need != len(rows) or need > self.num_free_blocks:
+            return None
+        for row in rows:
+            seq = seqs[row]
+            self.allocate(seq, seq.num_computed_tokens + 1)
+        return [self.block_table(seqs[row])[-1] for row in rows]
+
+    def commit_decodes(
+        self, seqs: list[Sequence], written_blocks: list[int], filled_rows: list[int]
+    ) -> None:
+        """After a fast decode step: `seqs[i]` wrote one token into block
+        `written_blocks[i]` (its `num_computed_tokens` already counts it); the
+        sequences in `filled_rows` filled that block. Same effect as `commit` of
+        every sequence."""
+        for seq in seqs:
+            self.commit(seq)
+
     @abc.abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (ref counts +1); a later write

@@ -14,12 +14,14 @@ import bisect
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
 # finish reasons of requests that did not complete (the rest: "stop", "length")
 UNFINISHED_REASONS = ("abort", "rejected", "cache_full")
+# the per-token fields of a `RequestRecord`: in `csv_row`, not in `row`
+TOKEN_LISTS = ("token_times", "token_steps")
 
 
 @dataclass
@@ -69,9 +71,9 @@ class RequestRecord:
 
     def row(self) -> dict:
         """Scalars only (the per-token lists are in `csv_row`)."""
-        row = asdict(self)
-        row.pop("token_times")
-        row.pop("token_steps")
+        # a shallow copy of the scalar fields, not asdict(): that deep-copies the
+        # token lists (hundreds of floats) only for them to be dropped
+        row = {k: v for k, v in vars(self).items() if k not in TOKEN_LISTS}
         row.update(queue_time=self.queue_time, ttft=self.ttft, tpot=self.tpot, e2e=self.e2e)
         return row
 
@@ -273,18 +275,25 @@ class MetricsCollector:
         self._last_counters.update(counters)
         return out
 
-    def note_step(self, step: int, scheduled: Iterable) -> None:
+    def note_step(self, step: int, scheduled: Iterable, decoded_ids: Iterable[int] = ()) -> None:
         """Remembers, per sequence id, its first scheduled step and its sampling
-        steps. Runs after the step's finished requests were recorded: their
-        sequences (closed by `pop_sequence`) are skipped."""
+        steps: `scheduled` are the step's `ScheduledSeq`s, `decoded_ids` the
+        sequences of its decode batch (scheduled before, one token each). Runs
+        after the step's finished requests were recorded: their sequences
+        (closed by `pop_sequence`) are skipped."""
+        closed = self._closed
+        token_steps = self._token_steps
+        for seq_id in decoded_ids:
+            if seq_id not in closed:
+                token_steps.setdefault(seq_id, []).append(step)
         for item in scheduled:
             seq_id = item.seq.seq_id
-            if seq_id in self._closed:
+            if seq_id in closed:
                 continue
             self._first_step.setdefault(seq_id, step)
             if item.samples:
-                self._token_steps.setdefault(seq_id, []).append(step)
-        self._closed.clear()
+                token_steps.setdefault(seq_id, []).append(step)
+        closed.clear()
 
     def pop_sequence(
         self, seq_id: int, current_step: int, num_tokens: int, scheduled: bool

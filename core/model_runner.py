@@ -9,20 +9,34 @@ Rules that keep a step cheap:
   their lists (token ids, block tables); tokens are never looped over in Python;
 - `run_model` is the single call site of the model's forward, so a decode CUDA
   graph runner (or `torch.compile`) wraps exactly one function;
-- greedy rows skip the sampler's parameter tensors: one `argmax`, one `tolist`.
+- greedy rows skip the sampler's parameter tensors: one `argmax`, one `tolist`;
+- the CPU path pays nothing for the CUDA path: no staging (tensors are built in
+  place), and without `engine.cuda_graphs` no graph runner (one `is None` test
+  per step).
+
+On CUDA the step's input ids and metadata reach the device in one pinned,
+non-blocking copy (`servelab.device.StepStaging`), and with
+`enable_decode_graphs` decode steps replay captured CUDA graphs
+(`servelab.cuda_graphs.DecodeGraphRunner`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from servelab.batch import AttentionMetadata, StepPlan
+from servelab.batch import AttentionMetadata, SampledTokens, StepPlan
+from servelab.cuda_graphs import DecodeGraphRunner
+from servelab.device import StepStaging
 from servelab.interfaces import AttentionBackend, KVAllocator
 from servelab.kv_cache import KVCache
 from servelab.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,7 +45,7 @@ class StepBatch:
 
     input_ids: torch.Tensor  # int64 [num_tokens], packed, decodes first
     meta: AttentionMetadata
-    attn_plan: Any
+    attn_plan: Any  # None for a step the decode graphs replay (they keep their own plan)
     sample_rows: list[int]  # hidden row (index into meta.logits_indices) of each sample
     sample_params: list[SamplingParams]
     sample_positions: list[int]  # output position of the token each sample draws
@@ -65,12 +79,49 @@ class ModelRunner:
         # are dynamic from the start. The backend's forward stays eager
         # (`transformer.attend`): its per-step plan would only force recompiles.
         self.compiled_forward = torch.compile(model.forward, dynamic=True) if compile else None
+        # CUDA: one pinned buffer for the step's inputs, one upload per step
+        self.staging = None if device.type == "cpu" else StepStaging(device)
+        # set by enable_decode_graphs (engine.cuda_graphs); None: run_model calls forward
+        self.graphs: DecodeGraphRunner | None = None
+        self.graphs_status = "off (engine.cuda_graphs=false)"
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> str:
+        """Routes `run_model` through a `DecodeGraphRunner` and captures its
+        graphs now (call it once the KV cache exists, before the first step).
+        Where graphs cannot run (no CUDA device, a backend that is not
+        graph-safe) every step stays eager, with a warning; `graphs_status`
+        (also returned) says which happened."""
+        runner = DecodeGraphRunner(
+            self.forward,
+            self.backend,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=self.allocator.block_size,
+            device=self.device,
+        )
+        if runner.enabled:
+            begin = time.perf_counter()
+            runner.capture()
+            self.graphs_status = (
+                f"captured: batch sizes {list(runner.buckets)} "
+                f"in {time.perf_counter() - begin:.1f} s"
+            )
+        else:
+            self.graphs_status = f"eager: {runner.disabled_reason}"
+            log.warning(
+                "engine.cuda_graphs=true, but decode runs eagerly: %s", runner.disabled_reason
+            )
+        self.graphs = runner
+        return self.graphs_status
 
     # -- inputs
     def prepare(self, plan: StepPlan) -> StepBatch:
         """Packs the step's tokens (decodes first, as the plan orders them) and
         builds the metadata and the backend's plan once for every layer.
-        One pass over the scheduled sequences reads everything the step needs."""
+        One pass over the scheduled sequences reads everything the step needs;
+        a step of only a decode batch's rows reads the batch's arrays instead."""
+        if plan.decodes is not None and not plan.items:
+            return self.prepare_decode_batch(plan)
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -118,6 +169,10 @@ class ModelRunner:
                 indices.append(k if forks > 1 else seq.sample_index)
                 owners.append(seq.seq_id)
             num_sampling += 1
+        staging = self.staging
+        if staging is not None:  # the ids go up in the metadata's copy
+            staging.begin()
+            staging.put("input_ids", input_ids, torch.int64)
         meta = AttentionMetadata.from_lists(
             query_lens,
             seq_lens,
@@ -126,12 +181,50 @@ class ModelRunner:
             sample_mask=sample_mask,
             device=self.device,
             num_decodes=num_decodes,
+            staging=staging,
         )
-        attn_plan = self.backend.plan(meta)
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        if self.device.type != "cpu":
-            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket_for(meta) is not None:
+            attn_plan = None  # a replay reads the plan captured with its graph
+        else:
+            attn_plan = self.backend.plan(meta)
+        if staging is not None:
+            ids = staging.views["input_ids"]
+        else:
+            ids = torch.tensor(input_ids, dtype=torch.long)
         return StepBatch(ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy)
+
+    def prepare_decode_batch(self, plan: StepPlan) -> StepBatch:
+        """`prepare` for a step of a decode batch's rows only (`servelab.decode_batch`):
+        array arithmetic, plus per-row lists only when a row samples with
+        parameters (not greedy)."""
+        batch = plan.decodes
+        seqs = plan.decode_seqs
+        staging = self.staging
+        if staging is not None:
+            staging.begin()
+            staging.put("input_ids", batch.next_input, torch.int64)
+        meta = batch.metadata(plan.decode_starts, self.device, staging)
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket_for(meta) is not None:
+            attn_plan = None  # a replay reads the plan captured with its graph
+        else:
+            attn_plan = self.backend.plan(meta)
+        if staging is not None:
+            ids = staging.views["input_ids"]
+        else:
+            ids = torch.tensor(batch.next_input, dtype=torch.long)
+        rows = range(len(seqs))
+        if batch.all_greedy:
+            params = positions = indices = []
+        else:
+            params = [s.params for s in seqs]
+            positions = (plan.decode_starts + 1 - batch.prompt_lens).tolist()
+            indices = [s.sample_index for s in seqs]
+        owners = plan.decode_seq_ids
+        return StepBatch(
+            ids, meta, attn_plan, rows, params, positions, indices, owners, batch.all_greedy
+        )
 
     # -- the forward
     def forward(
@@ -143,15 +236,19 @@ class ModelRunner:
         return forward(input_ids, positions, self.kv_cache.layers, self.backend, attn_plan)
 
     def run_model(self, batch: StepBatch) -> torch.Tensor:
-        """Hidden states of one step. The one place a step's forward runs; a
-        graph runner replaces this method to replay decode steps."""
-        return self.forward(batch.input_ids, batch.meta.positions, batch.attn_plan)
+        """Hidden states of one step. The one place a step's forward runs: the
+        graph runner's, when graphs were asked for (it replays decode steps and
+        runs the rest eagerly), else the plain forward."""
+        if self.graphs is None:
+            return self.forward(batch.input_ids, batch.meta.positions, batch.attn_plan)
+        return self.graphs.run(batch.input_ids, batch.meta, batch.attn_plan)
 
     # -- tokens
-    def sample(self, hidden: torch.Tensor, batch: StepBatch) -> dict[int, list[int]]:
-        """seq_id -> sampled tokens (one, or n for a prompt that forks now)."""
+    def sample(self, hidden: torch.Tensor, batch: StepBatch) -> SampledTokens:
+        """The step's tokens: one per sampling sequence, or n for a prompt that
+        forks now, in `sample_owners` order (a decode batch's rows first)."""
         if not batch.sample_rows:
-            return {}
+            return SampledTokens([], [])
         logits = self.model.compute_logits(hidden[batch.meta.logits_indices])
         if len(batch.sample_rows) != logits.shape[0]:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
@@ -166,16 +263,10 @@ class ModelRunner:
                 self.generator,
                 batch.sample_indices,
             ).tolist()
-        sampled: dict[int, list[int]] = {}
-        for owner, token in zip(batch.sample_owners, tokens):
-            if owner in sampled:
-                sampled[owner].append(token)
-            else:
-                sampled[owner] = [token]
-        return sampled
+        return SampledTokens(batch.sample_owners, tokens)
 
-    def execute(self, plan: StepPlan) -> dict[int, list[int]]:
-        """prepare, run_model, sample: one step's sampled tokens by seq_id."""
+    def execute(self, plan: StepPlan) -> SampledTokens:
+        """prepare, run_model, sample: one step's sampled tokens."""
         batch = self.prepare(plan)
         hidden = self.run_model(batch)
         return self.sample(hidden, batch)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import bisect
 
-from servelab.batch import ScheduledSeq, StepPlan
+import numpy as np
+
+from servelab.batch import SampledTokens, ScheduledSeq, StepPlan
+from servelab.decode_batch import DecodeBatch
 from servelab.errors import ConfigError, RequestError
 from servelab.interfaces import KVAllocator, PreemptionPolicy, Scheduler
 from servelab.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -37,6 +40,9 @@ class BaseScheduler(Scheduler):
     """Shared queues, admission checks, preemption, forking and finishing."""
 
     needs_whole_prompt_budget = True  # max_num_batched_tokens must hold a whole prompt
+    # steady decode phases run as a DecodeBatch (same plans, array bookkeeping);
+    # False makes every step take the general path (tests compare the two)
+    decode_fast_path = True
 
     def __init__(
         self,
@@ -71,6 +77,9 @@ class BaseScheduler(Scheduler):
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_recomputed_tokens = 0
         self.dropped: list[SequenceGroup] = []  # finished by schedule() itself (cache full)
+        # the running sequences while they all decode (see servelab.decode_batch);
+        # None whenever a step must take the general path
+        self.decode_batch: DecodeBatch | None = None
 
     # -- queues
     def add(self, group: SequenceGroup) -> None:
@@ -91,6 +100,7 @@ class BaseScheduler(Scheduler):
         bisect.insort(self.waiting, group, key=queue_key)
 
     def abort(self, request_id: str) -> list[Sequence]:
+        self.decode_batch = None
         for queue in (self.waiting, self.running, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
@@ -136,6 +146,15 @@ class BaseScheduler(Scheduler):
 
     # -- one step
     def schedule(self) -> StepPlan:
+        if self.decode_batch is not None and not self.swapped:
+            plan = self.schedule_decode_batch(self.decode_batch)
+            if plan is not None:
+                if self.waiting:
+                    self.admit(plan, self.max_num_batched_tokens - plan.num_batch_decodes)
+                    plan.sort_decodes_first()
+                plan.copies = self.allocator.take_copies()
+                return plan
+        self.decode_batch = None  # the general path may change anything the batch mirrors
         plan = StepPlan()
         budget = self.schedule_running(plan, self.max_num_batched_tokens)
         if not plan.preempted:
@@ -146,6 +165,17 @@ class BaseScheduler(Scheduler):
         plan.sort_decodes_first()
         plan.copies = self.allocator.take_copies()
         return plan
+
+    def schedule_decode_batch(self, batch: DecodeBatch) -> StepPlan | None:
+        """Every running sequence decodes one token: the running phase of
+        `schedule` in array operations. None when a row needs what only the
+        general path does (a preemption for want of blocks, a copy-on-write)."""
+        rows = batch.rows_needing_block().tolist()
+        blocks = self.allocator.extend_decodes(batch.seqs, rows)
+        if blocks is None:
+            return None
+        batch.add_blocks(rows, blocks)
+        return StepPlan(decodes=batch, decode_starts=batch.starts.copy())
 
     def schedule_running(self, plan: StepPlan, budget: int) -> int:
         # decodes first, then unfinished prefills; each part best-first
@@ -204,6 +234,9 @@ class BaseScheduler(Scheduler):
     def try_admit(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
         """Admits one waiting group if limits allow; returns tokens scheduled, None if not."""
         seqs = group.unfinished()
+        batch = self.decode_batch  # its rows are running: a cheap first check
+        if batch is not None and len(batch) + len(seqs) > self.max_num_seqs:
+            return None
         if self.num_running_seqs + len(seqs) > self.max_num_seqs:
             return None
         if self.admission == "reserve":
@@ -211,7 +244,7 @@ class BaseScheduler(Scheduler):
             if sum(self.reserved_blocks.values()) + need > self.allocator.num_blocks:
                 return None
         starts = [max(s.num_computed_tokens, self.allocator.match_prefix(s)) for s in seqs]
-        if not plan.scheduled:
+        if plan.is_empty:
             # first in the step: a recomputing group of n samples may exceed the
             # budget on its own, and would otherwise never be admitted
             budget = max(budget, sum(s.num_tokens - st for s, st in zip(seqs, starts)))
@@ -233,7 +266,7 @@ class BaseScheduler(Scheduler):
             self.reserved_blocks[group.request_id] = self.worst_case_blocks(group)
         for seq, count in zip(seqs, counts):
             seq.status = SequenceStatus.RUNNING
-            plan.scheduled.append(ScheduledSeq(seq, count))
+            plan.items.append(ScheduledSeq(seq, count))
         self.running.append(group)
         return sum(counts)
 
@@ -271,9 +304,10 @@ class BaseScheduler(Scheduler):
         for seq, count in zip(seqs, counts):
             if count:
                 self.allocator.allocate(seq, seq.num_computed_tokens + count)
-                plan.scheduled.append(ScheduledSeq(seq, count))
+                plan.items.append(ScheduledSeq(seq, count))
 
     def preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
+        self.decode_batch = None
         seqs = group.unfinished()
         kind = self.preemption.preempt(seqs, self.allocator)
         self.release_reservation(group)
@@ -311,7 +345,11 @@ class BaseScheduler(Scheduler):
         group whose prompt just finished), applies stop rules and frees the
         finished. Returns the groups that finished in this step."""
         finished, self.dropped = self.dropped, []
-        for item in plan.scheduled:
+        stopped: set[SequenceGroup] = set()  # groups with a sequence finished in this step
+        if plan.decodes is not None:
+            self.update_decode_batch(plan, sampled, now, stopped)
+        forked = False
+        for item in plan.items:
             seq = item.seq
             seq.num_computed_tokens += item.num_query_tokens
             self.allocator.commit(seq)
@@ -319,20 +357,87 @@ class BaseScheduler(Scheduler):
             if tokens is None:
                 continue
             targets = [seq] + self.fork(seq, len(tokens) - 1)
+            forked = forked or len(targets) > 1
             for target, token in zip(targets, tokens):
                 target.append_token(token)
                 target.token_times.append(now)
                 reason = self.stop_reason(target)
                 if reason is not None:
                     self.finish(target, reason)
-        for group in list(self.running):
-            if group.is_finished and self.group_done(group):
-                self.running.remove(group)
-                self.release_group(group)
-                finished.append(group)
+                    stopped.add(target.group)
+        if stopped:
+            for group in list(self.running):  # in queue order
+                if group in stopped and group.is_finished and self.group_done(group):
+                    self.running.remove(group)
+                    self.release_group(group)
+                    finished.append(group)
+        self.refresh_decode_batch(plan, forked)
         return finished
 
+    def update_decode_batch(
+        self, plan: StepPlan, sampled, now: float, stopped: set[SequenceGroup]
+    ) -> None:
+        """`update` for the plan's decode-batch rows: their tokens come first in
+        `sampled`, one per row."""
+        batch = plan.decodes
+        rows = plan.num_batch_decodes
+        if isinstance(sampled, SampledTokens):
+            tokens = sampled.tokens[:rows]
+        else:  # a mapping seq_id -> [token] (tests, stub models)
+            tokens = [sampled[seq_id][0] for seq_id in batch.seq_ids]
+        bs = batch.block_size
+        starts = plan.decode_starts
+        written = batch.tables[np.arange(rows), starts // bs].tolist()
+        candidates = batch.advance(tokens, now)
+        filled = np.flatnonzero(batch.starts % bs == 0).tolist()
+        self.allocator.commit_decodes(batch.seqs, written, filled)
+        ending = False
+        for seq in candidates:
+            reason = self.stop_reason(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+                stopped.add(seq.group)
+                ending = True
+        if ending:
+            batch.keep(np.fromiter((not s.is_finished for s in batch.seqs), bool, len(batch)))
+
+    def refresh_decode_batch(self, plan: StepPlan, forked: bool) -> None:
+        """After a step: keeps, grows or builds the decode batch when every
+        running sequence now decodes, and drops it otherwise."""
+        if forked or self.swapped or not self.decode_fast_path:
+            self.decode_batch = None
+            return
+        batch = self.decode_batch if plan.decodes is not None else None
+        joining = []
+        for item in plan.items:
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            if not item.samples:  # a prompt still prefilling: not a decode yet
+                self.decode_batch = None
+                return
+            joining.append(seq)
+        if batch is None:
+            # after a general step: the plan must have covered every running sequence
+            running = sum(len(g.seqs) - sum(s.is_finished for s in g.seqs) for g in self.running)
+            if running != len(joining) or len(joining) > self.max_num_batched_tokens:
+                self.decode_batch = None
+                return
+            self.decode_batch = DecodeBatch(
+                joining,
+                [self.allocator.block_table(s) for s in joining],
+                self.allocator.block_size,
+                self.max_model_len,
+            )
+        elif joining:
+            if len(batch) + len(joining) > self.max_num_batched_tokens:
+                self.decode_batch = None
+                return
+            batch.append(joining, [self.allocator.block_table(s) for s in joining])
+
     def fork(self, parent: Sequence, count: int) -> list[Sequence]:
+        if count:
+            self.decode_batch = None
         group = parent.group
         children = []
         for _ in range(count):
@@ -365,6 +470,17 @@ class BaseScheduler(Scheduler):
     def group_done(self, group: SequenceGroup) -> bool:
         """Whether a finished group leaves the running queue now."""
         return True
+
+    # -- checks
+    def check_integrity(self) -> None:
+        """Asserts the decode batch, when there is one, mirrors the running
+        sequences exactly (tests call this after every step)."""
+        batch = self.decode_batch
+        if batch is None:
+            return
+        batch.check(self.allocator.block_table)
+        running = [s.seq_id for g in self.running for s in g.seqs if not s.is_finished]
+        assert sorted(running) == sorted(batch.seq_ids), "decode batch differs from running"
 
     # -- figures
     def stats(self) -> dict[str, float]:

@@ -113,6 +113,7 @@ def test_preempted_half_prefilled_sequence_restarts_correctly(policy):
             for out in eng.step():
                 outs[out.request_id] = out
             eng.allocator.check_integrity()
+            eng.scheduler.check_integrity()
         return {k: v.token_ids for k, v in outs.items()}, half_prefilled
 
     tight, half = run(kv_cache_memory=64 * KIB)

@@ -4,8 +4,12 @@ sizing and pinned step staging (`servelab.device`), and the GPU benchmark.
 On the CPU: bucket choice, graph-safety, the eager fallback, and the padded
 decode a graph replays — run eagerly through the same static buffers with the
 real graph-safe backend (`triton_paged`, interpreted) — against the plain eager
-step; KV sizing with made-up device figures; staging round trips; a smoke run
-of `benchmarks/gpu_throughput.py --tiny`.
+step; KV sizing with made-up device figures; staging round trips; the engine
+options `cuda_graphs` and `gpu_memory_utilization` (validation, the CPU path
+unchanged, the eager fallback, the KV budget from a made-up device, decode
+steps routed through the graph runner with a CPU stand-in for a graph), every
+engine run against transformers' greedy tokens; a smoke run of
+`benchmarks/gpu_throughput.py --tiny`.
 
 On a CUDA device only (skipped elsewhere): graph capture and replay against
 eager, greedy tokens on CUDA against the CPU for every attention backend whose
@@ -15,7 +19,9 @@ shape in bf16 and float32 against a float64 reference, and the device readings.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import logging
 import random
 import sys
 from dataclasses import dataclass
@@ -25,8 +31,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import yaml
 
+import servelab.device
+import servelab.model_runner
+from servelab import LLM, SamplingParams
 from servelab.batch import AttentionMetadata
+from servelab.build import ENGINE_DEFAULTS, engine_options
 from servelab.cuda_graphs import (
     PAD_SLOT,
     DecodeGraphRunner,
@@ -35,6 +46,7 @@ from servelab.cuda_graphs import (
     pick_bucket,
 )
 from servelab.device import (
+    DeviceMemory,
     GiB,
     MemoryBudget,
     StepStaging,
@@ -50,6 +62,8 @@ from servelab.model.loader import load_model
 from servelab.model.transformer import Transformer
 from servelab.options import construct
 from servelab.plugin_manager import get_plugin_manager
+from servelab.testing.oracle import cached_case, restored_num_threads
+from servelab.testing.oracle import engine_options as oracle_engine_options
 
 HAS_CUDA = torch.cuda.is_available()
 # triton_paged runs compiled where CUDA is, interpreted on CPU tensors elsewhere
@@ -350,6 +364,248 @@ def test_staging_round_trip_with_one_upload():
     assert staging.upload()["positions"].tolist() == [9]
 
 
+def test_staged_metadata_equals_the_plain_build():
+    """`from_lists` through a staging buffer (what prepare does on CUDA) builds
+    the same tensors as the plain build, as views of the one uploaded buffer,
+    next to a field the caller put first."""
+    lists = dict(
+        query_lens=[1, 1, 3, 5, 2],
+        seq_lens=[7, 2, 3, 9, 6],
+        block_tables=[[5, 1], [0], [2], [3, 4, 6], [7, 8]],
+        block_size=4,
+        sample_mask=[True, True, False, True, True],
+    )
+    plain = AttentionMetadata.from_lists(**lists)
+    staging = StepStaging("cpu", capacity_bytes=16)  # small: grows mid-step
+    staging.begin()
+    staging.put("input_ids", [9, 8, 7], torch.int64)
+    staged = AttentionMetadata.from_lists(**lists, staging=staging)
+    for field in dataclasses.fields(AttentionMetadata):
+        want, have = getattr(plain, field.name), getattr(staged, field.name)
+        if isinstance(want, torch.Tensor):
+            assert have.dtype == want.dtype and torch.equal(have, want), field.name
+            buffer = staging.device_buffer
+            start = buffer.data_ptr()
+            assert start <= have.data_ptr() < start + buffer.numel(), field.name
+        else:
+            assert have == want, field.name
+    assert staging.views["input_ids"].tolist() == [9, 8, 7]
+
+
+def test_engine_steps_through_a_staging_buffer():
+    """prepare's CUDA path (ids and metadata staged, one upload per step),
+    driven on the CPU: the tokens stay transformers' greedy tokens."""
+    case, llm = oracle_llm()
+    staging = llm.engine.runner.staging = StepStaging("cpu", capacity_bytes=64)
+    assert oracle_tokens(llm, case) == case.expected
+    assert staging.capacity_bytes > 64  # steps really went through it
+
+
+# ---------------------------------------------------------------- engine options
+
+
+def test_engine_option_defaults_match_the_yaml():
+    yaml_engine = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["engine"]
+    for name, default in (("cuda_graphs", False), ("gpu_memory_utilization", None)):
+        assert ENGINE_DEFAULTS[name] is default and yaml_engine[name] is default, name
+
+
+@pytest.mark.parametrize("value", ["yes", "true", 1, None])
+def test_cuda_graphs_must_be_a_bool(value):
+    with pytest.raises(ConfigError, match="cuda_graphs must be true or false"):
+        engine_options({"cuda_graphs": value})
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.01, True, "0.9"])
+def test_gpu_memory_utilization_must_be_a_fraction(value):
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        engine_options({"gpu_memory_utilization": value})
+
+
+def test_accepted_device_options():
+    for node in (
+        {"cuda_graphs": True},
+        {"gpu_memory_utilization": 1},
+        {"gpu_memory_utilization": 0.5},
+    ):
+        assert engine_options(node).items() >= node.items()
+
+
+def test_gpu_memory_utilization_on_cpu_fails_before_loading(monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the option was refused")
+
+    monkeypatch.setattr("servelab.build.load_model", no_load)
+    with pytest.raises(ConfigError) as err:
+        LLM(model="tiny", device="cpu", gpu_memory_utilization=0.9)
+    message = str(err.value)
+    for part in ("gpu_memory_utilization", "kv_cache_memory", "device=cpu"):
+        assert part in message, (part, message)
+
+
+MiB = 1024**2
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("free_limits", [False, True])
+def test_kv_cache_is_sized_from_the_device_budget(monkeypatch, graphs, free_limits):
+    """A made-up device: 80 GiB, 3 GiB held before the weights load (not
+    weights), loading adds exactly the model's weights. The engine's KV cache
+    must hold what total x utilization - weights - activation estimate leaves
+    (with graphs, their decode bucket's estimate too), or, when another process
+    holds memory, what is free less the activations."""
+    config, dtype = named_config("tiny"), torch.float32
+    max_num_seqs, batched, block_size = 8, 256, 4
+    weights = model_weight_bytes(config, dtype)
+    activations = estimate_activation_bytes(config, batched, max_num_seqs, dtype)
+    if graphs:
+        activations += estimate_activation_bytes(config, max_num_seqs, max_num_seqs, dtype)
+    total, held_before = 80 * GiB, 3 * GiB
+    utilization = (3 * MiB + weights + activations) / total  # about 3 MiB of KV
+    free_before = weights + activations + MiB if free_limits else total - held_before
+    expected_kv = int(total * utilization) - weights - activations
+    if free_limits:
+        expected_kv = min(expected_kv, free_before - weights - activations)
+    readings = [
+        DeviceMemory(total, free_before, held_before),  # before the weights load
+        DeviceMemory(total, free_before - weights, held_before + weights),  # after
+    ]
+    devices = []
+
+    def fake_read_device_memory(device):
+        devices.append(torch.device(device).type)
+        return readings[min(len(devices), 2) - 1]
+
+    monkeypatch.setattr(servelab.device, "read_device_memory", fake_read_device_memory)
+    llm = LLM(
+        model="tiny",
+        allocator={"name": "paged", "block_size": block_size},
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=128,
+        gpu_memory_utilization=utilization,
+        cuda_graphs=graphs,
+    )
+    assert devices == ["cpu", "cpu"]  # read once before and once after the weights
+    kv_per_token = config.kv_bytes_per_token(dtype)
+    expected_blocks = expected_kv // kv_per_token // block_size
+    assert expected_kv < 4 * MiB  # not the 64 MiB kv_cache_memory default
+    assert llm.engine.allocator.num_blocks == expected_blocks
+    assert llm.engine.kv_cache.device_pool.nbytes == expected_blocks * block_size * kv_per_token
+
+
+# ---------------------------------------------------------------- the engine's decode path
+
+# the oracle's checkpoint (float64, transformers' greedy tokens recorded) with a
+# paged cache small enough that on-demand admission preempts
+ORACLE_PARTS = dict(
+    scheduler={"name": "continuous", "admission": "on_demand"},
+    allocator={"name": "paged", "block_size": 4},
+)
+
+
+def oracle_llm(attention="per_request", **engine):
+    case = cached_case("qwen3")
+    parts = dict(ORACLE_PARTS, attention=attention)
+    return case, LLM(model=str(case.folder), **parts, **oracle_engine_options(parts, **engine))
+
+
+def oracle_tokens(llm, case, count=None):
+    """Greedy tokens of the first `count` oracle prompts, on one thread."""
+    with restored_num_threads(1):
+        outputs = llm.generate(case.prompts[:count], case.params[:count])
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def forward_steps(llm) -> tuple[int, int]:
+    """(steps that ran a forward, those with one query token per sequence), from
+    the engine's step records."""
+    ran = [s for s in llm.engine.metrics.steps if s.num_seqs > 0]
+    single = [s for s in ran if s.prefill_tokens + s.decode_tokens == s.num_seqs]
+    return len(ran), len(single)
+
+
+def test_cuda_graphs_off_leaves_the_cpu_path_as_it_was():
+    case, llm = oracle_llm()
+    runner = llm.engine.runner
+    assert runner.graphs is None and runner.staging is None
+    assert runner.graphs_status.startswith("off")
+    assert oracle_tokens(llm, case) == case.expected
+
+
+def test_cuda_graphs_on_a_cpu_fall_back_to_eager_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="servelab.model_runner"):
+        case, llm = oracle_llm(cuda_graphs=True)
+    graphs = llm.engine.runner.graphs
+    status = llm.engine.runner.graphs_status
+    assert status.startswith("eager:") and "CUDA device" in status
+    assert any("decode runs eagerly" in r.getMessage() for r in caplog.records)
+    assert not graphs.graphs
+    assert oracle_tokens(llm, case) == case.expected
+    ran, _ = forward_steps(llm)
+    assert graphs.num_eager == ran and graphs.num_replays == 0  # every step went through it
+
+
+class ForwardReplay:
+    """A CPU stand-in for a CUDA graph: `replay()` reruns the captured call on
+    the same static inputs with the same plan into the same output buffer, as
+    a graph replays its kernels on fixed addresses. A plan that read anything
+    but the static device tensors would go stale here as in a real graph."""
+
+    def __init__(self, call):
+        self.call = call
+        self.output = call()
+
+    def replay(self):
+        self.output.copy_(self.call())
+
+
+class CpuReplayRunner(DecodeGraphRunner):
+    """`DecodeGraphRunner` that "captures" on the CPU with `ForwardReplay`."""
+
+    def _device_has_graphs(self):
+        return True
+
+    def _capture_graph(self, input_ids, positions, plan):
+        graph = ForwardReplay(lambda: self.forward(input_ids, positions, plan))
+        return graph, graph.output
+
+
+def test_decode_steps_replay_through_the_model_runner(monkeypatch):
+    """The engine with graphs captured (graph-safe `triton_paged`, interpreted;
+    graphs stood in for by `ForwardReplay`): every one-token-per-sequence step
+    replays a bucket without planning, every other step plans and runs eagerly,
+    and the tokens are still transformers' greedy tokens."""
+    monkeypatch.setattr(servelab.model_runner, "DecodeGraphRunner", CpuReplayRunner)
+    case, llm = oracle_llm("triton_paged", cuda_graphs=True)
+    runner = llm.engine.runner
+    assert runner.graphs_status.startswith("captured"), runner.graphs_status
+    assert sorted(runner.graphs.graphs) == list(graph_buckets(8))
+    backend, plans = llm.engine.backend, []
+    plan = backend.plan
+    monkeypatch.setattr(backend, "plan", lambda meta: plans.append(meta) or plan(meta))
+    count = 6
+    assert oracle_tokens(llm, case, count) == case.expected[:count]
+    ran, single = forward_steps(llm)
+    assert single > 0 and ran > single
+    assert runner.graphs.num_replays == single and runner.graphs.num_eager == ran - single
+    assert len(plans) == ran - single  # a replayed step is not planned again
+
+
+def test_a_graph_unsafe_backend_stays_eager_where_graphs_could_run(monkeypatch, caplog):
+    monkeypatch.setattr(servelab.model_runner, "DecodeGraphRunner", CpuReplayRunner)
+    with caplog.at_level(logging.WARNING, logger="servelab.model_runner"):
+        case, llm = oracle_llm("per_request", cuda_graphs=True)
+    runner = llm.engine.runner
+    assert runner.graphs_status.startswith("eager:") and "per_request" in runner.graphs_status
+    assert any("not graph-safe" in r.getMessage() for r in caplog.records)
+    count = 4
+    assert oracle_tokens(llm, case, count) == case.expected[:count]
+    assert runner.graphs.num_replays == 0 and runner.graphs.num_eager == forward_steps(llm)[0]
+
+
 # ---------------------------------------------------------------- the benchmark, tiny
 
 
@@ -430,8 +686,6 @@ def test_graph_unsafe_backend_runs_eagerly_on_cuda():
 
 
 def greedy_tokens(attention, device, prompts, max_tokens=12):
-    from servelab import LLM, SamplingParams
-
     llm = LLM(model="tiny", attention=attention, device=device, dtype="float32", max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
@@ -537,3 +791,43 @@ def test_staging_pins_and_uploads_to_cuda():
         out = staging.upload()
         assert out["positions"].device.type == "cuda"
         assert out["positions"].tolist() == values and out["seq_lens"].tolist() == values
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_engine_replays_decode_graphs_on_cuda():
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(
+        model="tiny",
+        attention="triton_paged",
+        device="cuda",
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        cuda_graphs=True,
+    )
+    runner = llm.engine.runner
+    assert runner.graphs_status.startswith("captured"), runner.graphs_status
+    on_cuda = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert runner.graphs.num_replays > 0
+    assert on_cuda == greedy_tokens("per_request", "cpu", prompts)
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_gpu_memory_utilization_sizes_the_kv_cache_on_cuda():
+    """total x utilization - weights - activation estimate, read from the real
+    device; what this process held before loading is neither weights nor KV."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    held = torch.cuda.memory_allocated()
+    utilization = min(1.0, (held + 2 * GiB) / total)  # about 2 GiB for weights + KV
+    llm = LLM(model="tiny", device="cuda", dtype="float32", gpu_memory_utilization=utilization)
+    config = llm.engine.model_config
+    # engine defaults: max_num_batched_tokens = max(2048, max_model_len), max_num_seqs 64
+    activations = estimate_activation_bytes(config, 2048, 64, torch.float32)
+    budget = int(total * utilization) - model_weight_bytes(config, torch.float32) - activations
+    kv = llm.engine.kv_cache.device_pool.nbytes
+    # below: whole blocks only, and buffers loaded with the weights (RoPE tables) count as weights
+    assert budget - 64 * 1024**2 < kv <= budget

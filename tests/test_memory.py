@@ -50,6 +50,7 @@ def run_checked(llm: LLM, requests, abort_at: dict[int, int] | None = None, reje
             assert out.request_id not in finished, f"{out.request_id} finished twice"
             finished[out.request_id] = out
         eng.allocator.check_integrity()
+        eng.scheduler.check_integrity()
         step += 1
         assert step < 5000, "engine does not make progress"
     usage = eng.allocator.usage()
@@ -380,6 +381,7 @@ def test_abort_frees_everything(state):
         for out in eng.step():
             outs[out.request_id] = out
         eng.allocator.check_integrity()
+        eng.scheduler.check_integrity()
         if not eng.has_unfinished():
             break
     assert victim is not None, "the test never reached its state"

@@ -4,7 +4,9 @@ what its parts report independently."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -115,6 +117,34 @@ def test_unfinished_requests_count_in_the_total_only():
     s = summarize(requests, steps)
     assert s["requests"] == 2 and s["requests_total"] == 3
     assert s["finished_pct"] == pytest.approx(200 / 3)
+
+
+def test_request_row_is_every_scalar_field_then_the_latencies():
+    (r0, _), _ = fixed_record()
+    aborted = RequestRecord("r2", 0.1, 5, 0, None, None, 0.4, "abort", 0)
+    scalars = [
+        f.name for f in fields(RequestRecord) if f.name not in ("token_times", "token_steps")
+    ]
+    latencies = ["queue_time", "ttft", "tpot", "e2e"]
+    for record, hand in [
+        # r0: scheduled at arrival; first token 0.10; (0.40 - 0.10) / 2 per token; done at 0.40
+        (r0, [0.0, 0.10, 0.15, 0.40]),
+        # never scheduled, no token: only its end-to-end time, 0.4 - 0.1
+        (aborted, [None, None, None, 0.3]),
+    ]:
+        row = record.row()
+        assert list(row) == scalars + latencies  # the CSV's column order
+        assert all(row[name] == getattr(record, name) for name in scalars)
+        assert [row[name] for name in latencies] == [
+            v if v is None else pytest.approx(v) for v in hand
+        ]
+    csv = r0.csv_row()
+    assert json.loads(csv["token_times"]) == r0.token_times
+    assert json.loads(csv["token_steps"]) == r0.token_steps
+    # the row is the record's copy: changing it leaves the record as it was
+    row = r0.row()
+    row["prompt_tokens"] = -1
+    assert r0.prompt_tokens == 4 and r0.row()["prompt_tokens"] == 4
 
 
 # -- the engine's records

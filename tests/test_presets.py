@@ -47,6 +47,23 @@ def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
     return {key: {k: number(v) for k, v in row.items()} for key, row in zip(keys, rows)}
 
 
+def timing_claim_holds(first: dict, claim, rerun, attempts: int = 3) -> None:
+    """A claim about wall-clock figures (tok/s, latencies) must hold in one of
+    `attempts` runs: the two cores are shared, and a neighbour busy during one
+    configuration's run can invert a single comparison. A real regression
+    inverts every attempt. `claim(runs)` returns "" when it holds, else why not."""
+    reasons = []
+    runs = first
+    for attempt in range(attempts):
+        if attempt:
+            runs = rerun(attempt)
+        reason = claim(runs)
+        if not reason:
+            return
+        reasons.append(reason)
+    raise AssertionError(f"the claim failed in all {attempts} runs: {reasons}")
+
+
 def number(text: str):
     try:
         return float(text)
@@ -55,13 +72,27 @@ def number(text: str):
 
 
 def test_continuous_vs_static(tmp_path):
-    runs = run_preset(tmp_path, "continuous_vs_static", "workload.repeat=2", "workload.scale=0.2")
+    overrides = ("workload.repeat=2", "workload.scale=0.2")
+    runs = run_preset(tmp_path, "continuous_vs_static", *overrides)
     assert set(runs) == {
         f"{s}/{a}" for s in ("static", "continuous") for a in ("padded", "per_request")
     }
+
+    def faster(runs) -> str:
+        return "; ".join(
+            f"{a}: continuous {runs[f'continuous/{a}']['output_tok_s']:.0f} tok/s <= "
+            f"static {runs[f'static/{a}']['output_tok_s']:.0f}"
+            for a in ("padded", "per_request")
+            if runs[f"continuous/{a}"]["output_tok_s"] <= runs[f"static/{a}"]["output_tok_s"]
+        )
+
+    timing_claim_holds(
+        runs,
+        faster,
+        lambda i: run_preset(tmp_path / f"again{i}", "continuous_vs_static", *overrides),
+    )
     for attention in ("padded", "per_request"):
         continuous, static = runs[f"continuous/{attention}"], runs[f"static/{attention}"]
-        assert continuous["output_tok_s"] > static["output_tok_s"]
         assert continuous["steps"] < 0.7 * static["steps"]
         assert static["idle_slot_pct"] > 10 and continuous["idle_slot_pct"] == 0
         assert continuous["output_digest"] == static["output_digest"]  # same tokens either way
@@ -101,16 +132,29 @@ def test_prefix_caching(tmp_path):
 
 
 def test_chunked_prefill(tmp_path):
-    runs = run_preset(
-        tmp_path, "chunked_prefill",
+    overrides = (
         "workload.num_long=2", "workload.long_prompt_len=1536", "workload.decoder_output_len=96",
         "workload.first_long_at=0.02", "workload.long_every=0.05",
     )  # fmt: skip
+    runs = run_preset(tmp_path, "chunked_prefill", *overrides)
     chunked, whole = runs["chunked"], runs["continuous"]
     assert whole["longest_stall_prefill_tokens"] == 1536
     assert chunked["longest_stall_prefill_tokens"] <= 2 * 512  # a chunk of each prompt in flight
-    assert chunked["longest_stall_ms"] < whole["longest_stall_ms"]
-    assert chunked["itl_p99_ms"] < whole["itl_p99_ms"]
+
+    def shorter_stalls(runs) -> str:
+        chunked, whole = runs["chunked"], runs["continuous"]
+        reasons = [
+            f"{figure}: chunked {chunked[figure]:.1f} >= continuous {whole[figure]:.1f}"
+            for figure in ("longest_stall_ms", "itl_p99_ms")
+            if chunked[figure] >= whole[figure]
+        ]
+        return "; ".join(reasons)
+
+    timing_claim_holds(
+        runs,
+        shorter_stalls,
+        lambda i: run_preset(tmp_path / f"again{i}", "chunked_prefill", *overrides),
+    )
 
 
 def test_swap_vs_recompute(tmp_path):

@@ -44,9 +44,10 @@ class PagedAllocator(KVAllocator):
         self.num_blocks = token_capacity // block_size
         if self.num_blocks * block_size < max_model_len:
             raise ConfigError(
-                f"KV cache too small: kv_cache_memory holds {token_capacity} tokens "
-                f"({self.num_blocks} blocks of {block_size}), less than one sequence of "
-                f"max_model_len={max_model_len} tokens; raise kv_cache_memory or lower max_model_len"
+                f"KV cache too small: its memory (kv_cache_memory, or what gpu_memory_utilization "
+                f"leaves) holds {token_capacity} tokens ({self.num_blocks} blocks of {block_size}), "
+                f"less than one sequence of max_model_len={max_model_len} tokens; raise that "
+                "memory or lower max_model_len"
             )
         self.num_host_blocks = host_token_capacity // block_size
         # device blocks
@@ -60,6 +61,9 @@ class PagedAllocator(KVAllocator):
         self.tables: dict[int, list[int]] = {}
         self.seq_hashes: dict[int, list[int]] = {}  # chain hashes of a sequence's full blocks
         self.filled_upto: dict[int, int] = {}  # tokens of the sequence reflected in `fill`
+        # sequences whose next write may land in a block another table shares
+        # (after a fork or a swap-in); an allocate() settles it with copy-on-write
+        self.may_share_tail: set[int] = set()
         self.tokens_used = 0  # sum of fill over referenced blocks
         # host pool
         self.host_ref_count = [0] * self.num_host_blocks
@@ -147,10 +151,15 @@ class PagedAllocator(KVAllocator):
         for i in range(start // bs, cdiv(computed, bs)):
             self._set_fill(table[i], min(bs, computed - i * bs))
         self.filled_upto[seq.seq_id] = computed
-        if not self.prefix_caching:
-            return
+        if self.prefix_caching:
+            self._publish_full_blocks(seq, table)
+
+    def _publish_full_blocks(self, seq: Sequence, table: list[int]) -> None:
+        """Hashes the sequence's full, computed blocks not hashed yet and publishes
+        each under its chain hash unless an equal block already is."""
+        bs = self.block_size
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
-        for i in range(len(hashes), computed // bs):
+        for i in range(len(hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = self._chain_hash(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
@@ -159,6 +168,35 @@ class PagedAllocator(KVAllocator):
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
                 self.block_tokens[block] = tokens
+
+    # -- the decode fast path
+    def extend_decodes(self, seqs: list[Sequence], rows: list[int]) -> list[int] | None:
+        # a decoding sequence writes into its own last block unless a fork or a
+        # swap-in may have left that block shared (then copy-on-write: general path)
+        if len(rows) > self.num_free_blocks:
+            return None
+        if self.may_share_tail and any(s.seq_id in self.may_share_tail for s in seqs):
+            return None
+        blocks = []
+        for row in rows:
+            block = self._take_free()
+            self.tables[seqs[row].seq_id].append(block)
+            blocks.append(block)
+        return blocks
+
+    def commit_decodes(
+        self, seqs: list[Sequence], written_blocks: list[int], filled_rows: list[int]
+    ) -> None:
+        # the written blocks are private (extend_decodes made sure): one token each.
+        # `filled_upto` may lag now; `commit` catches up idempotently.
+        fill = self.fill
+        for block in written_blocks:
+            fill[block] += 1
+        self.tokens_used += len(written_blocks)
+        if self.prefix_caching:
+            for row in filled_rows:
+                seq = seqs[row]
+                self._publish_full_blocks(seq, self.tables[seq.seq_id])
 
     # -- allocation
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -213,6 +251,7 @@ class PagedAllocator(KVAllocator):
             self._copy_on_write(seq, table)
         while len(table) < cdiv(num_tokens, self.block_size):
             table.append(self._take_free())
+        self.may_share_tail.discard(seq.seq_id)
         return cached
 
     def _copy_on_write(self, seq: Sequence, table: list[int]) -> None:
@@ -232,6 +271,7 @@ class PagedAllocator(KVAllocator):
                 self._release(block)
         self.seq_hashes.pop(seq.seq_id, None)
         self.filled_upto.pop(seq.seq_id, None)
+        self.may_share_tail.discard(seq.seq_id)
         for block in self.host_tables.pop(seq.seq_id, []):
             self._release_host(block)
 
@@ -245,6 +285,7 @@ class PagedAllocator(KVAllocator):
         self.tables[child.seq_id] = list(table)
         self.seq_hashes[child.seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
         self.filled_upto[child.seq_id] = self.filled_upto.get(parent.seq_id, 0)
+        self.may_share_tail.update((parent.seq_id, child.seq_id))
 
     # -- swapping
     def _release_host(self, block: int) -> None:
@@ -296,6 +337,7 @@ class PagedAllocator(KVAllocator):
                 table.append(to_device[host])
                 self._release_host(host)
             self.tables[seq.seq_id] = table
+            self.may_share_tail.add(seq.seq_id)
         self.blocks_swapped_in += len(to_device)
 
     def take_copies(self) -> BlockCopies:

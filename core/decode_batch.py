@@ -1,0 +1,224 @@
+"""`DecodeBatch`: the running sequences of a steady decode phase, kept between steps.
+
+While every running sequence decodes, a step changes each of them by exactly
+one token. Re-deriving the step from every sequence's lists (its block table,
+its counters, a `ScheduledSeq`, a stop check) costs Python work per sequence per
+step, which at a few hundred sequences outweighs a small model's forward on a
+CPU. A `DecodeBatch` keeps what a decode step needs as arrays — the position
+each row computes next, its block table, when it must stop — and advances
+them with a handful of numpy operations:
+
+    schedule:  rows crossing a block boundary get one new block each (~1/block_size of them)
+    prepare:   positions, slots, lengths and the block-table tensor by array arithmetic
+    update:    one loop appends the sampled tokens; stop rules are array comparisons
+
+The scheduler owns one: it builds it after a step whose sequences are exactly
+the running ones and all decode, shrinks it when rows finish, grows it when
+admitted prompts finish their prefill, and drops it whenever anything else
+changes (a preemption, a fork, an abort, a swap): the next step then takes the
+general path and may build a new one. The arrays are the truth only for what
+they mirror: `starts[i] == seqs[i].num_computed_tokens` and `tables[i]` is the
+allocator's block table of `seqs[i]` (`check` asserts both; tests call it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from servelab.batch import AttentionMetadata
+from servelab.sequence import Sequence
+
+
+class DecodeBatch:
+    """Rows = sequences that each compute their last token and sample the next."""
+
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        block_tables: list[list[int]],
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.seqs: list[Sequence] = []
+        self.seq_ids: list[int] = []
+        self.starts = np.zeros(0, dtype=np.int64)
+        self.stop_at = np.zeros(0, dtype=np.int64)  # finish (length) when num_tokens reaches it
+        self.prompt_lens = np.zeros(0, dtype=np.int64)
+        self.tables = np.zeros((0, self.max_blocks), dtype=np.int32)
+        self.table_lens = np.zeros(0, dtype=np.int64)
+        self.watched: set[int] = set()  # rows' seq ids whose tokens a stop rule must check
+        self.stop_tokens: frozenset[int] = frozenset()  # the union of their stop tokens
+        self.all_greedy = True
+        self.next_input: list[int] = []  # each row's last token: the step's input id
+        self.append(seqs, block_tables)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # -- membership
+    def append(self, seqs: list[Sequence], block_tables: list[list[int]]) -> None:
+        """Adds decoding sequences (each with its current block table) as new rows."""
+        if not seqs:
+            return
+        # new lists, never extended in place: a step's plan keeps the old ones
+        self.seqs = self.seqs + seqs
+        self.seq_ids = self.seq_ids + [s.seq_id for s in seqs]
+        self.next_input = self.next_input + [s.token_ids[-1] for s in seqs]
+        self.starts = np.concatenate(
+            [self.starts, np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))]
+        )
+        stop_at = [min(s.num_prompt_tokens + s.params.max_tokens, self.max_model_len) for s in seqs]
+        self.stop_at = np.concatenate([self.stop_at, np.asarray(stop_at, dtype=np.int64)])
+        prompt_lens = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+        self.prompt_lens = np.concatenate([self.prompt_lens, prompt_lens])
+        rows = np.zeros((len(seqs), self.max_blocks), dtype=np.int32)
+        lens = np.fromiter(map(len, block_tables), np.int64, len(seqs))
+        rows[np.arange(self.max_blocks) < lens[:, None]] = np.fromiter(
+            (b for t in block_tables for b in t), np.int32, int(lens.sum())
+        )
+        self.tables = np.concatenate([self.tables, rows])
+        self.table_lens = np.concatenate([self.table_lens, lens])
+        self._note_stop_rules(seqs)
+
+    def _note_stop_rules(self, seqs: list[Sequence]) -> None:
+        stops = set(self.stop_tokens)
+        for seq in seqs:
+            params = seq.params
+            tokens = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                tokens |= seq.eos_token_ids
+            if tokens:
+                self.watched.add(seq.seq_id)
+                stops |= tokens
+            if not params.greedy:
+                self.all_greedy = False
+        self.stop_tokens = frozenset(stops)
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keeps the rows where `mask` is true (finished rows leave)."""
+        rows = np.flatnonzero(mask).tolist()
+        self.seqs = [self.seqs[r] for r in rows]
+        self.seq_ids = [self.seq_ids[r] for r in rows]
+        self.next_input = [self.next_input[r] for r in rows]
+        self.starts = self.starts[mask]
+        self.stop_at = self.stop_at[mask]
+        self.prompt_lens = self.prompt_lens[mask]
+        self.tables = self.tables[mask]
+        self.table_lens = self.table_lens[mask]
+        self.watched &= set(self.seq_ids)
+        self.all_greedy = all(s.params.greedy for s in self.seqs)
+
+    # -- one step
+    def rows_needing_block(self) -> np.ndarray:
+        """Rows whose next token starts a new block."""
+        return np.flatnonzero(self.starts >= self.table_lens * self.block_size)
+
+    def add_blocks(self, rows: list[int], blocks: list[int]) -> None:
+        """Row `rows[i]`'s table gained block `blocks[i]` at its end."""
+        if rows:
+            index = np.asarray(rows, dtype=np.int64)
+            self.tables[index, self.table_lens[index]] = blocks
+            self.table_lens[index] += 1
+
+    def metadata(self, starts: np.ndarray, device: torch.device, staging=None) -> AttentionMetadata:
+        """The attention inputs of a step of only this batch's decodes, computing
+        the tokens at `starts` (the step's snapshot of `self.starts`); on a
+        device, uploaded through `staging` when given (`AttentionMetadata.to_device`)."""
+        n = len(starts)
+        bs = self.block_size
+        seq_lens = starts + 1
+        width = max(1, int(self.table_lens.max())) if n else 1
+        tables = self.tables[:, :width].copy()  # the batch's array changes next step
+        slots = tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
+        arange = np.arange(n + 1, dtype=np.int32)
+        seq_start = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(seq_lens, out=seq_start[1:])
+        tensors = dict(
+            query_start_loc=torch.from_numpy(arange),
+            seq_start_loc=torch.from_numpy(seq_start),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            context_lens=torch.from_numpy(starts.astype(np.int32)),
+            block_tables=torch.from_numpy(tables),
+            slot_mapping=torch.from_numpy(slots),
+            positions=torch.from_numpy(starts.copy()),
+            logits_indices=torch.from_numpy(arange[:n].astype(np.int64)),
+        )
+        if device.type != "cpu" or staging is not None:
+            tensors = AttentionMetadata.to_device(tensors, device, staging)
+        seq_lens_list = seq_lens.tolist()
+        return AttentionMetadata(
+            num_seqs=n,
+            num_decodes=n,
+            num_tokens=n,
+            block_size=bs,
+            query_lens_cpu=[1] * n,
+            seq_lens_cpu=seq_lens_list,
+            block_tables_cpu=LazyTables(tables, self.table_lens.copy()),
+            max_query_len=1 if n else 0,
+            max_seq_len=max(seq_lens_list) if n else 0,
+            **tensors,
+        )
+
+    def advance(self, tokens: list[int], now: float) -> list[Sequence]:
+        """Appends each row's sampled token (`tokens` in row order), advances the
+        counters, and returns the rows' sequences that may have to stop: every
+        one that must is among them (length by arrays; a stop token by the union
+        of the rows' stop tokens, so the caller applies each sequence's own rule).
+        Rows do not leave here (`keep` does)."""
+        for seq, token in zip(self.seqs, tokens):
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+        self.starts += 1
+        self.next_input = tokens
+        # num_tokens is now starts + 1 (the new token has no K/V yet)
+        done = np.flatnonzero(self.starts + 1 >= self.stop_at).tolist()
+        stopping = [self.seqs[r] for r in done]
+        if self.watched:
+            stops = self.stop_tokens
+            stopping += [
+                seq
+                for seq, token in zip(self.seqs, tokens)
+                if token in stops and seq.seq_id in self.watched and seq not in stopping
+            ]
+        return stopping
+
+    # -- checks
+    def check(self, block_table) -> None:
+        """Asserts the arrays mirror the sequences and the allocator's tables."""
+        assert len(self.seqs) == len(self.starts) == len(self.tables) == len(self.table_lens)
+        for i, seq in enumerate(self.seqs):
+            assert seq.num_computed_tokens == self.starts[i], f"row {i}: stale position"
+            assert seq.num_tokens == seq.num_computed_tokens + 1, f"row {i}: not decoding"
+            table = block_table(seq)
+            assert self.table_lens[i] == len(table), f"row {i}: stale table length"
+            assert self.tables[i, : len(table)].tolist() == table, f"row {i}: stale block table"
+
+
+class LazyTables:
+    """`AttentionMetadata.block_tables_cpu` of a batch step: rows as lists, built
+    only if something asks (no built-in backend does)."""
+
+    def __init__(self, tables: np.ndarray, lens: np.ndarray) -> None:
+        self._tables = tables
+        self._lens = lens
+        self._lists: list[list[int]] | None = None
+
+    def _rows(self) -> list[list[int]]:
+        if self._lists is None:
+            rows = self._tables.tolist()
+            self._lists = [row[:n] for row, n in zip(rows, self._lens.tolist())]
+        return self._lists
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def __getitem__(self, index):
+        return self._rows()[index]
+
+    def __iter__(self):
+        return iter(self._rows())

@@ -3,7 +3,9 @@
 Every backend must store the step's K/V at its slots and attend each query
 causally over its sequence's whole context, for decode-only, prefill-only and
 mixed batches, chunks after a cached prefix, GQA, any block size and any
-physical block order.
+physical block order. flash_varlen's `sdpa` and `cpu` impls are also run at
+real head sizes against its `reference` impl, asserting which path ran
+(the C++ kernel itself is tested in `test_cpu_kernel.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from servelab.batch import AttentionMetadata
 from servelab.errors import ConfigError
 from servelab.interfaces import AttentionBackend
-from servelab.plugins.attention import common, flash_varlen, padded, per_request
+from servelab.plugins.attention import common, cpu_paged, flash_varlen, padded, per_request
 from servelab.plugins.attention.flash_varlen import FlashVarlenBackend, varlen_attention_reference
 from servelab.plugins.attention.padded import PaddedBackend
 from servelab.plugins.attention.per_request import PerRequestBackend
@@ -37,6 +39,9 @@ BACKENDS = {
     "per_request": lambda **ctx: PerRequestBackend(**ctx),
     "flash_varlen-reference": lambda **ctx: FlashVarlenBackend(**ctx, impl="reference"),
     "flash_varlen-auto": lambda **ctx: FlashVarlenBackend(**ctx, impl="auto"),
+    "flash_varlen-sdpa": lambda **ctx: FlashVarlenBackend(**ctx, impl="sdpa"),
+    # at HEAD_DIM 8 the C++ kernel cannot serve: this runs impl=cpu's SDPA fallback
+    "flash_varlen-cpu": lambda **ctx: FlashVarlenBackend(**ctx, impl="cpu"),
 }
 
 # (query_lens, context_lens), decodes first as the engine orders them
@@ -168,6 +173,88 @@ def test_chunked_prefill_then_decode_through_own_cache(backend_id):
         torch.testing.assert_close(out.double(), expected, **TOLERANCE[torch.float32])
 
 
+# -- flash_varlen's fast CPU impls at real head sizes, against its reference impl
+
+# (query_lens, context_lens): decodes whose contexts end mid-tile, on a tile
+# boundary (the kernel scores 16 float32 / 8 float64 keys at a time) and past
+# several tiles, next to prompts and chunks
+FAST_BATCHES = {
+    "decode": ([1, 1, 1, 1, 1], [0, 15, 16, 40, 95]),
+    "prefill": ([7, 19], [0, 0]),
+    "mixed": ([1, 1, 1, 6, 9], [8, 31, 70, 0, 13]),
+}
+# (num_heads, num_kv_heads): no grouping, groups of 2 and 8, and of 3 (not a power of two)
+HEAD_LAYOUTS = [(4, 4), (4, 2), (8, 1), (6, 2)]
+
+
+def run_impl(impl, case, num_heads, num_kv_heads, head_dim, dtype):
+    """One step of flash_varlen with `impl` on a copy of `case`'s cache: (output, backend)."""
+    backend = FlashVarlenBackend(num_heads, num_kv_heads, head_dim, case.scale, impl=impl)
+    backend.check(FakeAllocator(case.block_size), torch.device("cpu"), dtype)
+    caches = (case.k_cache.clone(), case.v_cache.clone())
+    plan = backend.plan(case.meta())
+    return backend.forward(case.q, case.k_new, case.v_new, caches, plan), backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch", list(FAST_BATCHES))
+@pytest.mark.parametrize("impl", ["sdpa", "cpu"])
+def test_fast_impls_match_the_reference_impl(impl, batch, head_dim, heads, block_size, dtype):
+    num_heads, num_kv_heads = heads
+    query_lens, context_lens = FAST_BATCHES[batch]
+    case = make_paged_case(
+        query_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype, seed=head_dim + block_size,
+    )  # fmt: skip
+    expected_caches = case.expected_caches()
+    want, _ = run_impl("reference", case, num_heads, num_kv_heads, head_dim, dtype)
+    backend = FlashVarlenBackend(num_heads, num_kv_heads, head_dim, case.scale, impl=impl)
+    backend.check(FakeAllocator(block_size), torch.device("cpu"), dtype)
+    out = run_step(backend, case)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, want, **TOLERANCE[dtype])
+    assert_matches_reference(out, case, dtype)  # and the independent naive one
+    assert_cache_written(case, expected_caches)
+    # the path that ran: the C++ kernel for impl=cpu's decodes, never for sdpa
+    has_decodes = case.meta().num_decodes > 0
+    kernel_calls = 1 if impl == "cpu" and has_decodes else 0
+    assert backend.stats() == {"cpu_kernel_decode_calls": kernel_calls}
+
+
+def test_cpu_impl_falls_back_to_sdpa_without_the_kernel(monkeypatch, caplog):
+    """No kernel (SERVELAB_CPU_KERNEL=0): impl=cpu logs why and runs SDPA's
+    batched decode, with the same results."""
+    monkeypatch.setenv("SERVELAB_CPU_KERNEL", "0")
+    cpu_paged.kernel.cache_clear()
+    try:
+        case = make_paged_case([1, 1, 5], [17, 3, 6], num_kv_heads=2, head_dim=64, seed=21)
+        with caplog.at_level(logging.INFO, logger=flash_varlen.__name__):
+            out, backend = run_impl("cpu", case, 4, 2, 64, torch.float32)
+        assert backend.active_impl == "cpu" and backend.stats()["cpu_kernel_decode_calls"] == 0
+        assert "SERVELAB_CPU_KERNEL=0" in caplog.text and "SDPA" in caplog.text
+        assert_matches_reference(out, case, torch.float32)
+    finally:
+        cpu_paged.kernel.cache_clear()  # later tests build (load) the kernel again
+
+
+def test_cpu_impl_counts_one_kernel_call_per_layer():
+    """One plan, three layers: three kernel calls, each on its own cache."""
+    layers = [
+        make_paged_case([1, 1, 4], [20, 7, 2], head_dim=64, shuffle_blocks=False, seed=seed)
+        for seed in (1, 2, 3)
+    ]
+    backend = FlashVarlenBackend(4, 2, 64, layers[0].scale, impl="cpu")
+    backend.check(FakeAllocator(16), torch.device("cpu"), torch.float32)
+    plan = backend.plan(layers[0].meta())
+    for case in layers:
+        out = backend.forward(case.q, case.k_new, case.v_new, (case.k_cache, case.v_cache), plan)
+        assert_matches_reference(out, case, torch.float32)
+    assert backend.stats()["cpu_kernel_decode_calls"] == len(layers)
+
+
 # -- common helpers
 
 
@@ -250,23 +337,40 @@ def test_torch_impl_on_cpu_is_a_config_error():
 
 
 def test_unknown_impl_lists_the_choices():
-    with pytest.raises(ConfigError, match="auto, flash_attn, torch, reference"):
+    with pytest.raises(ConfigError, match="auto, flash_attn, torch, reference, sdpa, cpu"):
         FlashVarlenBackend(NUM_HEADS, 2, HEAD_DIM, 1.0, impl="triton")
 
 
-def test_auto_on_cpu_chooses_reference_and_logs_it(caplog):
-    backend = FlashVarlenBackend(NUM_HEADS, 2, HEAD_DIM, 1.0, impl="auto")
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "chosen", "passed_over"),
+    [
+        (64, torch.float32, "cpu", []),
+        (128, torch.float64, "cpu", []),
+        (64, torch.bfloat16, "sdpa", ["not cpu", "float32 or float64"]),
+        (HEAD_DIM, torch.float32, "sdpa", ["not cpu", "head_dim"]),
+    ],
+)
+def test_auto_on_cpu_picks_the_fastest_usable_impl_and_logs_it(
+    caplog, head_dim, dtype, chosen, passed_over
+):
+    """On a CPU: the C++ kernel where it serves, else SDPA; never the reference."""
+    backend = FlashVarlenBackend(NUM_HEADS, 2, head_dim, 1.0, impl="auto")
     with caplog.at_level(logging.INFO, logger=flash_varlen.__name__):
-        backend.check(FakeAllocator(block_size=16), torch.device("cpu"), torch.float32)
-    assert backend.active_impl == "reference"
-    assert "'reference'" in caplog.text and "not flash_attn" in caplog.text
+        backend.check(FakeAllocator(block_size=16), torch.device("cpu"), dtype)
+    assert backend.active_impl == chosen
+    assert f"chose '{chosen}'" in caplog.text and "not flash_attn" in caplog.text
+    for reason in passed_over:
+        assert reason in caplog.text
 
 
-def test_auto_without_check_decides_on_first_forward():
-    case = make_paged_case([1, 4], [6, 2], block_size=4, seed=9)
-    backend = FlashVarlenBackend(NUM_HEADS, 2, HEAD_DIM, case.scale)
+@pytest.mark.parametrize(("head_dim", "chosen"), [(HEAD_DIM, "sdpa"), (64, "cpu")])
+def test_auto_without_check_decides_on_first_forward(head_dim, chosen):
+    """plan() before any check(): the first forward picks the impl and completes the plan."""
+    case = make_paged_case([1, 4], [6, 2], head_dim=head_dim, block_size=4, seed=9)
+    backend = FlashVarlenBackend(NUM_HEADS, 2, head_dim, case.scale)
     out = run_step(backend, case)
-    assert backend.active_impl == "reference"
+    assert backend.active_impl == chosen
+    assert backend.stats()["cpu_kernel_decode_calls"] == (chosen == "cpu")
     assert_matches_reference(out, case, torch.float32)
 
 

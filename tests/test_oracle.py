@@ -1,14 +1,40 @@
 """Every registered combination of parts produces exactly transformers' greedy
-tokens (float64, CPU), under a KV budget tight enough to preempt."""
+tokens (float64, CPU), under a KV budget tight enough to preempt.
+
+flash_varlen's `cpu` impl must really run its C++ decode kernel here (it
+serves float64), not a fallback: a hook captures each run's engine and its
+backend's counter is checked."""
 
 from __future__ import annotations
 
 import pytest
 
+from servelab import hookimpl
+from servelab.plugin_manager import get_plugin_manager
+from servelab.plugins.attention import cpu_paged
 from servelab.testing.oracle import assert_matches_reference, drive
 from tests.oracle import combinations, combo_id, make_case
 
 ALL = combinations()
+
+
+class EngineSpy:
+    """A runtime plugin keeping the engine of the latest run."""
+
+    engine = None
+
+    @hookimpl
+    def servelab_engine_ready(self, engine) -> None:
+        self.engine = engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def spy():
+    manager = get_plugin_manager()
+    watcher = EngineSpy()
+    manager.register(watcher, name="test-oracle-engine-spy")
+    yield watcher
+    manager.unregister(watcher)
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +49,17 @@ def cases(tmp_path_factory):
     return get
 
 
-def check(case, combo):
+def check(case, combo, spy):
     run = drive(case, combo)
     assert_matches_reference(case, combo, run)
     assert run.tokens == case.expected
+    attention = combo["attention"]
+    if attention["name"] == "flash_varlen":
+        calls = spy.engine.backend.stats()["cpu_kernel_decode_calls"]
+        if attention["impl"] == "cpu" and cpu_paged.kernel() is not None:
+            assert calls > 0, f"[{combo_id(combo)}] the C++ decode kernel never ran"
+        else:
+            assert calls == 0, f"[{combo_id(combo)}] the C++ decode kernel ran"
     on_demand = combo["scheduler"].get("admission", "on_demand") == "on_demand"
     if on_demand and combo["allocator"]["name"] == "paged":
         # the budget is tight enough that the preemption policy really runs
@@ -35,8 +68,8 @@ def check(case, combo):
 
 
 @pytest.mark.parametrize("combo", ALL, ids=combo_id)
-def test_qwen3_every_combination(cases, combo):
-    check(cases("qwen3"), combo)
+def test_qwen3_every_combination(cases, combo, spy):
+    check(cases("qwen3"), combo, spy)
 
 
 # Qwen2 and Llama differ from Qwen3 only inside the model: every scheduler x
@@ -45,5 +78,5 @@ def test_qwen3_every_combination(cases, combo):
 @pytest.mark.parametrize(
     "combo", [c for c in ALL if c["preemption"]["name"] == "recompute"], ids=combo_id
 )
-def test_other_architectures(cases, arch, combo):
-    check(cases(arch), combo)
+def test_other_architectures(cases, arch, combo, spy):
+    check(cases(arch), combo, spy)

@@ -173,7 +173,9 @@ VARIANTS: dict[str, dict[str, list[dict]]] = {
         "paged": [{"block_size": 4}, {"block_size": 4, "prefix_caching": True}],
     },
     "preemption": {},
-    "attention": {"flash_varlen": [{"impl": "reference"}]},
+    # flash_varlen's CPU impls: `cpu` runs its C++ kernel for the decodes (float64
+    # too), `sdpa` gathers pages for one batched call; both plan prefills per sequence
+    "attention": {"flash_varlen": [{"impl": "reference"}, {"impl": "sdpa"}, {"impl": "cpu"}]},
 }
 
 
@@ -295,13 +297,13 @@ def _drive(
             )
             outputs[out.request_id] = out
         if check_every_step:
-            _check_integrity(eng.allocator, f"[{label}] after step {steps}")
+            _check_integrity(eng, f"[{label}] after step {steps}")
     never = [i for i in ids if i not in outputs and i not in aborted]
     assert not never, (
         f"[{label}] requests {never} never finished, yet the scheduler reported no unfinished "
         "work (a request was dropped)"
     )
-    _check_integrity(eng.allocator, f"[{label}] at the end")
+    _check_integrity(eng, f"[{label}] at the end")
     assert_no_leak(eng.allocator, f"[{label}] after every request finished")
     records = [r.request_id for r in eng.metrics.requests]
     twice = sorted({r for r in records if records.count(r) > 1})
@@ -364,8 +366,14 @@ def _with_n(params: SamplingParams, n: int) -> SamplingParams:
     return SamplingParams(**{**vars(params), "n": n, "stop_token_ids": list(params.stop_token_ids)})
 
 
-def _check_integrity(allocator: Any, where: str) -> None:
+def _check_integrity(eng: Any, where: str) -> None:
     try:
-        allocator.check_integrity()
+        eng.allocator.check_integrity()
     except AssertionError as exc:
         raise AssertionError(f"{where}: allocator integrity broken: {exc}") from exc
+    check = getattr(eng.scheduler, "check_integrity", None)
+    if check is not None:
+        try:
+            check()
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: scheduler integrity broken: {exc}") from exc

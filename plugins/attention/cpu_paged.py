@@ -5,25 +5,34 @@ running sequence's whole context once per layer. Gathering the pages into a
 padded tensor and running SDPA over it reads and writes that data three times
 (gather in, gather out, SDPA in) plus the padding; this kernel reads each key
 and value exactly once, straight through the block table, with an online
-softmax (FlashAttention's decode loop), one task per sequence on torch's
-intra-op threads (a key slot holds every KV head: read once, whole).
+softmax (FlashAttention's decode loop). A work item is one KV head of one
+sequence with the query heads of its group, so each K/V row is read once for
+all of them; items go to torch's intra-op threads through an atomic counter,
+and the next keys' scattered pages are prefetched into L2.
 
 Rules:
-- float32 only (float64 keeps PyTorch's SDPA: the oracle's exactness never
-  depends on this kernel); head_dim in `HEAD_DIMS`; any block size, any
-  grouped-query ratio;
+- float32 (the fast path) or float64 (the oracle's dtype: `exp` from the C
+  library, so the oracle's token-exact runs go through this very kernel);
+  head_dim in `HEAD_DIMS`; any block size, any grouped-query ratio;
 - built with `torch.utils.cpp_extension.load_inline` when an engine that
   uses it is built (about half a minute the first time; torch caches the
-  build across processes); a machine without a C++ compiler, or
-  `SERVELAB_CPU_KERNEL=0` in the environment, gets `None` from `kernel()`
-  and a logged reason, and callers fall back to the SDPA path;
-- `exp` is a Cephes-style polynomial (a couple of float32 ulps): results match
-  SDPA to float32 rounding, not bit for bit.
+  build across processes, keyed by the source's hash); a machine without a
+  C++ compiler, or `SERVELAB_CPU_KERNEL=0` in the environment, gets `None`
+  from `kernel()` and a logged reason, and callers fall back to the SDPA path;
+- float32 `exp` is a Cephes-style polynomial (a couple of ulps): results match
+  SDPA to float32 rounding, not bit for bit;
+- deterministic: a work item runs whole on one thread, in key order, so the
+  thread count and scheduling never change a result.
+
+`store_kv` writes a step's K/V rows into the cache in one call (the same rule
+as `common.store_kv`, for the same dtype): per layer, two `index_copy_` calls
+cost more than the rows they copy.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from types import ModuleType
@@ -33,180 +42,335 @@ import torch
 log = logging.getLogger(__name__)
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = (torch.float32, torch.float64)
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
-constexpr int kTile = 16;  // keys scored before one online-softmax update
+// 64-byte vectors: one AVX-512 register, two AVX2 ones (GCC's and Clang's vector
+// extensions split them where the target is narrower: no intrinsics needed).
+template <typename T>
+struct Simd {
+  static constexpr int kLanes = 64 / sizeof(T);
+  typedef T vec __attribute__((vector_size(64)));
+  typedef T half __attribute__((vector_size(32)));
+  typedef T quarter __attribute__((vector_size(16)));
+  using mask = decltype(vec{} < vec{});  // integer lanes of T's size
+};
 
-// exp(x) for x <= 0 (softmax arguments): 2^n * P(r), Cephes' expf polynomial.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// How far ahead of the key being computed its slots are prefetched, in keys,
+// into L2 (`prefetcht1`): pages are scattered, so the hardware cannot guess the
+// next one, and prefetching into L1 evicts what is being computed (measured on
+// the reference decode shape: L2 at 32 keys streams from DRAM about twice as
+// fast as L1 at 16).
+constexpr int kPrefetchKeys = 32;
+constexpr int kPrefetchLocality = 2;
+
+template <typename To, typename From>
+inline To bits_as(const From& from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+template <typename V, typename T>
+inline V load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename V, typename T>
+inline void store(T* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Tree reductions, halves folded onto each other: a lane-by-lane loop would be
+// a dependency chain as long as the vector (float addition may not be reordered).
+template <typename T>
+inline T reduce_add(typename Simd<T>::vec v) {
+  using S = Simd<T>;
+  const auto halves = bits_as<std::array<typename S::half, 2>>(v);
+  const auto quarters = bits_as<std::array<typename S::quarter, 2>>(halves[0] + halves[1]);
+  const typename S::quarter q = quarters[0] + quarters[1];
+  if constexpr (S::kLanes == 16) return (q[0] + q[2]) + (q[1] + q[3]);
+  else return q[0] + q[1];
+}
+template <typename T>
+inline T reduce_max(typename Simd<T>::vec v) {
+  using S = Simd<T>;
+  const auto halves = bits_as<std::array<typename S::half, 2>>(v);
+  const typename S::half h = halves[0] > halves[1] ? halves[0] : halves[1];
+  const auto quarters = bits_as<std::array<typename S::quarter, 2>>(h);
+  const typename S::quarter q = quarters[0] > quarters[1] ? quarters[0] : quarters[1];
+  if constexpr (S::kLanes == 16) return std::max(std::max(q[0], q[2]), std::max(q[1], q[3]));
+  else return std::max(q[0], q[1]);
+}
+
+// exp(x) for x <= 0 (softmax arguments), lane-wise. float32: 2^n * P(r), Cephes'
+// expf polynomial (a couple of ulps), n = round(x / ln 2) by truncating a
+// non-negative value so no rounding instruction is needed. float64: the C
+// library's exp, lane by lane (float64 is the oracle's dtype: exactness, not speed).
+inline Simd<float>::vec exp_nonpositive(Simd<float>::vec x) {
+  using vec = Simd<float>::vec;
+  using ivec = Simd<float>::mask;
+  x = x < -87.0f ? vec{} - 87.0f : x;
+  const ivec n = -__builtin_convertvector(0.5f - x * 1.44269504088896341f, ivec);
+  const vec nf = __builtin_convertvector(n, vec);
+  vec r = x - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  vec p = vec{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(float));
-  return p * scale;
+  return p * bits_as<vec>((n + 127) << 23);
+}
+inline Simd<double>::vec exp_nonpositive(Simd<double>::vec x) {
+  for (int i = 0; i < Simd<double>::kLanes; ++i) x[i] = std::exp(x[i]);
+  return x;
 }
 
-// One sequence, every head. A key slot holds all KV heads contiguously, so
-// each slot is read once, whole; the next tile's slots are prefetched while
-// this one is computed (blocks are scattered: the hardware cannot guess them).
-template <int D>
-void attend_seq(const float* q, const float* k_cache, const float* v_cache, const int32_t* table,
-                int64_t len, int64_t block_size, int num_heads, int kv_heads, float scale,
-                float* out, float* work) {
-  const int group = num_heads / kv_heads;
-  float* qs = work;                     // [num_heads][D], pre-scaled queries
-  float* acc = qs + num_heads * D;      // [num_heads][D], unnormalised outputs
-  float* scores = acc + num_heads * D;  // [num_heads][kTile]
-  float* run_max = scores + num_heads * kTile;
-  float* run_sum = run_max + num_heads;
-  for (int h = 0; h < num_heads; ++h) {
-    run_max[h] = -INFINITY;
-    run_sum[h] = 0.f;
-    for (int d = 0; d < D; ++d) {
-      qs[h * D + d] = q[h * D + d] * scale;
-      acc[h * D + d] = 0.f;
-    }
-  }
-  const int64_t slot_stride = static_cast<int64_t>(kv_heads) * D;
-  int64_t rows[kTile];       // element offset of each key slot of this tile
-  int64_t next_rows[kTile];  // and of the next tile
-  auto locate = [&](int64_t* r, int64_t start) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, len - start));
+// Where a sequence's keys live, in order, without a division per key.
+struct KeyWalk {
+  const int32_t* table;
+  int64_t block_size, slot_stride;  // slot_stride: elements from one slot to the next
+  int64_t block = 0, offset = 0;
+  void next(int64_t* rows, int n) {  // element offsets of the next n keys' slots
     for (int t = 0; t < n; ++t) {
-      const int64_t pos = start + t;
-      const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-      r[t] = slot * slot_stride;
-    }
-    return n;
-  };
-  int next_n = locate(next_rows, 0);
-  for (int64_t start = 0; start < len; start += kTile) {
-    const int n = next_n;
-    std::copy(next_rows, next_rows + n, rows);
-    if (start + kTile < len) {
-      next_n = locate(next_rows, start + kTile);
-      for (int t = 0; t < next_n; ++t) {
-        for (int64_t c = 0; c < slot_stride; c += 16) {  // one 64-byte line at a time
-          __builtin_prefetch(k_cache + next_rows[t] + c, 0, 3);
-          __builtin_prefetch(v_cache + next_rows[t] + c, 0, 3);
-        }
-      }
-    }
-    for (int t = 0; t < n; ++t) {
-      const float* k = k_cache + rows[t];
-      for (int h = 0; h < num_heads; ++h) {
-        const float* __restrict__ kh = k + (h / group) * D;
-        const float* __restrict__ qh = qs + h * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += qh[d] * kh[d];
-        scores[h * kTile + t] = dot;
-      }
-    }
-    for (int h = 0; h < num_heads; ++h) {
-      float* s = scores + h * kTile;
-      float tile_max = run_max[h];
-      for (int t = 0; t < n; ++t) tile_max = std::max(tile_max, s[t]);
-      const float correction = exp_nonpositive(run_max[h] - tile_max);
-      run_max[h] = tile_max;
-      float tile_sum = 0.f;
-#pragma omp simd reduction(+ : tile_sum)
-      for (int t = 0; t < n; ++t) {
-        const float e = exp_nonpositive(s[t] - tile_max);
-        s[t] = e;
-        tile_sum += e;
-      }
-      run_sum[h] = run_sum[h] * correction + tile_sum;
-      float* a = acc + h * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) a[d] *= correction;
-    }
-    for (int t = 0; t < n; ++t) {
-      const float* v = v_cache + rows[t];
-      for (int h = 0; h < num_heads; ++h) {
-        const float* __restrict__ vh = v + (h / group) * D;
-        const float p = scores[h * kTile + t];
-        float* __restrict__ a = acc + h * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += p * vh[d];
+      rows[t] = (static_cast<int64_t>(table[block]) * block_size + offset) * slot_stride;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
       }
     }
   }
-  for (int h = 0; h < num_heads; ++h) {
-    const float inv = 1.f / run_sum[h];
-    for (int d = 0; d < D; ++d) out[h * D + d] = acc[h * D + d] * inv;
+};
+
+// G query heads sharing one KV head, D elements a head: pre-scaled queries,
+// unnormalised outputs, the online softmax's running max and sum. Keys come in
+// tiles of one vector of scores; each K and V row is read once for all G heads.
+template <typename T, int D, int G>
+struct GroupState {
+  using S = Simd<T>;
+  using vec = typename S::vec;
+  static constexpr int kTile = S::kLanes;
+  static constexpr int V = D / S::kLanes;  // vectors per head row
+  vec qs[G][V], acc[G][V];
+  T run_max[G], run_sum[G];
+
+  void start(const T* q, T scale) {  // q: [G][D]
+    for (int g = 0; g < G; ++g) {
+      run_max[g] = -INFINITY;
+      run_sum[g] = 0;
+      for (int j = 0; j < V; ++j) {
+        qs[g][j] = load<vec>(q + g * D + j * S::kLanes) * scale;
+        acc[g][j] = vec{};
+      }
+    }
   }
+
+  // n <= kTile keys, their K rows at k_head + rows[t], V rows at v_head + rows[t].
+  void update(const T* k_head, const T* v_head, const int64_t* rows, int n) {
+    T scores[G][kTile];
+    for (int t = 0; t < n; ++t) {
+      vec k[V];
+      for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
+      for (int g = 0; g < G; ++g) {
+        vec dot = qs[g][0] * k[0];
+        for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
+        scores[g][t] = reduce_add<T>(dot);
+      }
+    }
+    typename S::mask lane;
+    for (int i = 0; i < S::kLanes; ++i) lane[i] = i;
+    const auto valid = lane < n;  // a sequence's last tile may be short
+    vec probs[G];
+    for (int g = 0; g < G; ++g) {
+      const vec s = valid ? load<vec>(scores[g]) : vec{} - INFINITY;
+      const T tile_max = std::max(run_max[g], reduce_max<T>(s));
+      const T correction = exp_nonpositive(vec{} + (run_max[g] - tile_max))[0];
+      run_max[g] = tile_max;
+      probs[g] = valid ? exp_nonpositive(s - tile_max) : vec{};
+      run_sum[g] = run_sum[g] * correction + reduce_add<T>(probs[g]);
+      for (int j = 0; j < V; ++j) acc[g][j] *= correction;
+    }
+    for (int t = 0; t < n; ++t) {
+      vec v[V];
+      for (int j = 0; j < V; ++j) v[j] = load<vec>(v_head + rows[t] + j * S::kLanes);
+      for (int g = 0; g < G; ++g) {
+        const T p = probs[g][t];
+        for (int j = 0; j < V; ++j) acc[g][j] += p * v[j];
+      }
+    }
+  }
+
+  void finish(T* out) const {  // out: [G][D]; no key at all -> zeros
+    for (int g = 0; g < G; ++g) {
+      const T inv = run_sum[g] > 0 ? 1 / run_sum[g] : 0;
+      for (int j = 0; j < V; ++j) store(out + g * D + j * S::kLanes, acc[g][j] * inv);
+    }
+  }
+};
+
+// One work item: G query heads of one sequence over its `len` keys of one KV
+// head (k_head / v_head: that head's row in slot 0).
+template <typename T, int D, int G>
+void attend_group(const T* q, const T* k_head, const T* v_head, const int32_t* table, int64_t len,
+                  int64_t block_size, int64_t slot_stride, T scale, T* out) {
+  using State = GroupState<T, D, G>;
+  constexpr int kLineElems = 64 / sizeof(T);
+  State state;
+  state.start(q, scale);
+  KeyWalk walk{table, block_size, slot_stride}, ahead = walk;
+  int64_t prefetched = 0;
+  int64_t rows[State::kTile];
+  for (int64_t start = 0; start < len; start += State::kTile) {
+    const int64_t prefetch_end = std::min<int64_t>(start + State::kTile + kPrefetchKeys, len);
+    for (; prefetched < prefetch_end; ++prefetched) {
+      int64_t row;
+      ahead.next(&row, 1);
+      for (int c = 0; c < D; c += kLineElems) {  // one 64-byte line at a time
+        __builtin_prefetch(k_head + row + c, 0, kPrefetchLocality);
+        __builtin_prefetch(v_head + row + c, 0, kPrefetchLocality);
+      }
+    }
+    const int n = static_cast<int>(std::min<int64_t>(State::kTile, len - start));
+    walk.next(rows, n);
+    state.update(k_head, v_head, rows, n);
+  }
+  state.finish(out);
 }
 
-template <int D>
+// Every (sequence, KV head, query sub-group) is one work item, handed out by an
+// atomic counter: a thread slowed by a busy neighbour core takes fewer items
+// instead of making the others wait. A group of `group` query heads runs as
+// group / G passes of G heads (G the largest of 8, 4, 2, 1 dividing it).
+template <typename T, int D, int G>
 void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                const torch::Tensor& block_tables, const torch::Tensor& seq_lens, float scale,
+                const torch::Tensor& block_tables, const torch::Tensor& seq_lens, T scale,
                 torch::Tensor& out) {
-  const int64_t num_seqs = q.size(0);
-  const int num_heads = static_cast<int>(q.size(1));
-  const int kv_heads = static_cast<int>(k_cache.size(2));
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(2);
+  const int64_t passes = num_heads / kv_heads / G;
   const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_stride = q.stride(0);  // a view of a fused QKV projection: heads, then K/V
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t work_size = static_cast<int64_t>(num_heads) * (2 * D + kTile + 2);
-  // thread w takes sequences w, w + T, w + 2T...: contexts of every length on each
-  // thread (a contiguous split would give one thread the batch's long tail)
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_seqs);
-  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(work_size);
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t seq = worker; seq < num_seqs; seq += num_workers) {
-        attend_seq<D>(qp + seq * num_heads * D, kp, vp, tables + seq * width, lens[seq],
-                      block_size, num_heads, kv_heads, scale, op + seq * num_heads * D,
-                      work.data());
-      }
+  T* op = out.data_ptr<T>();
+  const int64_t items = num_seqs * kv_heads * passes;
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t seq = item / (kv_heads * passes);
+      const int64_t head = item % (kv_heads * passes) / passes;  // the KV head
+      const int64_t first_head = head * passes * G + item % passes * G;
+      attend_group<T, D, G>(qp + seq * q_stride + first_head * D, kp + head * D, vp + head * D,
+                            tables + seq * width, lens[seq], block_size, kv_heads * D, scale,
+                            op + (seq * num_heads + first_head) * D);
     }
   });
 }
 
+template <typename T, int D>
+void attend_all_groups(const torch::Tensor& q, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& seq_lens, T scale, torch::Tensor& out) {
+  const int64_t group = q.size(1) / k_cache.size(2);
+  if (group % 8 == 0) attend_all<T, D, 8>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (group % 4 == 0) attend_all<T, D, 4>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (group % 2 == 0) attend_all<T, D, 2>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else attend_all<T, D, 1>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+}
+
+template <typename T>
+void attend_all_dims(const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const T s = static_cast<T>(scale);
+  switch (q.size(2)) {
+    case 16: return attend_all_groups<T, 16>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 32: return attend_all_groups<T, 32>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 64: return attend_all_groups<T, 64>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 128: return attend_all_groups<T, 128>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 256: return attend_all_groups<T, 256>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", q.size(2));
+  }
+}
+
 }  // namespace
 
-// q [num_seqs, num_heads, D]; caches [num_blocks, block_size, kv_heads, D];
-// block_tables int32 [num_seqs, width]; seq_lens int32 [num_seqs] (>= 1).
+// Writes this step's k, v ([num_tokens, kv_heads, D], any stride between tokens)
+// into the caches at slot_mapping (int64), one row copy per token and cache: what
+// two index_copy_ calls do, without their per-call cost (a 64-sequence decode
+// layer's strided K/V: about 15 us for the two calls, under 2 us here).
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong, "store_kv: slot_mapping must be int64");
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const auto& x : {k, v}) {
+    TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+                "store_kv: k, v and the caches must share a dtype");
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == num_tokens && x.size(1) == kv_heads &&
+                x.size(2) == head_dim, "store_kv: k and v must be [num_tokens, kv_heads, head_dim]");
+    TORCH_CHECK(x.stride(2) == 1 && (kv_heads == 1 || x.stride(1) == head_dim),
+                "store_kv: each token's K/V heads must be contiguous");
+  }
+  const int64_t row_bytes = kv_heads * head_dim * k_cache.element_size();
+  const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "store_kv: slot ", slot, " out of range");
+    std::memcpy(kc + slot * row_bytes, kp + t * k_step, row_bytes);
+    std::memcpy(vc + slot * row_bytes, vp + t * v_step, row_bytes);
+  }
+}
+
+// q [num_seqs, num_heads, D], any stride between tokens (each token's heads
+// contiguous); caches [num_blocks, block_size, kv_heads, D], contiguous; all
+// float32 or all float64; block_tables int32 [>= num_seqs, width]; seq_lens
+// int32 [>= num_seqs]. Returns a new contiguous [num_seqs, num_heads, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat);
-  TORCH_CHECK(v_cache.scalar_type() == torch::kFloat && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: the caches must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)),
+              "paged_decode: each token's query heads must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode: block_tables and seq_lens must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt,
+              "paged_decode: block_tables and seq_lens must be int32");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 4 && q.dim() == 3);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
-  auto out = torch::empty_like(q);
-  switch (q.size(2)) {
-    case 16: attend_all<16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-    case 32: attend_all<32>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-    case 64: attend_all<64>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-    case 128: attend_all<128>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-    case 256: attend_all<256>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-    default: TORCH_CHECK(false, "unsupported head_dim ", q.size(2));
+  TORCH_CHECK(block_tables.size(0) >= q.size(0) && seq_lens.size(0) >= q.size(0));
+  auto out = torch::empty(q.sizes(), q.options());
+  if (q.scalar_type() == torch::kFloat) {
+    attend_all_dims<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kDouble, "paged_decode: float32 or float64 only");
+    attend_all_dims<double>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   }
   return out;
 }
@@ -222,10 +386,14 @@ def kernel() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
+        # the source's hash in the name: checkouts with different versions of the
+        # kernel each keep their build in torch's cache instead of rebuilding in turn
+        digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+        log.info("servelab: loading the CPU paged-decode kernel (built once, cached by torch)")
         return load_inline(
-            name="servelab_cpu_paged_decode",
+            name=f"servelab_cpu_paged_decode_{digest}",
             cpp_sources=_SOURCE,
-            functions=["paged_decode"],
+            functions=["paged_decode", "store_kv"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -239,17 +407,19 @@ def kernel() -> ModuleType | None:
         return None
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel serves this layer's shapes and dtypes (it may still
-    fail to build: see `kernel`)."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
-        and q.shape[-1] in HEAD_DIMS
-        and q.shape[1] % k_cache.shape[2] == 0
-        and k_cache.is_contiguous()
-    )
+def problems(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
+    """Every constraint of the kernel this configuration breaks (empty: usable).
+    Builds the kernel (see `kernel`) when the rest holds."""
+    found = []
+    if device.type != "cpu":
+        found.append(f"the device must be the CPU (got {device})")
+    if dtype not in DTYPES:
+        found.append(f"the dtype must be float32 or float64 (got {dtype})")
+    if head_dim not in HEAD_DIMS:
+        found.append(f"head_dim must be one of {HEAD_DIMS} (got {head_dim})")
+    if not found and kernel() is None:
+        found.append("the C++ kernel must build (see the log; SERVELAB_CPU_KERNEL=0 turns it off)")
+    return found
 
 
 def paged_decode(
@@ -260,9 +430,26 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence over its whole paged context:
-    `q` `[num_seqs, num_heads, head_dim]` -> same shape. Call `supports` and
-    `kernel` first."""
-    return kernel().paged_decode(
-        q.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale)
-    )
+    """One query per sequence over its whole paged context: `q` `[num_seqs,
+    num_heads, head_dim]` -> a new contiguous tensor of that shape. `q` may be
+    a view with any token stride (each token's heads contiguous, as a slice of
+    a fused QKV projection is); `block_tables` (int32) and `seq_lens` (int32)
+    may have more rows than `q`: the first `num_seqs` are read. Check
+    `problems` first."""
+    module = kernel()
+    assert module is not None, "the CPU paged-decode kernel is not built: check problems()"
+    return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, float(scale))
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`common.store_kv` in one call (same rule: every slot valid; here also the
+    same dtype as the caches and each token's heads contiguous). Check `problems` first."""
+    module = kernel()
+    assert module is not None, "the CPU paged-decode kernel is not built: check problems()"
+    module.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -17,11 +17,14 @@ after a cached prefix needs no extra mask.
   their longest context, masked), every prefill chunk in its own call (a
   fresh prompt over its own K/V, no cache read);
 - `cpu`: `sdpa`, with the decodes read straight through the block table by
-  a C++ kernel (`cpu_paged`, float32, built on first use; `sdpa`'s batched
-  call where it cannot run): the fast path on a CPU;
-- `reference`: `varlen_attention_reference`, plain torch, runs anywhere;
-- `auto`: the first of flash_attn, torch, reference whose constraints hold
-  (`sdpa` and `cpu` only when asked for: `reference` is the specification).
+  a C++ kernel (`cpu_paged`: float32 or float64, head_dim 16..256, built
+  when the engine is; `sdpa`'s batched call, logged, where it cannot run):
+  the fast path on a CPU;
+- `reference`: `varlen_attention_reference`, plain torch, runs anywhere:
+  the specification, never chosen by `auto`;
+- `auto`: the first of flash_attn, torch, cpu, sdpa whose constraints hold
+  (logged with the reasons the earlier ones were passed over): the fastest
+  correct path, as vLLM picks its attention backend. `sdpa` always holds.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 IMPLS = ("auto", "flash_attn", "torch", "reference", "sdpa", "cpu")
 SDPA_IMPLS = ("sdpa", "cpu")  # impls that plan batched decodes + per-sequence prefill calls
+AUTO_ORDER = ("flash_attn", "torch", "cpu", "sdpa")  # what impl=auto tries, fastest first
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # FlashAttention-2 reads a paged cache only when a page holds a multiple of 256 tokens.
 FLASH_PAGE_MULTIPLE = 256
@@ -208,8 +212,11 @@ class TorchVarlenCall:
 
 @dataclass
 class FlashVarlenPlan:
-    """Built once per step; every layer reuses it."""
+    """Built once per step; every layer reuses it. What only some impls read is
+    filled in by `FlashVarlenBackend.complete_plan`, in `plan` once the impl is
+    known, else by the step's first layer."""
 
+    meta: AttentionMetadata
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
     cu_seqlens_k: torch.Tensor  # int32 [num_seqs + 1]
@@ -218,11 +225,11 @@ class FlashVarlenPlan:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int
-    context_slots: torch.Tensor | None  # packed context slots; only when pages are gathered
-    decodes: DecodeBatchPlan | None = None  # impl=sdpa/cpu: the batched decode call
-    prefills: PerSeqPlan | None = None  # impl=sdpa/cpu: one call per prefill chunk
     num_decodes: int = 0
-    meta: AttentionMetadata | None = None  # impl=cpu: to plan the SDPA fallback lazily
+    completed: bool = False  # the impl-specific fields below are filled in
+    context_slots: torch.Tensor | None = None  # impl=torch gathering pages: packed context slots
+    decodes: DecodeBatchPlan | None = None  # impl=sdpa, cpu without its kernel: batched decodes
+    prefills: PerSeqPlan | None = None  # impl=sdpa/cpu: one call per prefill chunk
 
     @property
     def decode_only(self) -> bool:
@@ -235,7 +242,7 @@ class FlashVarlenBackend(AttentionBackend):
     name: ClassVar[str] = "flash_varlen"
     description: ClassVar[str] = (
         "FlashAttention varlen contract (packed q, cu_seqlens, block table); "
-        "impl=auto|flash_attn|torch|reference"
+        "impl=auto|flash_attn|torch|cpu|sdpa|reference"
     )
 
     def __init__(
@@ -250,7 +257,9 @@ class FlashVarlenBackend(AttentionBackend):
         self.active_impl: str | None = None  # what `impl` resolved to, set by check() or first use
         self._torch_call: TorchVarlenCall | None = None
         self._flash_fns: tuple[KernelFn, KernelFn] | None = None  # varlen_func, with_kvcache
+        self._decode_kernel = False  # impl=cpu: its C++ kernel runs the decodes
         self.workspace = Workspace()  # impl=sdpa: gathered K/V reused across layers and steps
+        self.cpu_kernel_decode_calls = 0  # layers whose decodes the C++ kernel ran (stats())
 
     # -- choosing the impl
 
@@ -262,10 +271,9 @@ class FlashVarlenBackend(AttentionBackend):
     def _select(
         self, block_size: int, device: torch.device, dtype: torch.dtype, allocator: str
     ) -> None:
+        self._decode_kernel = False
         if self.impl in ("reference", *SDPA_IMPLS):
             chosen = self.impl
-            if chosen == "cpu" and device.type == "cpu" and dtype == torch.float32:
-                cpu_paged.kernel()  # built now, with the engine, not inside a timed step
         elif self.impl in ("flash_attn", "torch"):
             problems = self._problems(self.impl, block_size, device, dtype)
             if problems:
@@ -275,14 +283,7 @@ class FlashVarlenBackend(AttentionBackend):
                 )
             chosen = self.impl
         else:
-            chosen = "reference"
-            reasons = []
-            for candidate in ("flash_attn", "torch"):
-                problems = self._problems(candidate, block_size, device, dtype)
-                if not problems:
-                    chosen = candidate
-                    break
-                reasons.append(f"not {candidate}: {'; '.join(problems)}")
+            chosen, reasons = self._first_usable(block_size, device, dtype)
             logger.info(
                 "flash_varlen impl=auto chose %r for %s/%s/block_size=%d%s",
                 chosen,
@@ -297,30 +298,47 @@ class FlashVarlenBackend(AttentionBackend):
             self._flash_fns = (flash_attn_varlen_func, flash_attn_with_kvcache)
         elif chosen == "torch":
             self._torch_call = TorchVarlenCall.inspect(block_size)
+        elif chosen == "cpu":
+            # built now, with the engine, not inside a timed step
+            problems = cpu_paged.problems(device, dtype, self.head_dim)
+            self._decode_kernel = not problems
+            if problems:
+                logger.info(
+                    "flash_varlen impl='cpu': decodes use SDPA's batched call, not the C++ "
+                    "kernel: %s",
+                    "; ".join(problems),
+                )
         self.active_impl = chosen
 
-    @staticmethod
+    def _first_usable(
+        self, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[str, list[str]]:
+        """impl=auto: the first of `AUTO_ORDER` whose constraints hold, and why
+        each earlier one did not."""
+        reasons = []
+        for candidate in AUTO_ORDER:
+            problems = self._problems(candidate, block_size, device, dtype)
+            if not problems:
+                return candidate, reasons
+            reasons.append(f"not {candidate}: {'; '.join(problems)}")
+        raise AssertionError("impl='sdpa' serves every configuration")  # AUTO_ORDER ends with it
+
     def _problems(
-        impl: str, block_size: int, device: torch.device, dtype: torch.dtype
+        self, impl: str, block_size: int, device: torch.device, dtype: torch.dtype
     ) -> list[str]:
         if impl == "flash_attn":
             return flash_attn_problems(block_size, device, dtype)
-        return torch_varlen_problems(device, dtype)
+        if impl == "torch":
+            return torch_varlen_problems(device, dtype)
+        if impl == "cpu":
+            return cpu_paged.problems(device, dtype, self.head_dim)
+        return []  # sdpa: any device, any dtype
 
     # -- one step
 
     def plan(self, meta: AttentionMetadata) -> FlashVarlenPlan:
-        # Pages are gathered into packed K/V only by the torch impl without block
-        # tables; before the impl is known (no check() yet) plan for that case too.
-        gathers = self.active_impl is None or (
-            self.active_impl == "torch"
-            and self._torch_call is not None
-            and not self._torch_call.paged
-        )
-        sdpa = (self.active_impl or self.impl) in SDPA_IMPLS
-        # the cpu impl's kernel reads decodes through the block table: no padded gather plan
-        kernel_decodes = (self.active_impl or self.impl) == "cpu" and meta.block_tables.is_cpu
-        return FlashVarlenPlan(
+        plan = FlashVarlenPlan(
+            meta=meta,
             slot_mapping=meta.slot_mapping,
             cu_seqlens_q=meta.query_start_loc,
             cu_seqlens_k=meta.seq_start_loc,
@@ -329,14 +347,27 @@ class FlashVarlenBackend(AttentionBackend):
             max_seqlen_q=meta.max_query_len,
             max_seqlen_k=meta.max_seq_len,
             block_size=meta.block_size,
-            context_slots=packed_context_slots(meta) if gathers and not sdpa else None,
-            decodes=plan_decode_batch(meta, self.num_kv_heads)
-            if sdpa and not kernel_decodes
-            else None,
-            prefills=plan_per_seq(meta, first=meta.num_decodes) if sdpa else None,
             num_decodes=meta.num_decodes,
-            meta=meta if kernel_decodes else None,
         )
+        if self.active_impl is not None:
+            self.complete_plan(plan)
+        return plan
+
+    def complete_plan(self, plan: FlashVarlenPlan) -> None:
+        """Builds what the chosen impl reads beyond the metadata, once per step."""
+        meta = plan.meta
+        if self.active_impl == "torch":
+            assert self._torch_call is not None
+            if not self._torch_call.paged:  # pages are gathered into packed K/V first
+                plan.context_slots = packed_context_slots(meta)
+        elif self.active_impl in SDPA_IMPLS:
+            if self._decode_kernel:  # the kernel reads the block table itself
+                plan.block_table = plan.block_table.contiguous()
+                plan.seq_lens = plan.seq_lens.contiguous()
+            else:
+                plan.decodes = plan_decode_batch(meta, self.num_kv_heads)
+            plan.prefills = plan_per_seq(meta, first=meta.num_decodes)
+        plan.completed = True
 
     def forward(
         self,
@@ -348,14 +379,19 @@ class FlashVarlenBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self.active_impl is None:  # check() was skipped: decide once, from the first layer
             self._select(plan.block_size, q.device, q.dtype, "unknown")
+        if not plan.completed:  # planned before the impl was known: once, in the first layer
+            self.complete_plan(plan)
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        if self._decode_kernel and k.dtype == k_cache.dtype:
+            cpu_paged.store_kv(k, v, k_cache, v_cache, plan.slot_mapping)  # one call, not two
+        else:
+            store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        if self.active_impl in SDPA_IMPLS:
+            return self._forward_sdpa(q, k, v, k_cache, v_cache, plan)
         if self.active_impl == "flash_attn":
             return self._forward_flash_attn(q, k_cache, v_cache, plan)
         if self.active_impl == "torch":
             return self._forward_torch(q, k_cache, v_cache, plan)
-        if self.active_impl in SDPA_IMPLS:
-            return self._forward_sdpa(q, k, v, k_cache, v_cache, plan)
         return varlen_attention_reference(
             q,
             k_cache,
@@ -368,6 +404,10 @@ class FlashVarlenBackend(AttentionBackend):
             self.scale,
             causal=True,
         )
+
+    def stats(self) -> dict[str, float]:
+        """`cpu_kernel_decode_calls`: layers whose decodes the C++ kernel ran (impl=cpu)."""
+        return {"cpu_kernel_decode_calls": self.cpu_kernel_decode_calls}
 
     def _forward_flash_attn(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
@@ -409,8 +449,6 @@ class FlashVarlenBackend(AttentionBackend):
         v_cache: torch.Tensor,
         plan: FlashVarlenPlan,
     ) -> torch.Tensor:
-        prefills = plan.prefills
-        assert prefills is not None, "plan() ran before impl='sdpa'/'cpu' was chosen"
         num_decodes = plan.num_decodes
         if num_decodes == q.shape[0]:  # a decode-only step: one call, nothing to assemble
             return self._decode(q, k_cache, v_cache, plan)
@@ -418,21 +456,19 @@ class FlashVarlenBackend(AttentionBackend):
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, plan)
         return per_seq_attention(
-            q, k, v, k_cache, v_cache, prefills, self.scale, out, self.workspace
+            q, k, v, k_cache, v_cache, plan.prefills, self.scale, out, self.workspace
         )
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
     ) -> torch.Tensor:
         """The step's decodes (its first rows, one query each)."""
-        num = q.shape[0]
-        if plan.decodes is None:  # impl=cpu: the kernel, where it serves this layer
-            if cpu_paged.supports(q, k_cache) and cpu_paged.kernel() is not None:
-                return cpu_paged.paged_decode(
-                    q, k_cache, v_cache, plan.block_table[:num], plan.seq_lens[:num], self.scale
-                )
-            assert plan.meta is not None
-            plan.decodes = plan_decode_batch(plan.meta, self.num_kv_heads)  # once per step
+        if self._decode_kernel:
+            self.cpu_kernel_decode_calls += 1
+            # the kernel reads the first q.shape[0] rows of the step's tables
+            return cpu_paged.paged_decode(
+                q, k_cache, v_cache, plan.block_table, plan.seq_lens, self.scale
+            )
         return decode_attention(q, k_cache, v_cache, plan.decodes, self.scale, self.workspace)
 
     def _forward_torch(

@@ -47,11 +47,15 @@ def test_top_k_one_equals_greedy():
 
 def test_finish_reasons_and_outputs():
     llm = tiny()
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     stop = out.token_ids[2]
     first = out.token_ids.index(stop)
-    out2 = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[stop]))
+    out2 = llm.generate(
+        [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[stop])
+    )
     assert out2[0].finish_reason == "stop" and out2[0].token_ids == out.token_ids[: first + 1]
     assert out.metrics["output_tokens"] == 4 and out.metrics["ttft"] is not None
 
@@ -141,13 +145,21 @@ def test_text_prompts_with_a_tokenizer(tmp_path):
     tok = Tokenizer(models.WordLevel({w: i + 4 for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     config = Qwen3Config(
-        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
     )
     Qwen3ForCausalLM(config).save_pretrained(tmp_path)
     tok.save(str(tmp_path / "tokenizer.json"))
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3"
     llm = LLM(model=str(tmp_path), dtype="float64", max_model_len=64)
-    out = llm.generate("hello world", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+    out = llm.generate(
+        "hello world", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )[0]
     assert out.prompt_token_ids == [4, 5]
     assert len(out.token_ids) == 3 and isinstance(out.text, str)

@@ -74,15 +74,14 @@ def number(text: str):
 def test_continuous_vs_static(tmp_path):
     overrides = ("workload.repeat=2", "workload.scale=0.2")
     runs = run_preset(tmp_path, "continuous_vs_static", *overrides)
-    assert set(runs) == {
-        f"{s}/{a}" for s in ("static", "continuous") for a in ("padded", "per_request")
-    }
+    backends = ("padded", "per_request", "flash_varlen")
+    assert set(runs) == {f"{s}/{a}" for s in ("static", "continuous") for a in backends}
 
     def faster(runs) -> str:
         return "; ".join(
             f"{a}: continuous {runs[f'continuous/{a}']['output_tok_s']:.0f} tok/s <= "
             f"static {runs[f'static/{a}']['output_tok_s']:.0f}"
-            for a in ("padded", "per_request")
+            for a in backends
             if runs[f"continuous/{a}"]["output_tok_s"] <= runs[f"static/{a}"]["output_tok_s"]
         )
 
@@ -91,7 +90,7 @@ def test_continuous_vs_static(tmp_path):
         faster,
         lambda i: run_preset(tmp_path / f"again{i}", "continuous_vs_static", *overrides),
     )
-    for attention in ("padded", "per_request"):
+    for attention in backends:
         continuous, static = runs[f"continuous/{attention}"], runs[f"static/{attention}"]
         assert continuous["steps"] < 0.7 * static["steps"]
         assert static["idle_slot_pct"] > 10 and continuous["idle_slot_pct"] == 0
@@ -100,7 +99,7 @@ def test_continuous_vs_static(tmp_path):
     assert runs["static/per_request"]["padding_waste_pct"] == 0
     markdown = (tmp_path / "continuous_vs_static" / "summary.md").read_text()
     assert (
-        markdown.count("continuous batching needs less than half the steps") == 2
+        markdown.count("continuous batching needs less than half the steps") == len(backends)
     )  # one per backend
     for plot in ("throughput", "ttft_cdf", "itl_cdf", "kv_util", "timeline"):
         with Image.open(tmp_path / "continuous_vs_static" / f"{plot}.png") as image:

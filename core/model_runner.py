@@ -183,16 +183,23 @@ class ModelRunner:
             num_decodes=num_decodes,
             staging=staging,
         )
+        attn_plan, ids = self._plan_and_ids(meta, input_ids)
+        return StepBatch(ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy)
+
+    def _plan_and_ids(
+        self, meta: AttentionMetadata, input_ids: list[int]
+    ) -> tuple[Any, torch.Tensor]:
+        """The backend's plan of the step (None when a decode graph will replay it:
+        the graph keeps the plan it was captured with) and the input ids tensor
+        (the staged view on a device, where `prepare` put them)."""
         graphs = self.graphs
         if graphs is not None and graphs.bucket_for(meta) is not None:
-            attn_plan = None  # a replay reads the plan captured with its graph
+            attn_plan = None
         else:
             attn_plan = self.backend.plan(meta)
-        if staging is not None:
-            ids = staging.views["input_ids"]
-        else:
-            ids = torch.tensor(input_ids, dtype=torch.long)
-        return StepBatch(ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy)
+        if self.staging is not None:
+            return attn_plan, self.staging.views["input_ids"]
+        return attn_plan, torch.tensor(input_ids, dtype=torch.long)
 
     def prepare_decode_batch(self, plan: StepPlan) -> StepBatch:
         """`prepare` for a step of a decode batch's rows only (`servelab.decode_batch`):
@@ -205,15 +212,7 @@ class ModelRunner:
             staging.begin()
             staging.put("input_ids", batch.next_input, torch.int64)
         meta = batch.metadata(plan.decode_starts, self.device, staging)
-        graphs = self.graphs
-        if graphs is not None and graphs.bucket_for(meta) is not None:
-            attn_plan = None  # a replay reads the plan captured with its graph
-        else:
-            attn_plan = self.backend.plan(meta)
-        if staging is not None:
-            ids = staging.views["input_ids"]
-        else:
-            ids = torch.tensor(batch.next_input, dtype=torch.long)
+        attn_plan, ids = self._plan_and_ids(meta, batch.next_input)
         rows = range(len(seqs))
         if batch.all_greedy:
             params = positions = indices = []

@@ -165,3 +165,32 @@ def test_batch_rows_mirror_the_allocator_every_step(block_size):
     engine = dict(allocator={"name": "paged", "block_size": block_size}, kv_cache_memory="1MiB")
     outputs, records, fast_steps = run(True, reqs, engine, {}, {})
     assert fast_steps > 15
+
+
+def test_default_allocator_hooks_give_the_same_run(monkeypatch):
+    """An allocator that does not override `extend_decodes` / `commit_decodes`
+    (a third-party one) gets the contract's generic versions: the same run,
+    step for step, as the general path."""
+    from servelab.interfaces import KVAllocator
+    from servelab.plugins.allocators.paged import PagedAllocator
+
+    monkeypatch.setattr(PagedAllocator, "extend_decodes", KVAllocator.extend_decodes)
+    monkeypatch.setattr(PagedAllocator, "commit_decodes", KVAllocator.commit_decodes)
+    reqs = [
+        (
+            SHARED + [20 + i] * (1 + 4 * i),
+            SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True),
+            0,
+        )
+        for i in range(6)
+    ]
+    engine = dict(
+        allocator={"name": "paged", "block_size": 4, "prefix_caching": True},
+        kv_cache_memory=40 * KIB,  # 80 tokens: decodes preempt each other
+        max_num_seqs=6,
+    )
+    fast = run(True, reqs, engine, {5: 3}, {})
+    slow = run(False, reqs, engine, {5: 3}, {})
+    assert fast[0] == slow[0] and fast[1] == slow[1]
+    assert fast[2] > 10  # the generic hooks really served batch steps
+    assert any(r["preempted"] for r in fast[1])  # and the general path took over when short

@@ -120,10 +120,16 @@ class StepShapes:
         def recording_schedule():
             plan = schedule()
             if not (plan.is_empty and not plan.preempted):
+                # a decode batch's rows (one token each at `decode_starts`) read as
+                # arrays: listing `plan.scheduled` would add host work to every step
+                batch_context = 0
+                if plan.decodes is not None:
+                    batch_context = int(plan.decode_starts.sum()) + plan.num_batch_decodes
                 self.shapes.append(
                     StepShape(
-                        context_tokens=sum(i.start + i.num_query_tokens for i in plan.scheduled),
-                        decode_only=all(i.num_query_tokens == 1 for i in plan.scheduled),
+                        context_tokens=batch_context
+                        + sum(i.start + i.num_query_tokens for i in plan.items),
+                        decode_only=all(i.num_query_tokens == 1 for i in plan.items),
                     )
                 )
             return plan

@@ -51,6 +51,8 @@ BATCHES = {
     "mixed": ([1, 1, 6, 5], [9, 20, 0, 11]),
     "chunks_mid_context": ([8, 4, 9], [13, 16, 3]),
     "single_token_prompt": ([1, 1], [0, 5]),
+    # decodes, a one-token prompt among them, a chunk, a one-token chunk after it
+    "one_query_rows_of_every_kind": ([1, 1, 1, 4, 1], [6, 0, 9, 3, 12]),
 }
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
@@ -372,6 +374,16 @@ def test_auto_without_check_decides_on_first_forward(head_dim, chosen):
     assert backend.active_impl == chosen
     assert backend.stats()["cpu_kernel_decode_calls"] == (chosen == "cpu")
     assert_matches_reference(out, case, torch.float32)
+
+
+def test_per_request_plans_decodes_as_plain_ints():
+    """A decode's call is planned as its context length, a split size of the
+    packed contexts, not as an object: only prompts and chunks get a SeqAttention."""
+    case = make_paged_case([1, 1, 1, 4], [6, 9, 3, 2], block_size=4)
+    plan = PerRequestBackend(NUM_HEADS, 2, HEAD_DIM, 1.0).plan(case.meta())
+    assert plan.num_decodes == 3 and plan.decode_query_start == 0
+    assert plan.key_splits == [7, 10, 4, 6]  # the decodes' contexts, then the chunk's
+    assert len(plan.seqs) == 1 and plan.seqs[0].key_start == 21
 
 
 @pytest.mark.parametrize("backend_cls", [PaddedBackend, PerRequestBackend])

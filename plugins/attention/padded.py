@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from servelab.batch import AttentionMetadata
 from servelab.hookspecs import hookimpl
 from servelab.interfaces import AttentionBackend
-from servelab.plugins.attention.common import Workspace, store_kv
-from servelab.plugins.attention.sdpa_paths import gather_padded, padded_key_rows
+from servelab.plugins.attention.common import Workspace, gather_slots, store_kv
+from servelab.plugins.attention.sdpa_paths import padded_context_slots
 
 
 @dataclass
@@ -33,7 +33,7 @@ class PaddedPlan:
     max_seq_len: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where this step's K/V go
     token_to_row: torch.Tensor  # int64 [num_tokens]: packed token -> row i * max_query_len + j
-    key_rows: torch.Tensor  # int64 [num_seqs * kv_heads * max_seq_len]: see padded_key_rows
+    key_slots: torch.Tensor  # int64 [num_seqs * max_seq_len]: see padded_context_slots
     attn_mask: torch.Tensor  # bool [num_seqs, 1, group * max_query_len, max_seq_len], True = attend
 
 
@@ -70,7 +70,7 @@ class PaddedBackend(AttentionBackend):
         )
         token_to_row = seq_ids * max_q + query_index
 
-        key_rows, key_is_real = padded_key_rows(meta, num_seqs, max_k, self.num_kv_heads)
+        key_slots, key_is_real = padded_context_slots(meta, num_seqs, max_k)
         # Query j of sequence i (position context_lens[i] + j) sees keys up to its
         # own position. A padding query row (j >= query_len) then sees every real
         # key, so no row is fully masked (that would give NaN); its output is dropped.
@@ -86,7 +86,7 @@ class PaddedBackend(AttentionBackend):
             max_seq_len=max_k,
             slot_mapping=meta.slot_mapping,
             token_to_row=token_to_row,
-            key_rows=key_rows,
+            key_slots=key_slots.view(-1),
             attn_mask=attn_mask.unsqueeze(1),
         )
 
@@ -108,7 +108,7 @@ class PaddedBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
-        num_seqs, max_q, max_k = plan.num_seqs, plan.max_query_len, plan.max_seq_len
+        num_seqs, max_q = plan.num_seqs, plan.max_query_len
         kv_heads, group, head_dim = self.num_kv_heads, self.num_queries_per_kv, self.head_dim
 
         # [num_seqs, max_q, kv_heads, group, dim] -> [num_seqs, kv_heads, group * max_q, dim]
@@ -117,20 +117,24 @@ class PaddedBackend(AttentionBackend):
         q_padded = q_rows.view(num_seqs, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         q_padded = q_padded.reshape(num_seqs, kv_heads, group * max_q, head_dim)
 
-        shape = (num_seqs, kv_heads, max_k, head_dim)
-        take = self.workspace.take
-        keys = gather_padded(
-            k_cache, plan.key_rows, num_seqs, max_k, take("k", shape, k_cache.dtype, q.device)
-        )
-        values = gather_padded(
-            v_cache, plan.key_rows, num_seqs, max_k, take("v", shape, v_cache.dtype, q.device)
-        )
+        keys = self._gather(k_cache, plan, "k")
+        values = self._gather(v_cache, plan, "v")
         out = F.scaled_dot_product_attention(
             q_padded, keys, values, attn_mask=plan.attn_mask, scale=self.scale
         )  # [num_seqs, kv_heads, group * max_q, dim]
         out = out.view(num_seqs, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out_rows = out.reshape(num_seqs * max_q, self.num_heads, head_dim)
         return out_rows.index_select(0, plan.token_to_row)
+
+    def _gather(self, cache: torch.Tensor, plan: PaddedPlan, name: str) -> torch.Tensor:
+        """The padded keys (or values) as `[num_seqs, kv_heads, max_seq_len, head_dim]`:
+        a key-major buffer, one whole slot (every KV head) per row, seen head-major.
+        Gathering whole slots copies `kv_heads` times fewer, longer rows than a
+        head-major gather; SDPA reads the strided view as it is."""
+        shape = (plan.num_seqs, plan.max_seq_len, self.num_kv_heads, self.head_dim)
+        out = self.workspace.take(name, shape, cache.dtype, cache.device)
+        gather_slots(cache, plan.key_slots, out)
+        return out.transpose(1, 2)
 
     def stats(self) -> dict[str, float]:
         """Cumulative over planned steps (not layers): real vs padding query and key slots."""

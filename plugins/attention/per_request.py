@@ -47,8 +47,8 @@ class PerRequestBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
-        out = torch.empty_like(q)
-        return per_seq_attention(q, k, v, k_cache, v_cache, plan, self.scale, out, self.workspace)
+        # out=None: a decode-only step returns its decodes' outputs as they come
+        return per_seq_attention(q, k, v, k_cache, v_cache, plan, self.scale, None, self.workspace)
 
 
 @hookimpl

@@ -38,10 +38,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from servelab import LLM, ConfigError, SamplingParams
+from servelab.build import attention_backend
 from servelab.cuda_graphs import backend_is_graph_safe
 from servelab.model.config import named_config
-from servelab.options import construct
-from servelab.plugin_manager import get_plugin_manager
 
 CUDA_BACKENDS = ("triton_paged", "flash_varlen", "padded", "per_request")
 TINY_BACKENDS = ("per_request", "padded", "flash_varlen")
@@ -329,18 +328,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def graph_safe(args, backend: str) -> bool:
-    config = named_config(args.model)
-    get_plugin_manager()
     spec = {"name": "flash_varlen", "impl": "auto"} if backend == "flash_varlen" else backend
-    part = construct(
-        "attention",
-        spec,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        scale=config.attention_scale,
-    )
-    return backend_is_graph_safe(part)
+    return backend_is_graph_safe(attention_backend(spec, named_config(args.model)))
 
 
 def plan_runs(args) -> list[tuple[str, bool, str | None]]:

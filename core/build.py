@@ -177,6 +177,19 @@ def kv_cache_bytes(
     return kv_bytes
 
 
+def attention_backend(spec: Any, model_config) -> Any:
+    """The attention backend `spec` names (a name or `{name: ..., **options}`),
+    shaped for `model_config`'s heads."""
+    return construct(
+        "attention",
+        spec,
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        scale=model_config.attention_scale,
+    )
+
+
 def build_engine(config: Mapping) -> Engine:
     config = _to_dict(config)
     unknown = set(config) - {"model", "engine", *COMPONENTS}
@@ -229,14 +242,7 @@ def build_engine(config: Mapping) -> Engine:
         max_num_batched_tokens=int(batched),
         max_model_len=max_model_len,
     )
-    backend = construct(
-        "attention",
-        parts["attention"],
-        num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        scale=model_config.head_dim**-0.5,
-    )
+    backend = attention_backend(parts["attention"], model_config)
     backend.check(allocator, device, dtype)
     kv_cache = KVCache(
         model_config.num_layers,

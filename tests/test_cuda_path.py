@@ -37,7 +37,7 @@ import servelab.device
 import servelab.model_runner
 from servelab import LLM, SamplingParams
 from servelab.batch import AttentionMetadata
-from servelab.build import ENGINE_DEFAULTS, engine_options
+from servelab.build import ENGINE_DEFAULTS, attention_backend, engine_options
 from servelab.cuda_graphs import (
     PAD_SLOT,
     DecodeGraphRunner,
@@ -60,8 +60,6 @@ from servelab.kv_cache import KVCache
 from servelab.model.config import NAMED_SHAPES, named_config
 from servelab.model.loader import load_model
 from servelab.model.transformer import Transformer
-from servelab.options import construct
-from servelab.plugin_manager import get_plugin_manager
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
 
@@ -71,18 +69,6 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("padded", "per_request", "flash_varlen", "triton_paged")
-
-
-def make_backend(spec, config):
-    get_plugin_manager()
-    return construct(
-        "attention",
-        spec,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        scale=config.attention_scale,
-    )
 
 
 # ---------------------------------------------------------------- buckets
@@ -106,9 +92,9 @@ def test_graph_buckets_rejects_an_empty_engine():
 
 def test_graph_safety_comes_from_the_backend():
     config = named_config("tiny")
-    assert backend_is_graph_safe(make_backend("triton_paged", config))
+    assert backend_is_graph_safe(attention_backend("triton_paged", config))
     for name in ("padded", "per_request", "flash_varlen"):
-        assert not backend_is_graph_safe(make_backend(name, config)), name
+        assert not backend_is_graph_safe(attention_backend(name, config)), name
     # a declared flag wins over the name
     assert backend_is_graph_safe(SimpleNamespace(name="mine", graph_safe=True))
     assert not backend_is_graph_safe(SimpleNamespace(name="triton_paged", graph_safe=False))
@@ -139,7 +125,7 @@ class DecodeScene:
 
 def make_scene(device, dtype, backend_name, prompt_lens=(3, 9, 1, 14, 6), second=3, seed=0):
     model, config, _ = load_model("tiny", dtype, device, seed=0)
-    backend = make_backend(backend_name, config)
+    backend = attention_backend(backend_name, config)
     rng = random.Random(seed)
     block_size, max_model_len = 4, 32
     blocks = [-(-(p + 2) // block_size) for p in prompt_lens]  # room for two decode tokens
@@ -723,7 +709,7 @@ def test_backend_attention_on_cuda_at_qwen3_heads(spec, dtype):
     """A mixed batch (decodes, a chunk mid-context, a whole prompt) at 16 query /
     8 KV heads, head_dim 128, against a float64 dense reference."""
     config = named_config("qwen3-0.6b")
-    backend = make_backend(spec, config)
+    backend = attention_backend(spec, config)
     block_size, device = 16, torch.device("cuda")
     try:
         backend.check(SimpleNamespace(block_size=block_size, name="paged"), device, dtype)

@@ -203,18 +203,25 @@ def assert_same_decode(scene, run_candidate, tol):
 # ---------------------------------------------------------------- the runner on the CPU
 
 
-def test_padded_decode_matches_eager_and_writes_only_real_slots():
-    """What a replay computes (static buffers, padded to 8 then 4 rows, graph-safe
-    backend), run eagerly: the second step's padding rows were real rows of the first."""
-    scene = make_scene(TRITON_DEVICE, torch.float64, "triton_paged")
-    runner = DecodeGraphRunner(
+def scene_runner(scene, device, **options) -> DecodeGraphRunner:
+    """A graph runner over a scene's forward and backend: 8 sequences, the
+    scene's length and block size."""
+    return DecodeGraphRunner(
         scene.forward,
         scene.backend,
         max_num_seqs=8,
         max_model_len=scene.max_model_len,
         block_size=scene.block_size,
-        device=TRITON_DEVICE,
+        device=device,
+        **options,
     )
+
+
+def test_padded_decode_matches_eager_and_writes_only_real_slots():
+    """What a replay computes (static buffers, padded to 8 then 4 rows, graph-safe
+    backend), run eagerly: the second step's padding rows were real rows of the first."""
+    scene = make_scene(TRITON_DEVICE, torch.float64, "triton_paged")
+    runner = scene_runner(scene, TRITON_DEVICE)
     assert [pick_bucket(runner.buckets, m.num_seqs) for _, m in scene.steps] == [8, 4]
     assert_same_decode(scene, runner.run_padded_eager, tol=1e-12)
     assert torch.all(runner.static.slot_mapping[3:4] == PAD_SLOT)
@@ -222,30 +229,14 @@ def test_padded_decode_matches_eager_and_writes_only_real_slots():
 
 def test_one_big_bucket_pads_a_single_sequence():
     scene = make_scene(TRITON_DEVICE, torch.float64, "triton_paged", prompt_lens=(5, 2), second=1)
-    runner = DecodeGraphRunner(
-        scene.forward,
-        scene.backend,
-        max_num_seqs=8,
-        max_model_len=scene.max_model_len,
-        block_size=scene.block_size,
-        device=TRITON_DEVICE,
-        buckets=[8],
-    )
+    runner = scene_runner(scene, TRITON_DEVICE, buckets=[8])
     assert_same_decode(scene, runner.run_padded_eager, tol=1e-12)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_runner_on_cpu_runs_eagerly(enabled):
     scene = make_scene("cpu", torch.float32, "per_request")
-    runner = DecodeGraphRunner(
-        scene.forward,
-        scene.backend,
-        max_num_seqs=8,
-        max_model_len=scene.max_model_len,
-        block_size=scene.block_size,
-        device="cpu",
-        enabled=enabled,
-    )
+    runner = scene_runner(scene, "cpu", enabled=enabled)
     assert not runner.enabled
     assert ("CUDA device" if enabled else "off") in runner.disabled_reason
     runner.capture()  # nothing to capture
@@ -637,14 +628,7 @@ def test_throughput_benchmark_tiny_smoke(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replay_matches_eager(dtype):
     scene = make_scene("cuda", dtype, "triton_paged")
-    runner = DecodeGraphRunner(
-        scene.forward,
-        scene.backend,
-        max_num_seqs=8,
-        max_model_len=scene.max_model_len,
-        block_size=scene.block_size,
-        device="cuda",
-    )
+    runner = scene_runner(scene, "cuda")
     assert runner.enabled, runner.disabled_reason
     before = scene.kv.device_pool.clone()
     runner.capture()

@@ -8,6 +8,7 @@ with one index (`num_decodes`, `num_decode_tokens`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -141,11 +142,12 @@ class StepPlan:
         )
 
 
-class SampledTokens:
+class SampledTokens(Mapping[int, list[int]]):
     """The tokens one step sampled: `tokens[i]` belongs to sequence `owners[i]`
     (a prompt that forks now owns n consecutive entries). A plan's decode-batch
     rows come first, one token each, in row order, so `update` reads them by
-    position; `get(seq_id)` serves everything else (and dict-style callers)."""
+    position; as a mapping (seq_id -> its tokens, built on first use) it
+    serves everything else."""
 
     def __init__(self, owners: list[int], tokens: list[int]) -> None:
         self.owners = owners
@@ -163,23 +165,14 @@ class SampledTokens:
             self._by_seq = by_seq
         return self._by_seq
 
-    def get(self, seq_id: int, default=None):
-        return self._index().get(seq_id, default)
-
     def __getitem__(self, seq_id: int) -> list[int]:
         return self._index()[seq_id]
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._index()
 
     def __len__(self) -> int:
         return len(self._index())
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self._index())
-
-    def items(self):
-        return self._index().items()
 
 
 @dataclass

@@ -241,8 +241,8 @@ class Engine:
         usage = self.allocator.usage()
         stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
         delta = self.metrics.deltas(self._metric_counters(usage, stats))
-        # after update(): a decode is a one-token step past the prompt (plan.num_decodes
-        # would now also count a one-token prompt, which has its first token by now)
+        # a decode token is a one-token step past the prompt, sampling or not (a
+        # recomputing sequence's one-token chunk counts too; plan.num_decodes would not)
         batch_rows = plan.num_batch_decodes
         decode_tokens = batch_rows + sum(
             1 for i in plan.items if i.num_query_tokens == 1 and i.start >= i.seq.num_prompt_tokens

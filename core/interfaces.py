@@ -9,6 +9,7 @@ parameters) and `context` holds what the engine supplies (listed per contract).
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -250,8 +251,10 @@ class Scheduler(abc.ABC):
 
     @abc.abstractmethod
     def update(
-        self, plan: StepPlan, sampled: dict[int, list[int]], now: float
-    ) -> list[SequenceGroup]: ...
+        self, plan: StepPlan, sampled: Mapping[int, list[int]], now: float
+    ) -> list[SequenceGroup]:
+        """After the forward: `sampled` maps seq_id -> the tokens sampled for it
+        (the engine passes a `SampledTokens`, which also lists them in order)."""
 
     @abc.abstractmethod
     def has_unfinished(self) -> bool: ...

@@ -16,6 +16,7 @@ Admission modes:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -339,7 +340,7 @@ class BaseScheduler(Scheduler):
 
     # -- after the forward
     def update(
-        self, plan: StepPlan, sampled: dict[int, list[int]], now: float
+        self, plan: StepPlan, sampled: Mapping[int, list[int]], now: float
     ) -> list[SequenceGroup]:
         """Advances every scheduled sequence, appends sampled tokens (forking a
         group whose prompt just finished), applies stop rules and frees the
@@ -375,7 +376,11 @@ class BaseScheduler(Scheduler):
         return finished
 
     def update_decode_batch(
-        self, plan: StepPlan, sampled, now: float, stopped: set[SequenceGroup]
+        self,
+        plan: StepPlan,
+        sampled: Mapping[int, list[int]],
+        now: float,
+        stopped: set[SequenceGroup],
     ) -> None:
         """`update` for the plan's decode-batch rows: their tokens come first in
         `sampled`, one per row."""
@@ -419,8 +424,7 @@ class BaseScheduler(Scheduler):
             joining.append(seq)
         if batch is None:
             # after a general step: the plan must have covered every running sequence
-            running = sum(len(g.seqs) - sum(s.is_finished for s in g.seqs) for g in self.running)
-            if running != len(joining) or len(joining) > self.max_num_batched_tokens:
+            if self.num_running_seqs != len(joining) or len(joining) > self.max_num_batched_tokens:
                 self.decode_batch = None
                 return
             self.decode_batch = DecodeBatch(

@@ -41,6 +41,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "num_threads": None,  # None: leave torch's default
     "compile": False,  # torch.compile the model's forward (dynamic shapes, attention eager)
+    # servelab's C++ CPU kernels for the model's matmuls: auto (where they can run) | on | off
+    "cpu_kernels": "auto",
     # replay decode steps through CUDA graphs (CUDA and a graph-safe backend; else eager + warning)
     "cuda_graphs": False,
     # None: the KV cache takes kv_cache_memory; a fraction in (0, 1]: it takes what this
@@ -138,7 +140,34 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
         )
     if options["gpu_memory_utilization"] is not None:
         check_utilization(options["gpu_memory_utilization"])
+    if options["cpu_kernels"] not in CPU_KERNEL_CHOICES:
+        raise ConfigError(
+            f"engine option cpu_kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}, "
+            f"got {options['cpu_kernels']!r}"
+        )
     return options
+
+
+CPU_KERNEL_CHOICES = ("auto", "on", "off")
+
+
+def choose_cpu_kernels(model, opts: Mapping[str, Any]) -> None:
+    """Turns the model's C++ CPU kernels on or off as `engine.cpu_kernels` says:
+    `auto` uses them wherever they can run, `on` is a ConfigError where they
+    cannot (naming why). `torch.compile` traces the model's own torch ops, so
+    `compile=true` keeps them off under `auto`."""
+    choice = opts["cpu_kernels"]
+    if choice == "off":
+        model.use_cpu_kernels(False)
+        return
+    problems = model.cpu_kernel_problems()
+    if opts["compile"]:
+        problems.append("engine.compile=true compiles the model's torch ops instead")
+    if problems and choice == "on":
+        raise ConfigError(f"engine.cpu_kernels=on cannot run here: {'; '.join(problems)}")
+    if problems:
+        log.info("servelab: the C++ CPU kernels are off (%s)", "; ".join(problems))
+    model.use_cpu_kernels(not problems)
 
 
 def kv_cache_bytes(
@@ -210,6 +239,7 @@ def build_engine(config: Mapping) -> Engine:
     sizes_from_device = opts["gpu_memory_utilization"] is not None
     allocated_before = allocated_before_weights(device) if sizes_from_device else 0
     model, model_config, tokenizer = load_model(source, dtype, device, seed=opts["seed"])
+    choose_cpu_kernels(model, opts)
     max_model_len = int(opts["max_model_len"])
     if max_model_len > model_config.max_position_embeddings:
         raise ConfigError(

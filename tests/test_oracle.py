@@ -3,13 +3,16 @@ tokens (float64, CPU), under a KV budget tight enough to preempt.
 
 flash_varlen's `cpu` impl must really run its C++ decode kernel here (it
 serves float64), not a fallback: a hook captures each run's engine and its
-backend's counter is checked."""
+backend's counter is checked. The model's C++ matmuls (`engine.cpu_kernels`,
+on by default wherever they build) serve every combination too; the torch
+path they replace is held to the same tokens for each architecture."""
 
 from __future__ import annotations
 
 import pytest
 
 from servelab import hookimpl
+from servelab.model import cpu_linear
 from servelab.plugin_manager import get_plugin_manager
 from servelab.plugins.attention import cpu_paged
 from servelab.testing.oracle import assert_matches_reference, drive
@@ -49,10 +52,14 @@ def cases(tmp_path_factory):
     return get
 
 
-def check(case, combo, spy):
-    run = drive(case, combo)
+def check(case, combo, spy, **engine):
+    run = drive(case, combo, **engine)
     assert_matches_reference(case, combo, run)
     assert run.tokens == case.expected
+    kernels_expected = (
+        engine.get("cpu_kernels", "auto") != "off" and cpu_linear.kernel() is not None
+    )
+    assert spy.engine.model.cpu_kernels == kernels_expected, f"[{combo_id(combo)}] cpu_kernels"
     attention = combo["attention"]
     if attention["name"] == "flash_varlen":
         calls = spy.engine.backend.stats()["cpu_kernel_decode_calls"]
@@ -80,3 +87,10 @@ def test_qwen3_every_combination(cases, combo, spy):
 )
 def test_other_architectures(cases, arch, combo, spy):
     check(cases(arch), combo, spy)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_torch_matmuls_without_cpu_kernels(cases, arch, spy):
+    """`engine.cpu_kernels=off`: the model's own F.linear path, same tokens."""
+    combo = next(c for c in ALL if c["preemption"]["name"] == "recompute")
+    check(cases(arch), combo, spy, cpu_kernels="off")

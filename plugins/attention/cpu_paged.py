@@ -32,40 +32,21 @@ cost more than the rows they copy.
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
 from types import ModuleType
 
 import torch
 
-log = logging.getLogger(__name__)
+from servelab.cpp_extension import SIMD_PRELUDE, build_inline
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float32, torch.float64)
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <array>
+_SOURCE = (
+    SIMD_PRELUDE
+    + r"""
 #include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 
 namespace {
-
-// 64-byte vectors: one AVX-512 register, two AVX2 ones (GCC's and Clang's vector
-// extensions split them where the target is narrower: no intrinsics needed).
-template <typename T>
-struct Simd {
-  static constexpr int kLanes = 64 / sizeof(T);
-  typedef T vec __attribute__((vector_size(64)));
-  typedef T half __attribute__((vector_size(32)));
-  typedef T quarter __attribute__((vector_size(16)));
-  using mask = decltype(vec{} < vec{});  // integer lanes of T's size
-};
 
 // How far ahead of the key being computed its slots are prefetched, in keys,
 // into L2 (`prefetcht1`): pages are scattered, so the hardware cannot guess the
@@ -75,33 +56,7 @@ struct Simd {
 constexpr int kPrefetchKeys = 32;
 constexpr int kPrefetchLocality = 2;
 
-template <typename To, typename From>
-inline To bits_as(const From& from) {
-  static_assert(sizeof(To) == sizeof(From));
-  To to;
-  std::memcpy(&to, &from, sizeof(To));
-  return to;
-}
-template <typename V, typename T>
-inline V load(const T* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <typename V, typename T>
-inline void store(T* p, V v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Tree reductions, halves folded onto each other: a lane-by-lane loop would be
-// a dependency chain as long as the vector (float addition may not be reordered).
-template <typename T>
-inline T reduce_add(typename Simd<T>::vec v) {
-  using S = Simd<T>;
-  const auto halves = bits_as<std::array<typename S::half, 2>>(v);
-  const auto quarters = bits_as<std::array<typename S::quarter, 2>>(halves[0] + halves[1]);
-  const typename S::quarter q = quarters[0] + quarters[1];
-  if constexpr (S::kLanes == 16) return (q[0] + q[2]) + (q[1] + q[3]);
-  else return q[0] + q[1];
-}
+// The largest lane, halves folded onto each other (see `reduce_add`).
 template <typename T>
 inline T reduce_max(typename Simd<T>::vec v) {
   using S = Simd<T>;
@@ -111,32 +66,6 @@ inline T reduce_max(typename Simd<T>::vec v) {
   const typename S::quarter q = quarters[0] > quarters[1] ? quarters[0] : quarters[1];
   if constexpr (S::kLanes == 16) return std::max(std::max(q[0], q[2]), std::max(q[1], q[3]));
   else return std::max(q[0], q[1]);
-}
-
-// exp(x) for x <= 0 (softmax arguments), lane-wise. float32: 2^n * P(r), Cephes'
-// expf polynomial (a couple of ulps), n = round(x / ln 2) by truncating a
-// non-negative value so no rounding instruction is needed. float64: the C
-// library's exp, lane by lane (float64 is the oracle's dtype: exactness, not speed).
-inline Simd<float>::vec exp_nonpositive(Simd<float>::vec x) {
-  using vec = Simd<float>::vec;
-  using ivec = Simd<float>::mask;
-  x = x < -87.0f ? vec{} - 87.0f : x;
-  const ivec n = -__builtin_convertvector(0.5f - x * 1.44269504088896341f, ivec);
-  const vec nf = __builtin_convertvector(n, vec);
-  vec r = x - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  vec p = vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * bits_as<vec>((n + 127) << 23);
-}
-inline Simd<double>::vec exp_nonpositive(Simd<double>::vec x) {
-  for (int i = 0; i < Simd<double>::kLanes; ++i) x[i] = std::exp(x[i]);
-  return x;
 }
 
 // Where a sequence's keys live, in order, without a division per key.
@@ -375,36 +304,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 """
+)
 
 
 @functools.cache
 def kernel() -> ModuleType | None:
     """The compiled extension, or None (logged once) when it cannot be built."""
-    if os.environ.get("SERVELAB_CPU_KERNEL", "1") == "0":
-        log.info("servelab: SERVELAB_CPU_KERNEL=0, the CPU paged-decode kernel is off")
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        # the source's hash in the name: checkouts with different versions of the
-        # kernel each keep their build in torch's cache instead of rebuilding in turn
-        digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
-        log.info("servelab: loading the CPU paged-decode kernel (built once, cached by torch)")
-        return load_inline(
-            name=f"servelab_cpu_paged_decode_{digest}",
-            cpp_sources=_SOURCE,
-            functions=["paged_decode", "store_kv"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no headers, a sandbox: fall back
-        log.warning(
-            "servelab: the CPU paged-decode kernel could not be built (%s); "
-            "decode attention uses gathered pages and SDPA instead",
-            exc,
-        )
-        return None
+    return build_inline(
+        "servelab_cpu_paged_decode",
+        _SOURCE,
+        ["paged_decode", "store_kv"],
+        what="CPU paged-decode kernel",
+        fallback="decode attention uses gathered pages and SDPA instead",
+    )
 
 
 def problems(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:

@@ -1,0 +1,227 @@
+"""A C++ matmul for the CPU decode step's small batches, over pre-packed weights.
+
+A decode step multiplies a few rows (one per running sequence: 1-64 on the
+reference workload) by every weight matrix. At that size MKL's `sgemm` spends
+much of its time packing the weight into panels on every call and splitting
+tiny work over threads; it reaches 55-150 GFLOP/s where the machine peaks near
+190. Here the weight is packed once, when the model is built, into panels of
+`2 * lanes` columns (`[N / NR][K][NR]`, zero-padded), and a register-blocked
+micro-kernel (`MR` rows x `NR` columns of accumulators) streams each panel once
+per block of rows, panels split over torch's intra-op threads.
+
+Rules:
+- float32 or float64 (the oracle's dtype, so its token-exact runs go through
+  this very kernel); `x` [M, K] with contiguous rows (any row stride);
+- each output is `sum_k x[m, k] * w[n, k]` accumulated in k order with fused
+  multiply-adds, then `+ bias`: a different rounding order from MKL's, so
+  results match `F.linear` to rounding, not bit for bit;
+- deterministic: an output element is computed whole by one thread in a fixed
+  order, so the thread count never changes a result;
+- built on first use through `servelab.cpp_extension.build_inline`; without a
+  compiler (or with `SERVELAB_CPU_KERNEL=0`) `kernel()` is None and callers
+  keep `F.linear`.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from servelab.cpp_extension import SIMD_PRELUDE, build_inline
+
+DTYPES = (torch.float32, torch.float64)
+
+_SOURCE = (
+    SIMD_PRELUDE
+    + r"""
+namespace {
+
+// Columns per panel: two vectors of accumulators per row.
+template <typename T>
+constexpr int64_t panel_cols() { return 2 * Simd<T>::kLanes; }
+
+// Rows per micro-kernel call: MR x 2 accumulators stay in registers (AVX-512
+// has 32; 8 rows use 16 and leave room for the two weight vectors).
+constexpr int kMaxRows = 8;
+
+template <typename T, int MR>
+inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K,
+                         const T* bias, T* out, int64_t out_stride, int64_t cols) {
+  using V = typename Simd<T>::vec;
+  constexpr int L = Simd<T>::kLanes;
+  V acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) { acc0[r] = V{}; acc1[r] = V{}; }
+  for (int64_t k = 0; k < K; ++k) {
+    V w0, w1;
+    std::memcpy(&w0, panel + k * 2 * L, sizeof(V));
+    std::memcpy(&w1, panel + k * 2 * L + L, sizeof(V));
+    for (int r = 0; r < MR; ++r) {
+      const T xv = x[r * x_stride + k];
+      acc0[r] += xv * w0;
+      acc1[r] += xv * w1;
+    }
+  }
+  if (bias != nullptr) {
+    V b0, b1;
+    std::memcpy(&b0, bias, sizeof(V));
+    std::memcpy(&b1, bias + L, sizeof(V));
+    for (int r = 0; r < MR; ++r) { acc0[r] += b0; acc1[r] += b1; }
+  }
+  if (cols == 2 * L) {
+    for (int r = 0; r < MR; ++r) {
+      std::memcpy(out + r * out_stride, &acc0[r], sizeof(V));
+      std::memcpy(out + r * out_stride + L, &acc1[r], sizeof(V));
+    }
+  } else {  // the last, zero-padded panel: only its real columns are written
+    for (int r = 0; r < MR; ++r) {
+      T row[2 * L];
+      std::memcpy(row, &acc0[r], sizeof(V));
+      std::memcpy(row + L, &acc1[r], sizeof(V));
+      std::memcpy(out + r * out_stride, row, cols * sizeof(T));
+    }
+  }
+}
+
+template <typename T>
+void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const T* panel, int64_t K,
+                      const T* bias, T* out, int64_t out_stride, int64_t cols) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    micro_kernel<T, kMaxRows>(x + r * x_stride, x_stride, panel, K, bias, out + r * out_stride,
+                              out_stride, cols);
+  const T* xr = x + r * x_stride;
+  T* o = out + r * out_stride;
+  switch (rows - r) {
+    case 0: break;
+    case 1: micro_kernel<T, 1>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 2: micro_kernel<T, 2>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 3: micro_kernel<T, 3>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 4: micro_kernel<T, 4>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 5: micro_kernel<T, 5>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 6: micro_kernel<T, 6>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+    case 7: micro_kernel<T, 7>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
+  }
+}
+
+template <typename T>
+void linear_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
+                 int64_t N, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), NR = panel_cols<T>();
+  const int64_t panels = packed.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const int64_t x_stride = x.stride(0);
+  // Row blocks of up to 64 rows keep x's block in L2 while a panel is reused
+  // over it; every (row block, panel) pair is one unit of parallel work.
+  const int64_t row_block = 64;
+  const int64_t row_blocks = (M + row_block - 1) / row_block;
+  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t rb = i / panels, p = i % panels;
+      const int64_t r0 = rb * row_block, rows = std::min(row_block, M - r0);
+      const int64_t cols = std::min(NR, N - p * NR);
+      rows_times_panel<T>(xp + r0 * x_stride, x_stride, rows, wp + p * K * NR, K,
+                          bp != nullptr ? bp + p * NR : nullptr, op + r0 * N + p * NR, N, cols);
+    }
+  });
+}
+
+}  // namespace
+
+// w [N, K] -> [ceil(N / NR), K, NR], columns past N zero; NR = 2 vectors of w's dtype.
+torch::Tensor pack_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_weight: the weight must be [out_features, in_features]");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kDouble,
+              "pack_weight: float32 or float64 only (got ", w.scalar_type(), ")");
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t NR = w.scalar_type() == torch::kFloat ? panel_cols<float>() : panel_cols<double>();
+  const int64_t panels = (N + NR - 1) / NR;
+  auto padded = torch::zeros({panels * NR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
+}
+
+// bias: a padded copy ([panels * NR], zeros past N) so the kernel reads whole vectors.
+torch::Tensor pack_bias(torch::Tensor bias, int64_t panels) {
+  const int64_t NR = bias.scalar_type() == torch::kFloat ? panel_cols<float>() : panel_cols<double>();
+  auto padded = torch::zeros({panels * NR}, bias.options());
+  padded.narrow(0, 0, bias.size(0)).copy_(bias);
+  return padded;
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                     int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
+              "linear: x must be [rows, in_features] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1),
+              "linear: the packed weight must be pack_weight's output for in_features = ",
+              x.size(1));
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
+              "linear: x and the weight must share a dtype (got ", x.scalar_type(), " and ",
+              packed.scalar_type(), ")");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: CPU tensors only");
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = *bias;
+    TORCH_CHECK(b.is_contiguous() && b.scalar_type() == x.scalar_type() &&
+                    b.numel() == packed.size(0) * packed.size(2),
+                "linear: the bias must be pack_bias's output");
+  }
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == torch::kFloat) {
+    TORCH_CHECK(packed.size(2) == panel_cols<float>(), "linear: packed for another dtype");
+    TORCH_CHECK(out_features <= packed.size(0) * packed.size(2), "linear: out_features too large");
+    linear_impl<float>(x, packed, b, out_features, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kDouble, "linear: float32 or float64 only (got ",
+                x.scalar_type(), ")");
+    TORCH_CHECK(packed.size(2) == panel_cols<double>(), "linear: packed for another dtype");
+    TORCH_CHECK(out_features <= packed.size(0) * packed.size(2), "linear: out_features too large");
+    linear_impl<double>(x, packed, b, out_features, out);
+  }
+  return out;
+}
+"""
+)
+
+
+@functools.cache
+def kernel() -> ModuleType | None:
+    """The compiled extension, or None (logged once) when it cannot be built."""
+    return build_inline(
+        "servelab_cpu_linear",
+        _SOURCE,
+        ["pack_weight", "pack_bias", "linear"],
+        what="CPU packed-weight matmul",
+        fallback="projections use F.linear",
+    )
+
+
+class PackedLinear:
+    """`F.linear(x, weight, bias)` for a fixed weight, packed once.
+
+    Holds its own packed copy: a weight changed in place afterwards is not
+    seen (the model packs after loading, and `is_current` tells a caller
+    whether the source tensor it packed is still the one it was given)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        module = kernel()
+        assert module is not None, "the CPU matmul kernel is not built: check kernel()"
+        self._module = module
+        self.out_features = weight.shape[0]
+        self.packed = module.pack_weight(weight.detach())
+        self.bias = None if bias is None else module.pack_bias(bias.detach(), self.packed.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            out = self._module.linear(
+                x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.out_features
+            )
+            return out.view(*lead, self.out_features)
+        return self._module.linear(x, self.packed, self.bias, self.out_features)

@@ -1,0 +1,151 @@
+"""servelab's CPU matmul over packed weights (`servelab.model.cpu_linear`) and
+the model's switch to it (`engine.cpu_kernels`).
+
+Kernel level: against the exact product (float64 of float32 inputs, or the
+float64 result, compared with the standard rounding-error bound of a length-K
+dot product: |error| <= K * u * sum_k |x_k * w_k|, u the unit roundoff, plus one
+rounding for the bias) for row counts around the 8-row micro-kernel and the
+64-row blocks, widths around the packed panels (32 float32 / 16 float64
+columns), odd inner sizes, a bias, strided rows and 1/2 threads (bit-identical).
+
+Model level: a `PackedWeight` re-packs when its weight is changed in place or
+replaced, so the model never multiplies through a stale copy; the engine
+option's errors name the choices and the reason. The token-level proof is the
+oracle (`test_oracle.py`), which runs every combination with the kernels on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.build import build_engine
+from servelab.errors import ConfigError
+from servelab.model import cpu_linear
+from servelab.model.transformer import PackedWeight
+from servelab.testing.oracle import restored_num_threads
+
+
+@pytest.fixture(autouse=True)
+def needs_the_kernel():
+    if cpu_linear.kernel() is None:
+        pytest.skip("the CPU matmul kernel does not build here (see the log)")
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def assert_within_rounding(out, x, weight, bias=None):
+    """`out` is x @ weight.T (+ bias) up to the rounding of length-K dot products."""
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        exact = exact + bias.double()
+        magnitude = magnitude + bias.double().abs()
+    u = unit_roundoff(x.dtype)
+    bound = (x.shape[1] + 1) * u * magnitude + u * exact.abs()
+    error = (out.double() - exact).abs()
+    assert out.shape == exact.shape and out.dtype == x.dtype
+    assert bool((error <= bound).all()), f"max excess {(error - bound).max().item():.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 64, 65, 130])
+@pytest.mark.parametrize("out_features,in_features", [(32, 64), (40, 13), (1000, 72), (256, 512)])
+def test_matches_the_exact_product(dtype, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen, dtype=dtype)
+    weight = torch.randn(out_features, in_features, generator=gen, dtype=dtype)
+    out = cpu_linear.PackedLinear(weight, None)(x)
+    assert_within_rounding(out, x, weight)
+    # the bound is not vacuous: the library's own product meets it too, and ours is close to it
+    assert_within_rounding(F.linear(x, weight), x, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bias_strided_rows_and_leading_dims(dtype):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(70, 3, 100, generator=gen, dtype=dtype)
+    x = wide[:, 1, :72]  # rows 300 elements apart, each contiguous
+    weight = torch.randn(50, 72, generator=gen, dtype=dtype)
+    bias = torch.randn(50, generator=gen, dtype=dtype)
+    packed = cpu_linear.PackedLinear(weight, bias)
+    out = packed(x)
+    assert_within_rounding(out, x, weight, bias)
+    batched = packed(x.reshape(7, 10, 72))
+    assert batched.shape == (7, 10, 50)
+    assert torch.equal(batched.reshape(70, 50), out)
+
+
+def test_thread_count_never_changes_a_result():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(97, 256, generator=gen)
+    packed = cpu_linear.PackedLinear(torch.randn(1000, 256, generator=gen), None)
+    with restored_num_threads(1):
+        one = packed(x)
+    with restored_num_threads(2):
+        two = packed(x)
+    assert torch.equal(one, two)
+
+
+def test_errors_name_the_problem():
+    module = cpu_linear.kernel()
+    weight = torch.randn(64, 32)
+    packed = cpu_linear.PackedLinear(weight, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        packed(torch.randn(4, 32, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="in_features = 16"):
+        packed(torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        packed(torch.randn(32, 4).T)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        module.pack_weight(weight.half())
+    with pytest.raises(RuntimeError, match="pack_bias"):
+        module.linear(torch.randn(4, 32), packed.packed, torch.randn(50), 64)
+
+
+def test_packed_weight_follows_the_weight_it_is_handed():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 48, generator=gen)
+    weight = torch.randn(40, 48, generator=gen)
+    bias = torch.randn(40, generator=gen)
+    packed = PackedWeight()
+    assert_within_rounding(packed(x, weight, bias), x, weight, bias)
+    weight.mul_(-2.0)  # in place: same storage, new version
+    assert_within_rounding(packed(x, weight, bias), x, weight, bias)
+    bias.add_(1.0)
+    assert_within_rounding(packed(x, weight, bias), x, weight, bias)
+    other = torch.randn(40, 48, generator=gen)  # another tensor altogether
+    assert_within_rounding(packed(x, other, None), x, other)
+
+
+def tiny_engine(**engine):
+    return build_engine({"model": "tiny", "engine": {"kv_cache_memory": "1MiB", **engine}})
+
+
+def test_engine_option_turns_the_kernels_on_and_off():
+    assert tiny_engine().model.cpu_kernels
+    assert tiny_engine(cpu_kernels="on").model.cpu_kernels
+    assert not tiny_engine(cpu_kernels="off").model.cpu_kernels
+
+
+def test_engine_option_errors_name_choices_and_reasons():
+    with pytest.raises(ConfigError, match="auto, on, off"):
+        tiny_engine(cpu_kernels="fast")
+    with pytest.raises(ConfigError, match="dtype must be float32 or float64"):
+        tiny_engine(cpu_kernels="on", dtype="bfloat16")
+    # auto quietly keeps torch's matmuls where the kernels cannot run
+    assert not tiny_engine(dtype="bfloat16").model.cpu_kernels
+
+
+def test_switched_off_kernels_leave_torch_matmuls(monkeypatch):
+    monkeypatch.setenv("SERVELAB_CPU_KERNEL", "0")
+    cpu_linear.kernel.cache_clear()
+    try:
+        assert not tiny_engine().model.cpu_kernels
+        with pytest.raises(ConfigError, match="SERVELAB_CPU_KERNEL=0"):
+            tiny_engine(cpu_kernels="on")
+    finally:
+        cpu_linear.kernel.cache_clear()

@@ -22,6 +22,7 @@ from servelab.device import (
 )
 from servelab.engine import Engine
 from servelab.errors import ConfigError
+from servelab.host_memory import keep_freed_memory
 from servelab.kv_cache import KVCache
 from servelab.model.loader import load_model, resolve_dtype
 from servelab.model.sampler import Sampler
@@ -232,6 +233,8 @@ def build_engine(config: Mapping) -> Engine:
     dtype = resolve_dtype(opts["dtype"])
     if opts["num_threads"]:
         torch.set_num_threads(int(opts["num_threads"]))
+    if device.type == "cpu":
+        keep_freed_memory()  # activations reused from the heap, not faulted in each step
 
     source = model_source(config.get("model", "tiny"))
     # read before the weights load: a CPU device fails here, not after a long load, and

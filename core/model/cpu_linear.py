@@ -84,6 +84,16 @@ inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K
   }
 }
 
+// The last rows - r < kMaxRows rows of a block: the micro-kernel of exactly that height.
+template <typename T, int MR>
+inline void tail_rows(int64_t rows, const T* x, int64_t x_stride, const T* panel, int64_t K,
+                      const T* bias, T* out, int64_t out_stride, int64_t cols) {
+  if constexpr (MR > 0) {
+    if (rows == MR) micro_kernel<T, MR>(x, x_stride, panel, K, bias, out, out_stride, cols);
+    else tail_rows<T, MR - 1>(rows, x, x_stride, panel, K, bias, out, out_stride, cols);
+  }
+}
+
 template <typename T>
 void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const T* panel, int64_t K,
                       const T* bias, T* out, int64_t out_stride, int64_t cols) {
@@ -91,18 +101,8 @@ void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const T* panel
   for (; r + kMaxRows <= rows; r += kMaxRows)
     micro_kernel<T, kMaxRows>(x + r * x_stride, x_stride, panel, K, bias, out + r * out_stride,
                               out_stride, cols);
-  const T* xr = x + r * x_stride;
-  T* o = out + r * out_stride;
-  switch (rows - r) {
-    case 0: break;
-    case 1: micro_kernel<T, 1>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
-    case 2: micro_kernel<T, 2>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
-    case 3: micro_kernel<T, 3>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
-    case 4: micro_kernel<T, 4>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
-    case 5: micro_kernel<T, 5>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
-    case 6: micro_kernel<T, 6>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
-    case 7: micro_kernel<T, 7>(xr, x_stride, panel, K, bias, o, out_stride, cols); break;
-  }
+  tail_rows<T, kMaxRows - 1>(rows - r, x + r * x_stride, x_stride, panel, K, bias,
+                             out + r * out_stride, out_stride, cols);
 }
 
 template <typename T>

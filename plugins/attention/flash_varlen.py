@@ -16,10 +16,12 @@ after a cached prefix needs no extra mask.
   device and dtype: the decodes of a step in one batched call (padded to
   their longest context, masked), every prefill chunk in its own call (a
   fresh prompt over its own K/V, no cache read);
-- `cpu`: `sdpa`, with the decodes read straight through the block table by
-  a C++ kernel (`cpu_paged`: float32 or float64, head_dim 16..256, built
-  when the engine is; `sdpa`'s batched call, logged, where it cannot run):
-  the fast path on a CPU;
+- `cpu`: a C++ kernel (`cpu_paged`: float32 or float64, head_dim 16..256,
+  built when the engine is) reads the cache straight through the block
+  table: a decode step's queries in one call, and a step with prompt tokens
+  also in one call, each token one query over its causal context (its K/V
+  are stored first), in place of an SDPA call per prompt chunk. `sdpa`'s
+  paths, logged, where the kernel cannot run. The fast path on a CPU;
 - `reference`: `varlen_attention_reference`, plain torch, runs anywhere:
   the specification, never chosen by `auto`;
 - `auto`: the first of flash_attn, torch, cpu, sdpa whose constraints hold
@@ -230,6 +232,10 @@ class FlashVarlenPlan:
     context_slots: torch.Tensor | None = None  # impl=torch gathering pages: packed context slots
     decodes: DecodeBatchPlan | None = None  # impl=sdpa, cpu without its kernel: batched decodes
     prefills: PerSeqPlan | None = None  # impl=sdpa/cpu: one call per prefill chunk
+    # impl=cpu with its kernel, a step with prompt tokens: every query token as its
+    # own "decode" over the context up to and including it (its sequence's table row)
+    token_tables: torch.Tensor | None = None  # int32 [num_tokens, max_blocks]
+    token_lens: torch.Tensor | None = None  # int32 [num_tokens]: position + 1
 
     @property
     def decode_only(self) -> bool:
@@ -259,7 +265,7 @@ class FlashVarlenBackend(AttentionBackend):
         self._flash_fns: tuple[KernelFn, KernelFn] | None = None  # varlen_func, with_kvcache
         self._decode_kernel = False  # impl=cpu: its C++ kernel runs the decodes
         self.workspace = Workspace()  # impl=sdpa: gathered K/V reused across layers and steps
-        self.cpu_kernel_decode_calls = 0  # layers whose decodes the C++ kernel ran (stats())
+        self.cpu_kernel_decode_calls = 0  # layers the C++ kernel attended (stats())
 
     # -- choosing the impl
 
@@ -364,9 +370,11 @@ class FlashVarlenBackend(AttentionBackend):
             if self._decode_kernel:  # the kernel reads the block table itself
                 plan.block_table = plan.block_table.contiguous()
                 plan.seq_lens = plan.seq_lens.contiguous()
+                if meta.num_decodes < meta.num_tokens:  # prompt tokens (maybe 1-token chunks)
+                    plan.token_tables, plan.token_lens = per_token_tables(meta)
             else:
                 plan.decodes = plan_decode_batch(meta, self.num_kv_heads)
-            plan.prefills = plan_per_seq(meta, first=meta.num_decodes)
+                plan.prefills = plan_per_seq(meta, first=meta.num_decodes)
         plan.completed = True
 
     def forward(
@@ -406,7 +414,8 @@ class FlashVarlenBackend(AttentionBackend):
         )
 
     def stats(self) -> dict[str, float]:
-        """`cpu_kernel_decode_calls`: layers whose decodes the C++ kernel ran (impl=cpu)."""
+        """`cpu_kernel_decode_calls`: layers the C++ kernel attended (impl=cpu;
+        the name is historical: prompt tokens go through it too)."""
         return {"cpu_kernel_decode_calls": self.cpu_kernel_decode_calls}
 
     def _forward_flash_attn(
@@ -452,6 +461,13 @@ class FlashVarlenBackend(AttentionBackend):
         num_decodes = plan.num_decodes
         if num_decodes == q.shape[0]:  # a decode-only step: one call, nothing to assemble
             return self._decode(q, k_cache, v_cache, plan)
+        if plan.token_tables is not None:
+            # prompt tokens too, each over its causal context (its K/V were just
+            # stored): one kernel call instead of an SDPA call per prompt chunk
+            self.cpu_kernel_decode_calls += 1
+            return cpu_paged.paged_decode(
+                q, k_cache, v_cache, plan.token_tables, plan.token_lens, self.scale
+            )
         out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, plan)
@@ -506,6 +522,18 @@ class FlashVarlenBackend(AttentionBackend):
             plan.max_seqlen_k,
             **kwargs,
         )
+
+
+def per_token_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token's block-table row (its sequence's) and causal context
+    length (its position + 1): the C++ kernel then treats every token of a
+    mixed or prompt step as one query over the keys it may see."""
+    query_lens = meta.query_start_loc.diff()
+    owner = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=query_lens.device), query_lens
+    )
+    tables = meta.block_tables.index_select(0, owner).contiguous()
+    return tables, (meta.positions + 1).to(torch.int32)
 
 
 @hookimpl

@@ -248,7 +248,11 @@ class ModelRunner:
         forks now, in `sample_owners` order (a decode batch's rows first)."""
         if not batch.sample_rows:
             return SampledTokens([], [])
-        logits = self.model.compute_logits(hidden[batch.meta.logits_indices])
+        indices = batch.meta.logits_indices
+        # one query token per sequence and every one sampling: the rows are in order already
+        every_row = batch.meta.max_query_len == 1 and len(indices) == hidden.shape[0]
+        rows = hidden if every_row else hidden[indices]
+        logits = self.model.compute_logits(rows)
         if len(batch.sample_rows) != logits.shape[0]:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
         if batch.all_greedy:

@@ -118,7 +118,7 @@ class BaseScheduler(Scheduler):
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(g.unfinished()) for g in self.running)
+        return sum(g.num_unfinished for g in self.running)
 
     # -- what a built-in changes
     def tokens_for(self, seq: Sequence, start: int, budget: int) -> int:

@@ -197,6 +197,14 @@ class SequenceGroup:
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
 
+    @property
+    def num_unfinished(self) -> int:
+        """`len(unfinished())` without the list (counted every step for every group)."""
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return 0 if seqs[0].status is SequenceStatus.FINISHED else 1
+        return sum(s.status is not SequenceStatus.FINISHED for s in seqs)
+
 
 @dataclass
 class CompletionOutput:

@@ -127,7 +127,7 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         key = (_identity(weight), None if bias is None else _identity(bias))
-        if key != self._key or self._linear is None:
+        if key != self._key:
             self._linear = cpu_linear.PackedLinear(weight, bias)
             self._key = key
         return self._linear(x)
@@ -256,7 +256,8 @@ class Attention(nn.Module):
             qk = rms_norm(qk, weight, self.q_norm.eps)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
-        out = attend(backend, q, k, v, kv_cache, attn_plan)
+        # never compiled (compile=true keeps the kernels off): no need for `attend`'s wrapper
+        out = backend.forward(q, k, v, kv_cache, attn_plan)
         out = out.reshape(num_tokens, num_heads * head_dim)
         return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
@@ -284,7 +285,8 @@ class Attention(nn.Module):
         q = qkv[:, :num_heads]
         k = qkv[:, num_heads : num_heads + num_kv_heads]
         v = qkv[:, num_heads + num_kv_heads :]
-        out = attend(backend, q, k, v, kv_cache, attn_plan)
+        # never compiled (compile=true keeps the kernels off): no need for `attend`'s wrapper
+        out = backend.forward(q, k, v, kv_cache, attn_plan)
         out = out.reshape(num_tokens, num_heads * head_dim)
         return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 

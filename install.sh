@@ -9,3 +9,7 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 python -m pip install -q -e ".[dev]"
+# Build the C++ CPU kernels now, once (torch caches them, keyed by their source), so
+# neither the first engine nor the tests pay for it; a failed build is logged and
+# the engine then keeps torch's ops (see servelab/cpp_extension.py)
+python -c "from servelab.model import cpu_fused, cpu_linear; from servelab.plugins.attention import cpu_paged; [m.kernel() for m in (cpu_fused, cpu_linear, cpu_paged)]"

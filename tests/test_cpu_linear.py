@@ -8,9 +8,8 @@ rounding for the bias) for row counts around the 8-row micro-kernel and the
 64-row blocks, widths around the packed panels (32 float32 / 16 float64
 columns), odd inner sizes, a bias, strided rows and 1/2 threads (bit-identical).
 
-Model level: a `PackedWeight` re-packs when its weight is changed in place or
-replaced, so the model never multiplies through a stale copy; the engine
-option's errors name the choices and the reason. The token-level proof is the
+Engine level: the option's errors name the choices and the reason (that the
+model's kernel program follows its parameters is `test_kernel_forward.py`). The token-level proof is the
 oracle (`test_oracle.py`), which runs every combination with the kernels on.
 """
 
@@ -23,7 +22,6 @@ import torch.nn.functional as F
 from servelab.build import build_engine
 from servelab.errors import ConfigError
 from servelab.model import cpu_linear
-from servelab.model.transformer import PackedWeight
 from servelab.testing.oracle import restored_num_threads
 
 
@@ -104,21 +102,6 @@ def test_errors_name_the_problem():
         module.pack_weight(weight.half())
     with pytest.raises(RuntimeError, match="pack_bias"):
         module.linear(torch.randn(4, 32), packed.packed, torch.randn(50), 64)
-
-
-def test_packed_weight_follows_the_weight_it_is_handed():
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 48, generator=gen)
-    weight = torch.randn(40, 48, generator=gen)
-    bias = torch.randn(40, generator=gen)
-    packed = PackedWeight()
-    assert_within_rounding(packed(x, weight, bias), x, weight, bias)
-    weight.mul_(-2.0)  # in place: same storage, new version
-    assert_within_rounding(packed(x, weight, bias), x, weight, bias)
-    bias.add_(1.0)
-    assert_within_rounding(packed(x, weight, bias), x, weight, bias)
-    other = torch.randn(40, 48, generator=gen)  # another tensor altogether
-    assert_within_rounding(packed(x, other, None), x, other)
 
 
 def tiny_engine(**engine):

@@ -83,13 +83,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu_kernels"])
 @pytest.mark.parametrize("arch,tied,sharded,rope_scaling", CASES)
-def test_logits_match_transformers(tmp_path, arch, tied, sharded, rope_scaling):
+def test_logits_match_transformers(tmp_path, arch, tied, sharded, rope_scaling, kernels):
+    """Logits of prompts, chunks and decodes against transformers in float64,
+    through torch's ops and through servelab's C++ CPU kernels
+    (`Transformer.use_cpu_kernels`)."""
     hf = build_hf_model(arch, tied, rope_scaling)
     hf.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "1GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
 
     model, config, tokenizer = load_model(str(tmp_path), "float64", "cpu")
+    if kernels:
+        assert model.cpu_kernel_problems() == []
+        model.use_cpu_kernels(True)
     assert tokenizer is None
     assert (config.architecture, config.tie_word_embeddings) == (arch, tied)
     assert config.eos_token_ids == [2, 3] and config.bos_token_id == 1

@@ -18,7 +18,7 @@ Rules:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import nn
 from servelab.interfaces import AttentionBackend
 from servelab.model import cpu_fused, cpu_linear
 from servelab.model.config import ModelConfig
+from servelab.model.kernel_forward import KernelForward
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -108,47 +109,11 @@ class FusedLinear:
                 return False
         return True
 
-    def __call__(self, x: torch.Tensor, packed: PackedWeight | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., sum(rows)]`: the linears' outputs side by side."""
         if self.is_current():
-            return linear(x, self.weight, self.bias, packed)
-        return torch.cat([linear(x, lin.weight, lin.bias) for lin in self.linears], dim=-1)
-
-
-class PackedWeight:
-    """servelab's CPU matmul (`cpu_linear`) for whichever weight it is handed:
-    packed on first use and again whenever the weight or bias is replaced or
-    changed in place (tensor version counters), so a reloaded checkpoint is
-    never multiplied through a stale copy."""
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._linear: cpu_linear.PackedLinear | None = None
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        key = (_identity(weight), None if bias is None else _identity(bias))
-        if key != self._key:
-            self._linear = cpu_linear.PackedLinear(weight, bias)
-            self._key = key
-        return self._linear(x)
-
-
-def _identity(t: torch.Tensor) -> tuple[int, int]:
-    """What changes when a tensor's values may have: its storage or its version
-    (inference tensors have no version counter: storage alone)."""
-    return t.data_ptr(), (-1 if t.is_inference() else t._version)
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: PackedWeight | None = None,
-) -> torch.Tensor:
-    """`F.linear`, or servelab's CPU matmul when the model has turned it on."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return packed(x, weight, bias)
+            return F.linear(x, self.weight, self.bias)
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -220,9 +185,6 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: FusedLinear | None = None  # set by `fuse()` once parameters exist
-        # servelab's CPU matmul per projection, when `Transformer.use_cpu_kernels` sets them
-        self.qkv_packed: PackedWeight | None = None
-        self.o_packed: PackedWeight | None = None
 
     def fuse(self) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -239,7 +201,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
-            qkv = self.qkv(x, self.qkv_packed)
+            qkv = self.qkv(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         qkv = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
@@ -258,37 +220,7 @@ class Attention(nn.Module):
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         # never compiled (compile=true keeps the kernels off): no need for `attend`'s wrapper
         out = backend.forward(q, k, v, kv_cache, attn_plan)
-        out = out.reshape(num_tokens, num_heads * head_dim)
-        return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
-
-    def forward_fused(
-        self, x: torch.Tensor, rope: RopeTables, kv_cache: KVCache, backend, attn_plan
-    ) -> torch.Tensor:
-        """`forward` through servelab's C++ CPU kernels (`Transformer.use_cpu_kernels`):
-        q/k norm and RoPE in place on the fused projection, in one call."""
-        num_tokens = x.shape[0]
-        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x, self.qkv_packed)
-        q_norm, k_norm = self.q_norm, self.k_norm
-        cpu_fused.qk_norm_rope_(
-            qkv,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            self.q_norm.eps if q_norm is not None else 0.0,
-            rope.cos,
-            rope.sin,
-            rope.positions,
-            num_heads,
-            num_kv_heads,
-        )
-        qkv = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
-        q = qkv[:, :num_heads]
-        k = qkv[:, num_heads : num_heads + num_kv_heads]
-        v = qkv[:, num_heads + num_kv_heads :]
-        # never compiled (compile=true keeps the kernels off): no need for `attend`'s wrapper
-        out = backend.forward(q, k, v, kv_cache, attn_plan)
-        out = out.reshape(num_tokens, num_heads * head_dim)
-        return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
+        return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
 
 class MLP(nn.Module):
@@ -301,24 +233,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(inner, hidden, bias=False, dtype=dtype)
         self.gate_up: FusedLinear | None = None  # set by `fuse()` once parameters exist
-        self.gate_up_packed: PackedWeight | None = None
-        self.down_packed: PackedWeight | None = None
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            inner = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            gate, up = self.gate_up(x, self.gate_up_packed).chunk(2, dim=-1)
-            inner = F.silu(gate) * up
-        return linear(inner, self.down_proj.weight, self.down_proj.bias, self.down_packed)
-
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` with SiLU(gate) * up in one C++ call."""
-        inner = cpu_fused.silu_mul(self.gate_up(x, self.gate_up_packed))
-        return linear(inner, self.down_proj.weight, self.down_proj.bias, self.down_packed)
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -332,30 +255,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv_cache, backend, attn_plan) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend, attn_plan)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(
-        self, residual: torch.Tensor, delta: torch.Tensor | None, rope, kv_cache, backend, attn_plan
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` through the C++ CPU kernels. The layer's output is
-        `residual + delta`, left unsummed: the next norm adds it in place
-        (`add_rms_norm`) in the same pass that normalises it."""
-        attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
-        if delta is None:  # the first layer: the embeddings are the whole residual
-            h = cpu_fused.rms_norm(residual, attn_norm.weight, attn_norm.eps)
-        else:
-            h = cpu_fused.add_rms_norm(residual, delta, attn_norm.weight, attn_norm.eps)
-        delta = self.self_attn.forward_fused(h, rope, kv_cache, backend, attn_plan)
-        h = cpu_fused.add_rms_norm(residual, delta, mlp_norm.weight, mlp_norm.eps)
-        return residual, self.mlp.forward_fused(h)
-
-
-class RopeTables(NamedTuple):
-    """The model's whole cos/sin tables and this step's positions: the fused
-    RoPE kernel looks each token's row up itself."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor
 
 
 class DecoderStack(nn.Module):
@@ -392,8 +291,7 @@ class Transformer(nn.Module):
                 else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
         self.to_empty(device=device)
-        self.lm_head_packed: PackedWeight | None = None
-        self.cpu_kernels = False  # `use_cpu_kernels`
+        self.kernel_forward: KernelForward | None = None  # `use_cpu_kernels`
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
@@ -424,8 +322,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] at `positions` [T] -> final hidden states [T, hidden].
         Each layer stores its K/V and attends through `backend.forward`."""
-        if self.cpu_kernels:
-            return self._forward_fused(input_ids, positions, kv_caches, backend, attn_plan)
+        if self.kernel_forward is not None:
+            return self.kernel_forward.forward(input_ids, positions, kv_caches, backend, attn_plan)
         # gathered once per step, shared by every layer: [T, 1, D/2] broadcasts over heads
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
@@ -434,23 +332,18 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv_cache, backend, attn_plan)
         return self.model.norm(x)
 
-    def _forward_fused(self, input_ids, positions, kv_caches, backend, attn_plan) -> torch.Tensor:
-        """`forward` through servelab's C++ CPU kernels (see `use_cpu_kernels`)."""
-        rope = RopeTables(self.rope_cos, self.rope_sin, positions)
-        residual, delta = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            residual, delta = layer.forward_fused(
-                residual, delta, rope, kv_cache, backend, attn_plan
-            )
-        norm = self.model.norm
-        if delta is None:  # no layers
-            return cpu_fused.rms_norm(residual, norm.weight, norm.eps)
-        return cpu_fused.add_rms_norm(residual, delta, norm.weight, norm.eps)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the selected rows only: [N, hidden] -> [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.lm_head_packed)
+        if self.kernel_forward is not None:
+            return self.kernel_forward.logits(hidden)
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether `forward` runs through the C++ CPU kernels (`use_cpu_kernels`)."""
+        return self.kernel_forward is not None
 
     def cpu_kernel_problems(self) -> list[str]:
         """Why servelab's C++ CPU kernels cannot serve this model (empty: they can)."""
@@ -459,26 +352,19 @@ class Transformer(nn.Module):
             found.append(f"the device must be the CPU (got {self.device})")
         if self.dtype not in cpu_linear.DTYPES:
             found.append(f"the dtype must be float32 or float64 (got {self.dtype})")
-        if not found and cpu_linear.kernel() is None:
+        if not found and (cpu_linear.kernel() is None or cpu_fused.kernel() is None):
             found.append(
                 "the C++ kernels must build (see the log; SERVELAB_CPU_KERNEL=0 turns them off)"
             )
         return found
 
     def use_cpu_kernels(self, enabled: bool) -> None:
-        """Run the model through servelab's C++ CPU kernels: every projection
-        through `cpu_linear` (weights packed once, faster than MKL on a decode
-        step's few rows), norms, residual adds, q/k norm + RoPE and SwiGLU
-        through `cpu_fused` (one call each instead of a handful of torch ops);
-        or back through torch's ops. Check `cpu_kernel_problems` first."""
+        """Run the model through servelab's C++ CPU kernels (`kernel_forward`:
+        every projection through `cpu_linear`, weights packed once, faster than
+        MKL on a decode step's few rows; norms, residual adds, q/k norm + RoPE
+        and SwiGLU through `cpu_fused`, one call each instead of a handful of
+        torch ops), or back through torch's ops. Check `cpu_kernel_problems` first."""
         if enabled:
             problems = self.cpu_kernel_problems()
             assert not problems, problems
-        make = PackedWeight if enabled else (lambda: None)
-        for layer in self.model.layers:
-            layer.self_attn.qkv_packed = make()
-            layer.self_attn.o_packed = make()
-            layer.mlp.gate_up_packed = make()
-            layer.mlp.down_packed = make()
-        self.lm_head_packed = make()
-        self.cpu_kernels = enabled
+        self.kernel_forward = KernelForward(self) if enabled else None

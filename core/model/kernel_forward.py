@@ -1,0 +1,189 @@
+"""The decoder's forward through servelab's C++ CPU kernels, as one flat program.
+
+`Transformer.use_cpu_kernels(True)` routes `forward` and `compute_logits` here.
+A layer is nine kernel calls and the attention backend's `forward`:
+
+    h = add_rms_norm(residual, delta)        # the previous layer's output added in place
+    qkv = linear(h, Wqkv); qk_norm_rope_(qkv) # q/k per-head norm + RoPE, in place
+    out = backend.forward(q, k, v)            # the plugin: stores K/V, attends
+    delta = linear(out, Wo); h = add_rms_norm(residual, delta)
+    delta = linear(silu_mul(linear(h, Wgate_up)), Wdown)
+
+with the same formulas, in the same order, as `servelab.model.transformer`'s
+torch path (`cpu_linear`, `cpu_fused` say how each kernel rounds). A layer's
+output stays `residual + delta`, unsummed, until the next norm adds it.
+
+Why a flat program: at decode sizes a layer's kernels take tens of microseconds,
+so Python's share (module attribute lookups, wrapper frames, per-call checks)
+is a visible part of a step. The program holds plain references: packed
+weights, norm weights and eps per layer, built from the model's parameters.
+
+Rules:
+- it is rebuilt (weights packed again) whenever any parameter of the model was
+  replaced or changed in place since it was built: every step compares each
+  parameter's storage and version counter with the ones it was built from, so
+  a reloaded checkpoint is never multiplied through a stale copy (the
+  parameters' places are the modules' that existed at `use_cpu_kernels`: a
+  submodule swapped for another afterwards needs `use_cpu_kernels` again);
+- q/k/v (and gate/up) are packed as one matrix: the fused weight when the
+  projections are still its views, else their current weights side by side.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from servelab.model import cpu_fused, cpu_linear
+
+if TYPE_CHECKING:
+    from servelab.model.transformer import Transformer
+
+
+class Matmul(NamedTuple):
+    """One packed weight (and bias) for `cpu_linear`'s `linear`."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+
+    @staticmethod
+    def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Matmul:
+        linear = cpu_linear.PackedLinear(weight, bias)
+        return Matmul(linear.packed, linear.bias, linear.out_features)
+
+
+class LayerProgram(NamedTuple):
+    attn_norm: torch.Tensor
+    attn_eps: float
+    qkv: Matmul
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms, else None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    o: Matmul
+    mlp_norm: torch.Tensor
+    mlp_eps: float
+    gate_up: Matmul
+    down: Matmul
+
+
+def _stacked(linears, fused) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight (and bias) of `linears` side by side: `fused`'s tensors while
+    the linears are still its views, else their current ones concatenated."""
+    if fused is not None and fused.is_current():
+        return fused.weight, fused.bias
+    weight = torch.cat([lin.weight for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None if any(b is None for b in biases) else torch.cat(biases)
+    return weight, bias
+
+
+def _layer_program(layer) -> LayerProgram:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_weight, qkv_bias = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], attn.qkv)
+    gate_up_weight, _ = _stacked([mlp.gate_proj, mlp.up_proj], mlp.gate_up)
+    qk_norm = attn.q_norm is not None
+    return LayerProgram(
+        attn_norm=layer.input_layernorm.weight.detach(),
+        attn_eps=float(layer.input_layernorm.eps),
+        qkv=Matmul.pack(qkv_weight, qkv_bias),
+        q_norm=attn.q_norm.weight.detach() if qk_norm else None,
+        k_norm=attn.k_norm.weight.detach() if qk_norm else None,
+        qk_eps=float(attn.q_norm.eps) if qk_norm else 0.0,
+        o=Matmul.pack(attn.o_proj.weight, attn.o_proj.bias),
+        mlp_norm=layer.post_attention_layernorm.weight.detach(),
+        mlp_eps=float(layer.post_attention_layernorm.eps),
+        gate_up=Matmul.pack(gate_up_weight, None),
+        down=Matmul.pack(mlp.down_proj.weight, mlp.down_proj.bias),
+    )
+
+
+def parameter_slots(model: torch.nn.Module) -> list[tuple[dict, str]]:
+    """Where each parameter lives: its module's `_parameters` dict and its name
+    there (assigning a new parameter replaces the dict entry, so reading the
+    slot sees it; walking `model.parameters()` every step costs ~0.3 ms)."""
+    return [(m._parameters, name) for m in model.modules() for name in m._parameters]
+
+
+def identity(slots: list[tuple[dict, str]]) -> list:
+    """What changes when any parameter may have: each one's storage and version
+    counter (an inference tensor has none: its storage alone)."""
+    return [
+        None if p is None else (p.data_ptr(), p.is_inference() or p._version)
+        for p in [params[name] for params, name in slots]
+    ]
+
+
+class KernelForward:
+    """`Transformer.forward` / `compute_logits` through the C++ CPU kernels."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self._fused = cpu_fused.kernel()
+        self._linear = cpu_linear.kernel()
+        assert self._fused is not None and self._linear is not None, "kernels not built"
+        self._slots = parameter_slots(model)
+        self._key: list | None = None
+        self._layers: list[LayerProgram] = []
+        self._final: tuple[torch.Tensor, float] | None = None
+        self._lm_head: Matmul | None = None
+
+    def _program(self) -> list[LayerProgram]:
+        key = identity(self._slots)
+        if key != self._key:
+            model = self.model
+            self._layers = [_layer_program(layer) for layer in model.model.layers]
+            norm = model.model.norm
+            self._final = (norm.weight.detach(), float(norm.eps))
+            head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+            self._lm_head = Matmul.pack(head.weight, None)
+            self._key = key
+        return self._layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        backend: Any,
+        attn_plan: Any,
+    ) -> torch.Tensor:
+        layers = self._program()
+        model, fused, linear = self.model, self._fused, self._linear.linear
+        config = model.config
+        num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        qk_heads = num_heads + num_kv_heads
+        cos, sin = model.rope_cos, model.rope_sin
+        residual = model.model.embed_tokens(input_ids)
+        num_tokens = residual.shape[0]
+        delta = None
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            if delta is None:  # the first layer: the embeddings are the whole residual
+                h = fused.rms_norm(residual, layer.attn_norm, layer.attn_eps)
+            else:
+                h = fused.add_rms_norm(residual, delta, layer.attn_norm, layer.attn_eps)
+            qkv = linear(h, *layer.qkv)
+            fused.qk_norm_rope_(
+                qkv, layer.q_norm, layer.k_norm, layer.qk_eps, cos, sin, positions,
+                num_heads, num_kv_heads,
+            )  # fmt: skip
+            heads = qkv.view(num_tokens, qk_heads + num_kv_heads, head_dim)
+            out = backend.forward(
+                heads[:, :num_heads],
+                heads[:, num_heads:qk_heads],
+                heads[:, qk_heads:],
+                kv_cache,
+                attn_plan,
+            )
+            delta = linear(out.reshape(num_tokens, num_heads * head_dim), *layer.o)
+            h = fused.add_rms_norm(residual, delta, layer.mlp_norm, layer.mlp_eps)
+            delta = linear(fused.silu_mul(linear(h, *layer.gate_up)), *layer.down)
+        weight, eps = self._final
+        if delta is None:  # a model without layers
+            return fused.rms_norm(residual, weight, eps)
+        return fused.add_rms_norm(residual, delta, weight, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._program()
+        return self._linear.linear(hidden, *self._lm_head)

@@ -1,0 +1,93 @@
+"""`Transformer.use_cpu_kernels`: the model's forward through the C++ CPU kernels
+(`servelab.model.kernel_forward`) follows its parameters.
+
+The program packs weights once; these tests change the parameters in every way
+a user can (in place through a fused view, in place on a plain weight, a bias,
+a whole parameter replaced, the tied embedding) and require the kernel path's
+logits to equal the torch path's on the same model after each change, in
+float64 (the agreement is to rounding: 1e-9, as against transformers in
+`test_model.py`). A stale packed copy would differ at the first changed weight
+by far more than that.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from servelab.model.loader import load_model
+from tests.helpers_model import PagedDriver
+
+TOL = 1e-9
+
+
+@pytest.fixture(autouse=True)
+def needs_the_kernels():
+    model, _, _ = load_model("tiny", "float64", "cpu")
+    if model.cpu_kernel_problems():
+        pytest.skip(f"the C++ CPU kernels cannot run here: {model.cpu_kernel_problems()}")
+
+
+def run_steps(model) -> torch.Tensor:
+    """Logits of a prompt step then a decode step on a fresh cache."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 4)]
+    driver = PagedDriver(model, num_blocks=16, block_size=4)
+    first = driver.step([(0, prompts[0]), (1, prompts[1])])
+    second = driver.step([(0, [5]), (1, [7])])
+    return torch.cat(first + second)
+
+
+def logits_both_ways(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same model's logits through its (long-lived) kernel program, then
+    through torch's ops with that program set aside and put back."""
+    program = model.kernel_forward
+    assert program is not None
+    kernels = run_steps(model)
+    model.kernel_forward = None
+    try:
+        reference = run_steps(model)
+    finally:
+        model.kernel_forward = program
+    return kernels, reference
+
+
+def assert_paths_agree(model) -> torch.Tensor:
+    with torch.no_grad():
+        kernels, reference = logits_both_ways(model)
+    torch.testing.assert_close(kernels, reference, rtol=0, atol=TOL)
+    return reference
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-llama"])
+def test_kernel_path_follows_every_parameter_change(shape):
+    model, _, _ = load_model(shape, "float64", "cpu")
+    model.use_cpu_kernels(True)  # once: the program must notice every change itself
+    before = assert_paths_agree(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(-1.5)  # a view of the fused q/k/v weight
+        mlp.down_proj.weight.add_(0.01)  # a plain weight
+        model.model.norm.weight.mul_(1.1)
+        if attn.q_proj.bias is not None:
+            attn.q_proj.bias.add_(0.5)  # Qwen2's q/k/v bias
+        model.model.embed_tokens.weight.mul_(0.9)  # also the LM head when tied
+    after = assert_paths_agree(model)
+    assert (after - before).abs().max() > 1e-3  # the changes really changed the logits
+    # a parameter replaced outright: q/k/v are no longer views of one tensor
+    gen = torch.Generator().manual_seed(4)
+    attn.q_proj.weight = nn.Parameter(
+        torch.randn(attn.q_proj.weight.shape, generator=gen, dtype=torch.float64) * 0.1,
+        requires_grad=False,
+    )
+    assert not attn.qkv.is_current()
+    assert_paths_agree(model)
+
+
+def test_switching_off_restores_torch_ops():
+    model, _, _ = load_model("tiny", "float64", "cpu")
+    model.use_cpu_kernels(True)
+    assert model.cpu_kernels and model.kernel_forward is not None
+    model.use_cpu_kernels(False)
+    assert not model.cpu_kernels and model.kernel_forward is None

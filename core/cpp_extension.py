@@ -145,6 +145,21 @@ inline Simd<double>::vec exp_lanes(Simd<double>::vec x) {
 """
 
 
+# what `problems()` says when a kernel's build failed or was switched off
+BUILD_PROBLEM = "the C++ kernel must build (see the log; SERVELAB_CPU_KERNEL=0 turns it off)"
+
+
+def placement_problems(device, dtype, dtypes: Sequence) -> list[str]:
+    """The constraints every C++ CPU kernel shares: the CPU, one of `dtypes`."""
+    found = []
+    if device.type != "cpu":
+        found.append(f"the device must be the CPU (got {device})")
+    if dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        found.append(f"the dtype must be {names} (got {dtype})")
+    return found
+
+
 def kernels_enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 

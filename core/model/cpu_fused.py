@@ -41,7 +41,7 @@ from types import ModuleType
 
 import torch
 
-from servelab.cpp_extension import SIMD_PRELUDE, build_inline
+from servelab.cpp_extension import BUILD_PROBLEM, SIMD_PRELUDE, build_inline, placement_problems
 
 DTYPES = (torch.float32, torch.float64)
 # The least work a call needs before its rows are split over threads, in units
@@ -408,13 +408,9 @@ def kernel() -> ModuleType | None:
 def problems(device: torch.device, dtype: torch.dtype) -> list[str]:
     """Every constraint of the kernels this configuration breaks (empty: usable).
     Builds the kernels (see `kernel`) when the rest holds."""
-    found = []
-    if device.type != "cpu":
-        found.append(f"the device must be the CPU (got {device})")
-    if dtype not in DTYPES:
-        found.append(f"the dtype must be float32 or float64 (got {dtype})")
+    found = placement_problems(device, dtype, DTYPES)
     if not found and kernel() is None:
-        found.append("the C++ kernel must build (see the log; SERVELAB_CPU_KERNEL=0 turns it off)")
+        found.append(BUILD_PROBLEM)
     return found
 
 

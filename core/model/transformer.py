@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelab.cpp_extension import BUILD_PROBLEM
 from servelab.interfaces import AttentionBackend
 from servelab.model import cpu_fused, cpu_linear
 from servelab.model.config import ModelConfig
@@ -347,15 +348,9 @@ class Transformer(nn.Module):
 
     def cpu_kernel_problems(self) -> list[str]:
         """Why servelab's C++ CPU kernels cannot serve this model (empty: they can)."""
-        found = []
-        if self.device.type != "cpu":
-            found.append(f"the device must be the CPU (got {self.device})")
-        if self.dtype not in cpu_linear.DTYPES:
-            found.append(f"the dtype must be float32 or float64 (got {self.dtype})")
-        if not found and (cpu_linear.kernel() is None or cpu_fused.kernel() is None):
-            found.append(
-                "the C++ kernels must build (see the log; SERVELAB_CPU_KERNEL=0 turns them off)"
-            )
+        found = cpu_fused.problems(self.device, self.dtype)  # and cpu_linear's: the same
+        if not found and cpu_linear.kernel() is None:
+            found.append(BUILD_PROBLEM)
         return found
 
     def use_cpu_kernels(self, enabled: bool) -> None:

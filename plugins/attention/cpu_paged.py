@@ -36,7 +36,7 @@ from types import ModuleType
 
 import torch
 
-from servelab.cpp_extension import SIMD_PRELUDE, build_inline
+from servelab.cpp_extension import BUILD_PROBLEM, SIMD_PRELUDE, build_inline, placement_problems
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float32, torch.float64)
@@ -322,15 +322,11 @@ def kernel() -> ModuleType | None:
 def problems(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
     """Every constraint of the kernel this configuration breaks (empty: usable).
     Builds the kernel (see `kernel`) when the rest holds."""
-    found = []
-    if device.type != "cpu":
-        found.append(f"the device must be the CPU (got {device})")
-    if dtype not in DTYPES:
-        found.append(f"the dtype must be float32 or float64 (got {dtype})")
+    found = placement_problems(device, dtype, DTYPES)
     if head_dim not in HEAD_DIMS:
         found.append(f"head_dim must be one of {HEAD_DIMS} (got {head_dim})")
     if not found and kernel() is None:
-        found.append("the C++ kernel must build (see the log; SERVELAB_CPU_KERNEL=0 turns it off)")
+        found.append(BUILD_PROBLEM)
     return found
 
 

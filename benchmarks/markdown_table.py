@@ -11,7 +11,7 @@ import sys
 from collections import defaultdict
 
 # the figure each group is read by, besides the timing
-FIGURES = ("us_per_op", "us_per_step", "output_tok_s", "ratio", "output_digest")
+FIGURES = ("us_per_op", "us_per_step", "gflops", "output_tok_s", "ratio", "output_digest")
 
 
 def rows_by_group(data: dict) -> dict[str, list[dict]]:

@@ -21,6 +21,7 @@ GROUPS = (
     "test_allocators",
     "test_scheduler_overhead",
     "test_attention",
+    "test_matmul",
     "test_end_to_end",
     "test_vs_transformers",
 )

@@ -46,14 +46,23 @@ constexpr int64_t panel_cols() { return 2 * Simd<T>::kLanes; }
 // has 32; 8 rows use 16 and leave room for the two weight vectors).
 constexpr int kMaxRows = 8;
 
+// `ahead`: the panel this thread multiplies next (or null): its two cache lines
+// per k are prefetched into L2 while this one computes. A decode step's weights
+// come back from DRAM every step (the K/V read in between evicts them), and at
+// a few rows the hardware prefetcher alone does not hide that.
 template <typename T, int MR>
 inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K,
-                         const T* bias, T* out, int64_t out_stride, int64_t cols) {
+                         const T* bias, T* out, int64_t out_stride, int64_t cols,
+                         const T* ahead) {
   using V = typename Simd<T>::vec;
   constexpr int L = Simd<T>::kLanes;
   V acc0[MR], acc1[MR];
   for (int r = 0; r < MR; ++r) { acc0[r] = V{}; acc1[r] = V{}; }
   for (int64_t k = 0; k < K; ++k) {
+    if (ahead != nullptr) {
+      __builtin_prefetch(ahead + k * 2 * L, 0, 2);
+      __builtin_prefetch(ahead + k * 2 * L + L, 0, 2);
+    }
     V w0, w1;
     std::memcpy(&w0, panel + k * 2 * L, sizeof(V));
     std::memcpy(&w1, panel + k * 2 * L + L, sizeof(V));
@@ -87,22 +96,23 @@ inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K
 // The last rows - r < kMaxRows rows of a block: the micro-kernel of exactly that height.
 template <typename T, int MR>
 inline void tail_rows(int64_t rows, const T* x, int64_t x_stride, const T* panel, int64_t K,
-                      const T* bias, T* out, int64_t out_stride, int64_t cols) {
+                      const T* bias, T* out, int64_t out_stride, int64_t cols, const T* ahead) {
   if constexpr (MR > 0) {
-    if (rows == MR) micro_kernel<T, MR>(x, x_stride, panel, K, bias, out, out_stride, cols);
-    else tail_rows<T, MR - 1>(rows, x, x_stride, panel, K, bias, out, out_stride, cols);
+    if (rows == MR) micro_kernel<T, MR>(x, x_stride, panel, K, bias, out, out_stride, cols, ahead);
+    else tail_rows<T, MR - 1>(rows, x, x_stride, panel, K, bias, out, out_stride, cols, ahead);
   }
 }
 
+// The first row block prefetches `ahead` (the rest find this panel in L1/L2).
 template <typename T>
 void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const T* panel, int64_t K,
-                      const T* bias, T* out, int64_t out_stride, int64_t cols) {
+                      const T* bias, T* out, int64_t out_stride, int64_t cols, const T* ahead) {
   int64_t r = 0;
   for (; r + kMaxRows <= rows; r += kMaxRows)
     micro_kernel<T, kMaxRows>(x + r * x_stride, x_stride, panel, K, bias, out + r * out_stride,
-                              out_stride, cols);
+                              out_stride, cols, r == 0 ? ahead : nullptr);
   tail_rows<T, kMaxRows - 1>(rows - r, x + r * x_stride, x_stride, panel, K, bias,
-                             out + r * out_stride, out_stride, cols);
+                             out + r * out_stride, out_stride, cols, r == 0 ? ahead : nullptr);
 }
 
 template <typename T>
@@ -124,8 +134,11 @@ void linear_impl(const torch::Tensor& x, const torch::Tensor& packed, const torc
       const int64_t rb = i / panels, p = i % panels;
       const int64_t r0 = rb * row_block, rows = std::min(row_block, M - r0);
       const int64_t cols = std::min(NR, N - p * NR);
+      // (a prompt chunk's many rows keep each panel long enough for the hardware)
+      const T* ahead = M <= row_block && i + 1 < end ? wp + (i + 1) % panels * K * NR : nullptr;
       rows_times_panel<T>(xp + r0 * x_stride, x_stride, rows, wp + p * K * NR, K,
-                          bp != nullptr ? bp + p * NR : nullptr, op + r0 * N + p * NR, N, cols);
+                          bp != nullptr ? bp + p * NR : nullptr, op + r0 * N + p * NR, N, cols,
+                          ahead);
     }
   });
 }

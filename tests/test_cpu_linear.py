@@ -132,3 +132,47 @@ def test_switched_off_kernels_leave_torch_matmuls(monkeypatch):
             tiny_engine(cpu_kernels="on")
     finally:
         cpu_linear.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [1, 8, 9, 65])
+@pytest.mark.parametrize("inner,in_features", [(16, 32), (40, 72), (512, 256)])
+def test_gated_matmul_is_swiglu(dtype, rows, inner, in_features):
+    """`linear_gated` = silu(x @ gate.T) * (x @ up.T) of a [gate; up] weight, the
+    SwiGLU of the fused gate/up projection, against float64 of the same inputs
+    (float32: the products' rounding bound carried through silu and the product,
+    with slack for the polynomial exp's few ulps)."""
+    module = cpu_linear.kernel()
+    gen = torch.Generator().manual_seed(rows + inner)
+    x = torch.randn(rows, in_features, generator=gen, dtype=dtype)
+    weight = torch.randn(2 * inner, in_features, generator=gen, dtype=dtype) * 0.2
+    out = module.linear_gated(x, module.pack_gated_weight(weight), inner)
+    exact = x.double() @ weight.double().T
+    gate, up = exact[:, :inner], exact[:, inner:]
+    want = torch.nn.functional.silu(gate) * up
+    magnitude = x.double().abs() @ weight.double().abs().T
+    u = unit_roundoff(dtype)
+    # |d silu| <= 1.1 and |d(ab)| = |a| |db| + |b| |da|: first-order error propagation
+    dot_error = (in_features + 1) * u * magnitude
+    bound = 1.1 * dot_error[:, :inner] * up.abs() + gate.abs() * dot_error[:, inner:]
+    bound = bound + 16 * u * want.abs() + 16 * u
+    assert out.shape == (rows, inner) and out.dtype == dtype
+    assert bool(((out.double() - want).abs() <= bound).all())
+
+
+def test_gated_matmul_thread_count_and_errors():
+    module = cpu_linear.kernel()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 64, generator=gen)
+    packed = module.pack_gated_weight(torch.randn(2 * 100, 64, generator=gen))
+    with restored_num_threads(1):
+        one = module.linear_gated(x, packed, 100)
+    with restored_num_threads(2):
+        two = module.linear_gated(x, packed, 100)
+    assert torch.equal(one, two)
+    with pytest.raises(RuntimeError, match="gate, then up"):
+        module.pack_gated_weight(torch.randn(7, 64))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        module.linear_gated(x.double(), packed, 100)
+    with pytest.raises(RuntimeError, match="in_features = 32"):
+        module.linear_gated(torch.randn(3, 32), packed, 100)

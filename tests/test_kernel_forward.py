@@ -91,3 +91,19 @@ def test_switching_off_restores_torch_ops():
     assert model.cpu_kernels and model.kernel_forward is not None
     model.use_cpu_kernels(False)
     assert not model.cpu_kernels and model.kernel_forward is None
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-llama"])  # untied, tied
+def test_logits_follow_the_head_weight_without_a_forward(shape):
+    model, _, _ = load_model(shape, "float64", "cpu")
+    model.use_cpu_kernels(True)
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    hidden = torch.randn(3, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.compute_logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
+        )
+        head.weight.mul_(-2.0)
+        torch.testing.assert_close(
+            model.compute_logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
+        )

@@ -12,7 +12,9 @@ one call and one pass over the rows, computing the same formulas as
 - `qk_norm_rope_`: in place on a fused QKV projection: each q and k head's
   optional RMSNorm (q_norm / k_norm weights), then rotate-half RoPE at the
   token's position; v heads untouched;
-- `silu_mul`: `silu(gate) * up` from the fused gate/up projection.
+- `silu_mul`: `silu(gate) * up` from the fused gate/up projection (the
+  model's kernel path computes it inside the matmul instead:
+  `cpu_linear.linear_gated`; this stays for callers holding a projection).
 
 Rules:
 - CPU tensors of float32 or float64 (every tensor of a call the same dtype,

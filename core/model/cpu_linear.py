@@ -50,7 +50,12 @@ constexpr int kMaxRows = 8;
 // per k are prefetched into L2 while this one computes. A decode step's weights
 // come back from DRAM every step (the K/V read in between evicts them), and at
 // a few rows the hardware prefetcher alone does not hide that.
-template <typename T, int MR>
+//
+// Gated (SwiGLU): the panel's first vector of columns is the gate projection's,
+// the second the up projection's for the same outputs (`pack_gated_weight`);
+// the kernel writes silu(gate) * up, one vector of columns a panel, so the
+// [rows, 2 * inner] projection is never stored and read back.
+template <typename T, int MR, bool Gated>
 inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K,
                          const T* bias, T* out, int64_t out_stride, int64_t cols,
                          const T* ahead) {
@@ -78,7 +83,18 @@ inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K
     std::memcpy(&b1, bias + L, sizeof(V));
     for (int r = 0; r < MR; ++r) { acc0[r] += b0; acc1[r] += b1; }
   }
-  if (cols == 2 * L) {
+  if constexpr (Gated) {  // silu(g) * u = g / (1 + exp(-g)) * u, as cpu_fused.silu_mul
+    for (int r = 0; r < MR; ++r) {
+      const V gated = acc0[r] / (T(1) + exp_lanes(-acc0[r])) * acc1[r];
+      if (cols == L) {
+        std::memcpy(out + r * out_stride, &gated, sizeof(V));
+      } else {
+        T row[L];
+        std::memcpy(row, &gated, sizeof(V));
+        std::memcpy(out + r * out_stride, row, cols * sizeof(T));
+      }
+    }
+  } else if (cols == 2 * L) {
     for (int r = 0; r < MR; ++r) {
       std::memcpy(out + r * out_stride, &acc0[r], sizeof(V));
       std::memcpy(out + r * out_stride + L, &acc1[r], sizeof(V));
@@ -94,31 +110,37 @@ inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K
 }
 
 // The last rows - r < kMaxRows rows of a block: the micro-kernel of exactly that height.
-template <typename T, int MR>
+template <typename T, int MR, bool Gated>
 inline void tail_rows(int64_t rows, const T* x, int64_t x_stride, const T* panel, int64_t K,
                       const T* bias, T* out, int64_t out_stride, int64_t cols, const T* ahead) {
   if constexpr (MR > 0) {
-    if (rows == MR) micro_kernel<T, MR>(x, x_stride, panel, K, bias, out, out_stride, cols, ahead);
-    else tail_rows<T, MR - 1>(rows, x, x_stride, panel, K, bias, out, out_stride, cols, ahead);
+    if (rows == MR)
+      micro_kernel<T, MR, Gated>(x, x_stride, panel, K, bias, out, out_stride, cols, ahead);
+    else
+      tail_rows<T, MR - 1, Gated>(rows, x, x_stride, panel, K, bias, out, out_stride, cols, ahead);
   }
 }
 
 // The first row block prefetches `ahead` (the rest find this panel in L1/L2).
-template <typename T>
+template <typename T, bool Gated>
 void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const T* panel, int64_t K,
                       const T* bias, T* out, int64_t out_stride, int64_t cols, const T* ahead) {
   int64_t r = 0;
   for (; r + kMaxRows <= rows; r += kMaxRows)
-    micro_kernel<T, kMaxRows>(x + r * x_stride, x_stride, panel, K, bias, out + r * out_stride,
-                              out_stride, cols, r == 0 ? ahead : nullptr);
-  tail_rows<T, kMaxRows - 1>(rows - r, x + r * x_stride, x_stride, panel, K, bias,
-                             out + r * out_stride, out_stride, cols, r == 0 ? ahead : nullptr);
+    micro_kernel<T, kMaxRows, Gated>(x + r * x_stride, x_stride, panel, K, bias,
+                                     out + r * out_stride, out_stride, cols,
+                                     r == 0 ? ahead : nullptr);
+  tail_rows<T, kMaxRows - 1, Gated>(rows - r, x + r * x_stride, x_stride, panel, K, bias,
+                                    out + r * out_stride, out_stride, cols,
+                                    r == 0 ? ahead : nullptr);
 }
 
-template <typename T>
+// N: output columns. A gated panel yields NR / 2 of them (see micro_kernel).
+template <typename T, bool Gated>
 void linear_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
                  int64_t N, torch::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), NR = panel_cols<T>();
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t NR = Gated ? panel_cols<T>() / 2 : panel_cols<T>();  // output columns a panel
   const int64_t panels = packed.size(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = packed.data_ptr<T>();
@@ -134,11 +156,12 @@ void linear_impl(const torch::Tensor& x, const torch::Tensor& packed, const torc
       const int64_t rb = i / panels, p = i % panels;
       const int64_t r0 = rb * row_block, rows = std::min(row_block, M - r0);
       const int64_t cols = std::min(NR, N - p * NR);
+      const int64_t panel_elems = K * panel_cols<T>();
       // (a prompt chunk's many rows keep each panel long enough for the hardware)
-      const T* ahead = M <= row_block && i + 1 < end ? wp + (i + 1) % panels * K * NR : nullptr;
-      rows_times_panel<T>(xp + r0 * x_stride, x_stride, rows, wp + p * K * NR, K,
-                          bp != nullptr ? bp + p * NR : nullptr, op + r0 * N + p * NR, N, cols,
-                          ahead);
+      const T* ahead = M <= row_block && i + 1 < end ? wp + (i + 1) % panels * panel_elems : nullptr;
+      rows_times_panel<T, Gated>(xp + r0 * x_stride, x_stride, rows, wp + p * panel_elems, K,
+                                 bp != nullptr ? bp + p * NR : nullptr, op + r0 * N + p * NR, N,
+                                 cols, ahead);
     }
   });
 }
@@ -189,13 +212,58 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   if (x.scalar_type() == torch::kFloat) {
     TORCH_CHECK(packed.size(2) == panel_cols<float>(), "linear: packed for another dtype");
     TORCH_CHECK(out_features <= packed.size(0) * packed.size(2), "linear: out_features too large");
-    linear_impl<float>(x, packed, b, out_features, out);
+    linear_impl<float, false>(x, packed, b, out_features, out);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kDouble, "linear: float32 or float64 only (got ",
                 x.scalar_type(), ")");
     TORCH_CHECK(packed.size(2) == panel_cols<double>(), "linear: packed for another dtype");
     TORCH_CHECK(out_features <= packed.size(0) * packed.size(2), "linear: out_features too large");
-    linear_impl<double>(x, packed, b, out_features, out);
+    linear_impl<double, false>(x, packed, b, out_features, out);
+  }
+  return out;
+}
+
+// w [2 * I, K] (gate rows, then up rows, as the fused gate/up projection) ->
+// panels whose first NR / 2 columns are gate rows and last NR / 2 the same up
+// rows: [ceil(I / (NR / 2)), K, NR], rows past I zero.
+torch::Tensor pack_gated_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 2 == 0,
+              "pack_gated_weight: the weight must be [2 * inner, in_features] (gate, then up)");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kDouble,
+              "pack_gated_weight: float32 or float64 only (got ", w.scalar_type(), ")");
+  const int64_t inner = w.size(0) / 2, K = w.size(1);
+  const int64_t half = (w.scalar_type() == torch::kFloat ? panel_cols<float>() : panel_cols<double>()) / 2;
+  const int64_t panels = (inner + half - 1) / half;
+  auto gate = torch::zeros({panels * half, K}, w.options());
+  auto up = torch::zeros({panels * half, K}, w.options());
+  gate.narrow(0, 0, inner).copy_(w.narrow(0, 0, inner));
+  up.narrow(0, 0, inner).copy_(w.narrow(0, inner, inner));
+  auto interleaved = torch::cat({gate.view({panels, half, K}), up.view({panels, half, K})}, 1);
+  return interleaved.transpose(1, 2).contiguous();
+}
+
+// silu(x @ gate.T) * (x @ up.T): [rows, inner] from pack_gated_weight's output.
+torch::Tensor linear_gated(torch::Tensor x, torch::Tensor packed, int64_t inner) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
+              "linear_gated: x must be [rows, in_features] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1),
+              "linear_gated: the packed weight must be pack_gated_weight's output for "
+              "in_features = ", x.size(1));
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
+              "linear_gated: x and the weight must share a dtype (got ", x.scalar_type(), " and ",
+              packed.scalar_type(), ")");
+  TORCH_CHECK(x.device().is_cpu(), "linear_gated: CPU tensors only");
+  TORCH_CHECK(inner <= packed.size(0) * packed.size(2) / 2, "linear_gated: inner too large");
+  auto out = torch::empty({x.size(0), inner}, x.options());
+  if (x.size(0) == 0) return out;
+  const torch::Tensor no_bias;
+  if (x.scalar_type() == torch::kFloat) {
+    TORCH_CHECK(packed.size(2) == panel_cols<float>(), "linear_gated: packed for another dtype");
+    linear_impl<float, true>(x, packed, no_bias, inner, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kDouble, "linear_gated: float32 or float64 only");
+    TORCH_CHECK(packed.size(2) == panel_cols<double>(), "linear_gated: packed for another dtype");
+    linear_impl<double, true>(x, packed, no_bias, inner, out);
   }
   return out;
 }
@@ -209,7 +277,7 @@ def kernel() -> ModuleType | None:
     return build_inline(
         "servelab_cpu_linear",
         _SOURCE,
-        ["pack_weight", "pack_bias", "linear"],
+        ["pack_weight", "pack_bias", "linear", "pack_gated_weight", "linear_gated"],
         what="CPU packed-weight matmul",
         fallback="projections use F.linear",
     )

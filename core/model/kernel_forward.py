@@ -1,13 +1,13 @@
 """The decoder's forward through servelab's C++ CPU kernels, as one flat program.
 
 `Transformer.use_cpu_kernels(True)` routes `forward` and `compute_logits` here.
-A layer is nine kernel calls and the attention backend's `forward`:
+A layer is eight kernel calls and the attention backend's `forward`:
 
     h = add_rms_norm(residual, delta)        # the previous layer's output added in place
     qkv = linear(h, Wqkv); qk_norm_rope_(qkv) # q/k per-head norm + RoPE, in place
     out = backend.forward(q, k, v)            # the plugin: stores K/V, attends
     delta = linear(out, Wo); h = add_rms_norm(residual, delta)
-    delta = linear(silu_mul(linear(h, Wgate_up)), Wdown)
+    delta = linear(linear_gated(h, Wgate_up), Wdown)  # SwiGLU in the matmul's epilogue
 
 with the same formulas, in the same order, as `servelab.model.transformer`'s
 torch path (`cpu_linear`, `cpu_fused` say how each kernel rounds). A layer's
@@ -54,6 +54,20 @@ class Matmul(NamedTuple):
         return Matmul(linear.packed, linear.bias, linear.out_features)
 
 
+class GatedMatmul(NamedTuple):
+    """The fused gate/up weight packed for `cpu_linear`'s `linear_gated`, which
+    writes silu(x @ gate.T) * (x @ up.T) straight from its accumulators."""
+
+    packed: torch.Tensor
+    inner: int
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> GatedMatmul:
+        module = cpu_linear.kernel()
+        assert module is not None, "the CPU matmul kernel is not built"
+        return GatedMatmul(module.pack_gated_weight(weight.detach()), weight.shape[0] // 2)
+
+
 class LayerProgram(NamedTuple):
     attn_norm: torch.Tensor
     attn_eps: float
@@ -64,7 +78,7 @@ class LayerProgram(NamedTuple):
     o: Matmul
     mlp_norm: torch.Tensor
     mlp_eps: float
-    gate_up: Matmul
+    gate_up: GatedMatmul
     down: Matmul
 
 
@@ -94,7 +108,7 @@ def _layer_program(layer) -> LayerProgram:
         o=Matmul.pack(attn.o_proj.weight, attn.o_proj.bias),
         mlp_norm=layer.post_attention_layernorm.weight.detach(),
         mlp_eps=float(layer.post_attention_layernorm.eps),
-        gate_up=Matmul.pack(gate_up_weight, None),
+        gate_up=GatedMatmul.pack(gate_up_weight),
         down=Matmul.pack(mlp.down_proj.weight, mlp.down_proj.bias),
     )
 
@@ -124,6 +138,9 @@ class KernelForward:
         self._linear = cpu_linear.kernel()
         assert self._fused is not None and self._linear is not None, "kernels not built"
         self._slots = parameter_slots(model)
+        head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+        self._head_slot = [(head._parameters, "weight")]  # all the LM head reads
+        self._head_key: list | None = None
         self._key: list | None = None
         self._layers: list[LayerProgram] = []
         self._final: tuple[torch.Tensor, float] | None = None
@@ -136,8 +153,9 @@ class KernelForward:
             self._layers = [_layer_program(layer) for layer in model.model.layers]
             norm = model.model.norm
             self._final = (norm.weight.detach(), float(norm.eps))
-            head = model.model.embed_tokens if model.lm_head is None else model.lm_head
-            self._lm_head = Matmul.pack(head.weight, None)
+            params, name = self._head_slot[0]
+            self._lm_head = Matmul.pack(params[name], None)
+            self._head_key = identity(self._head_slot)
             self._key = key
         return self._layers
 
@@ -150,7 +168,8 @@ class KernelForward:
         attn_plan: Any,
     ) -> torch.Tensor:
         layers = self._program()
-        model, fused, linear = self.model, self._fused, self._linear.linear
+        model, fused = self.model, self._fused
+        linear, gated = self._linear.linear, self._linear.linear_gated
         config = model.config
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         qk_heads = num_heads + num_kv_heads
@@ -178,12 +197,14 @@ class KernelForward:
             )
             delta = linear(out.reshape(num_tokens, num_heads * head_dim), *layer.o)
             h = fused.add_rms_norm(residual, delta, layer.mlp_norm, layer.mlp_eps)
-            delta = linear(fused.silu_mul(linear(h, *layer.gate_up)), *layer.down)
+            delta = linear(gated(h, *layer.gate_up), *layer.down)
         weight, eps = self._final
         if delta is None:  # a model without layers
             return fused.rms_norm(residual, weight, eps)
         return fused.add_rms_norm(residual, delta, weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._program()
+        # after a forward, only the head's own weight needs checking
+        if identity(self._head_slot) != self._head_key:
+            self._program()
         return self._linear.linear(hidden, *self._lm_head)

@@ -257,7 +257,7 @@ class ModelRunner:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
         if batch.all_greedy:
             # ties go to the lowest index, as the sampler's greedy rule
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = self.model.greedy_tokens(logits).tolist()
         else:
             tokens = self.sampler.sample(
                 logits,

@@ -339,3 +339,31 @@ def test_environment_switch_turns_the_kernel_off(monkeypatch):
         assert "SERVELAB_CPU_KERNEL=0" in problem
     finally:
         cpu_fused.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("width", [1, 5, 16, 17, 1000, 1024])
+def test_argmax_rows_follows_torchs_rules(dtype, width):
+    """The first index of the largest value; a NaN is larger than any number
+    (the first NaN wins); all -inf -> 0; ties -> the lowest index: exactly
+    `torch.argmax`, row by row, on contiguous and strided rows."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width + 3, generator=gen, dtype=dtype)[:, :width]  # strided rows
+    x[1, :] = 1.0  # every value tied
+    x[2, width // 2] = float("nan")
+    x[3, :] = float("-inf")
+    x[4, -1] = float("nan")
+    if width > 3:
+        x[5, 1] = x[5, 3] = x[5].max() + 1  # the maximum twice
+        x[6, 2] = float("inf")
+    assert torch.equal(cpu_fused.argmax_rows(x), x.argmax(dim=-1))
+    assert cpu_fused.argmax_rows(x[:0]).shape == (0,)
+
+
+def test_argmax_rows_errors():
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        cpu_fused.argmax_rows(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="must not be empty"):
+        cpu_fused.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="last dim must be contiguous"):
+        cpu_fused.argmax_rows(torch.zeros(8, 4).T)

@@ -389,10 +389,69 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   });
   return out;
 }
+
+// Row-wise argmax with torch.argmax's rules: the first index of the largest
+// value, a NaN counting as larger than any number (the first NaN wins). One
+// vector pass for the maximum, one scalar pass for where it first stands.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  using S = Simd<T>;
+  using vec = typename S::vec;
+  constexpr int L = S::kLanes;
+  T best = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+  if (n >= L) {
+    vec m = load<vec>(x);
+    typename S::mask nans = m != m;
+    for (i = L; i + L <= n; i += L) {
+      const vec v = load<vec>(x + i);
+      nans |= v != v;
+      m = v > m ? v : m;
+    }
+    for (int c = 0; c < L; ++c) {
+      nan |= nans[c] != 0;
+      best = std::max(best, m[c]);
+    }
+  }
+  for (; i < n; ++i) {
+    nan |= x[i] != x[i];
+    best = std::max(best, x[i]);
+  }
+  int64_t j = 0;
+  if (!nan) {  // skip whole vectors that do not hold the maximum
+    const vec target = vec{} + best;
+    for (; j + L <= n; j += L) {
+      const auto words = bits_as<std::array<uint64_t, 8>>(load<vec>(x + j) == target);
+      uint64_t any = 0;
+      for (const uint64_t w : words) any |= w;
+      if (any != 0) break;
+    }
+  }
+  for (; j < n; ++j) {
+    if (nan ? x[j] != x[j] : x[j] == best) return j;
+  }
+  return 0;  // unreachable: some value equals the maximum
+}
+
+// logits [rows, n] (last dim contiguous, any row stride) -> int64 [rows].
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_input(logits, "argmax_rows", "logits", 2);
+  TORCH_CHECK(logits.size(1) > 0, "argmax_rows: rows must not be empty (got shape ",
+              logits.sizes(), ")");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row<scalar_t>(x + r * stride, n);
+  });
+  return out;
+}
 """
 ).replace("PARALLEL_MIN_WORK", str(PARALLEL_MIN_WORK))
 
-FUNCTIONS = ["rms_norm", "add_rms_norm", "qk_norm_rope_", "silu_mul"]
+FUNCTIONS = ["rms_norm", "add_rms_norm", "qk_norm_rope_", "silu_mul", "argmax_rows"]
 
 
 @functools.cache
@@ -457,6 +516,14 @@ def qk_norm_rope_(
     _module().qk_norm_rope_(
         qkv, q_weight, k_weight, float(eps), cos, sin, positions, int(num_heads), int(num_kv_heads)
     )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for `[rows, n]` (last dim contiguous): int64
+    `[rows]`, the first index of each row's largest value, NaN counting as the
+    largest (torch's rules). Single-threaded: a greedy step's logits are a few
+    hundred kilobytes, and torch's own argmax spends ~30 us on them."""
+    return _module().argmax_rows(logits)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

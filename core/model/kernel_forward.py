@@ -208,3 +208,6 @@ class KernelForward:
         if identity(self._head_slot) != self._head_key:
             self._program()
         return self._linear.linear(hidden, *self._lm_head)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._fused.argmax_rows(logits)

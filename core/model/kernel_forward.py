@@ -173,6 +173,7 @@ class KernelForward:
         config = model.config
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         qk_heads = num_heads + num_kv_heads
+        head_split = (num_heads, num_kv_heads, num_kv_heads)
         cos, sin = model.rope_cos, model.rope_sin
         residual = model.model.embed_tokens(input_ids)
         num_tokens = residual.shape[0]
@@ -187,14 +188,9 @@ class KernelForward:
                 qkv, layer.q_norm, layer.k_norm, layer.qk_eps, cos, sin, positions,
                 num_heads, num_kv_heads,
             )  # fmt: skip
-            heads = qkv.view(num_tokens, qk_heads + num_kv_heads, head_dim)
-            out = backend.forward(
-                heads[:, :num_heads],
-                heads[:, num_heads:qk_heads],
-                heads[:, qk_heads:],
-                kv_cache,
-                attn_plan,
-            )
+            # one split, not three slices: tensor indexing from Python costs ~2 us each
+            q, k, v = qkv.view(num_tokens, qk_heads + num_kv_heads, head_dim).split(head_split, 1)
+            out = backend.forward(q, k, v, kv_cache, attn_plan)
             delta = linear(out.reshape(num_tokens, num_heads * head_dim), *layer.o)
             h = fused.add_rms_norm(residual, delta, layer.mlp_norm, layer.mlp_eps)
             delta = linear(gated(h, *layer.gate_up), *layer.down)

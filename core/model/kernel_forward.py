@@ -26,7 +26,9 @@ Rules:
   parameters' places are the modules' that existed at `use_cpu_kernels`: a
   submodule swapped for another afterwards needs `use_cpu_kernels` again);
 - q/k/v (and gate/up) are packed as one matrix: the fused weight when the
-  projections are still its views, else their current weights side by side.
+  projections are still its views, else their current weights side by side;
+- the packed weights are a second copy of every projection's weight (and of
+  a tied embedding, packed as the LM head): the price of packing once.
 """
 
 from __future__ import annotations

@@ -160,6 +160,31 @@ def test_gated_matmul_is_swiglu(dtype, rows, inner, in_features):
     assert bool(((out.double() - want).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gated_matmul_extreme_gates(dtype):
+    """SwiGLU's exp(-g) overflowing (g very negative: silu -> -0) or vanishing
+    (g very positive: silu -> g), gates around the float32 exp range's ends and
+    a dense sweep across it (every reduction interval of exp). Each row is
+    x = [g, u] against a gate row [1, 0] and an up row [0, 1], so the matmul
+    hands the epilogue g and u exactly; tolerances as for the other fused ops
+    (float32 1e-6, float64 1e-12)."""
+    module = cpu_linear.kernel()
+    ends = torch.tensor(
+        [-1e4, -200.0, -100.0, -89.5, -88.5, -87.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 86.5, 87.5,
+         88.5, 100.0, 1e4, -1e38, 1e38],
+        dtype=dtype,
+    )  # fmt: skip
+    gate = torch.cat([ends, torch.linspace(-95, 95, 40001, dtype=dtype)])
+    up = torch.linspace(-2, 3, gate.numel(), dtype=dtype)
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=dtype)  # [gate row; up row]
+    out = module.linear_gated(torch.stack([gate, up], dim=1), module.pack_gated_weight(weight), 1)
+    assert torch.isfinite(out).all()
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(
+        out[:, 0], torch.nn.functional.silu(gate) * up, rtol=tolerance, atol=tolerance
+    )
+
+
 def test_gated_matmul_thread_count_and_errors():
     module = cpu_linear.kernel()
     gen = torch.Generator().manual_seed(5)
@@ -170,6 +195,7 @@ def test_gated_matmul_thread_count_and_errors():
     with restored_num_threads(2):
         two = module.linear_gated(x, packed, 100)
     assert torch.equal(one, two)
+    assert module.linear_gated(x[:0], packed, 100).shape == (0, 100)
     with pytest.raises(RuntimeError, match="gate, then up"):
         module.pack_gated_weight(torch.randn(7, 64))
     with pytest.raises(RuntimeError, match="share a dtype"):

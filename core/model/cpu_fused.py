@@ -1,27 +1,27 @@
 """Fused C++ CPU kernels for a decoder layer's element-wise ops, built on first use.
 
-A layer's RMSNorms, residual adds, Qwen3 q/k per-head norms, RoPE and SwiGLU
-product are each a handful of small torch ops; at decode sizes (1 to 64 rows
+A layer's RMSNorms, residual adds, Qwen3 q/k per-head norms and RoPE are
+each a handful of small torch ops; at decode sizes (1 to 64 rows
 of a few hundred elements) their per-call cost outweighs their arithmetic,
 and at prefill sizes each op makes its own pass over memory. Each op here is
 one call and one pass over the rows, computing the same formulas as
-`servelab.model.transformer` (`rms_norm`, `apply_rope`, `F.silu(gate) * up`):
+`servelab.model.transformer` (`rms_norm`, `apply_rope`):
 
 - `rms_norm`: `x * rsqrt(mean(x * x) + eps) * weight`, rows of x;
 - `add_rms_norm`: `residual += delta` in place, then `rms_norm(residual)`;
 - `qk_norm_rope_`: in place on a fused QKV projection: each q and k head's
   optional RMSNorm (q_norm / k_norm weights), then rotate-half RoPE at the
   token's position; v heads untouched;
-- `silu_mul`: `silu(gate) * up` from the fused gate/up projection (the
-  model's kernel path computes it inside the matmul instead:
-  `cpu_linear.linear_gated`; this stays for callers holding a projection).
+- `argmax_rows`: `argmax(dim=-1)` with torch's rules, for greedy sampling.
+
+(SwiGLU is not here: `cpu_linear.linear_gated` computes it in the gate/up
+matmul's epilogue, so the projection is never stored.)
 
 Rules:
 - CPU tensors of float32 or float64 (every tensor of a call the same dtype,
   positions int64); arithmetic in that dtype, like the torch ops it replaces;
 - the sum of squares runs in vector lanes, then a tree sum: it matches torch's
-  to rounding (a few ulps), not bit for bit; float32 `exp` (SiLU) is a
-  Cephes-style polynomial (a couple of ulps); float64 uses the C library's;
+  to rounding (a few ulps), not bit for bit;
 - built with `torch.utils.cpp_extension.load_inline` on first use (about half
   a minute the first time; torch caches the build across processes, keyed by
   the source's hash); a machine without a C++ compiler, or
@@ -48,8 +48,7 @@ from servelab.cpp_extension import BUILD_PROBLEM, SIMD_PRELUDE, build_inline, pl
 DTYPES = (torch.float32, torch.float64)
 # The least work a call needs before its rows are split over threads, in units
 # of about one element's worth: rms_norm counts 1 per element, add_rms_norm 2,
-# qk_norm_rope_ 2 per element of a q or k head, silu_mul 4 per output element
-# (exp and a division). Measured on the reference shapes (2 threads, Zen 4): one
+# qk_norm_rope_ 2 per element of a q or k head. Measured on the reference shapes (2 threads, Zen 4): one
 # thread is as fast or faster below it, two are faster above it.
 PARALLEL_MIN_WORK = 24576
 
@@ -218,29 +217,6 @@ void rms_norm_rows(T* x, int64_t x_stride, const T* add, int64_t add_stride, con
   });
 }
 
-template <typename T>
-void silu_mul_rows(const T* gu, int64_t stride, T* out, int64_t rows, int64_t inner) {
-  using vec = typename Simd<T>::vec;
-  constexpr int L = Simd<T>::kLanes;
-  at::parallel_for(0, rows, grain_rows(rows, 4 * inner), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * stride;
-      const T* u = g + inner;
-      T* o = out + r * inner;
-      int64_t i = 0;
-      for (; i + L <= inner; i += L) {
-        const vec gi = load<vec>(g + i);
-        store(o + i, gi / (T(1) + exp_lanes(-gi)) * load<vec>(u + i));
-      }
-      if (i < inner) {
-        const int64_t n = inner - i;
-        const vec gi = load_part<vec>(g + i, n);
-        store_part(o + i, gi / (T(1) + exp_lanes(-gi)) * load_part<vec>(u + i, n), n);
-      }
-    }
-  });
-}
-
 // kHalf: head_dim / 2 when known at compile time (the common head sizes: the
 // loops unroll; 64 tokens of 6 heads of 64 take 3.5 instead of 6 us), else 0.
 template <typename T, int kHalf>
@@ -375,21 +351,6 @@ void qk_norm_rope_(torch::Tensor qkv, std::optional<torch::Tensor> q_weight,
   });
 }
 
-// gate_up [T, 2I] (last dim contiguous, any row stride) -> a new contiguous
-// [T, I]: silu(gate) * up, gate the first I columns, silu(g) = g / (1 + exp(-g)).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_input(gate_up, "silu_mul", "gate_up", 2);
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up's width must be even, [T, 2 * I] (got ",
-              gate_up.sizes(), ")");
-  const int64_t inner = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), inner}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES(gate_up.scalar_type(), "silu_mul", [&] {
-    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), gate_up.stride(0),
-                            out.data_ptr<scalar_t>(), gate_up.size(0), inner);
-  });
-  return out;
-}
-
 // Row-wise argmax with torch.argmax's rules: the first index of the largest
 // value, a NaN counting as larger than any number (the first NaN wins). One
 // vector pass for the maximum, one scalar pass for where it first stands.
@@ -451,7 +412,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 """
 ).replace("PARALLEL_MIN_WORK", str(PARALLEL_MIN_WORK))
 
-FUNCTIONS = ["rms_norm", "add_rms_norm", "qk_norm_rope_", "silu_mul", "argmax_rows"]
+FUNCTIONS = ["rms_norm", "add_rms_norm", "qk_norm_rope_", "argmax_rows"]
 
 
 @functools.cache
@@ -462,7 +423,7 @@ def kernel() -> ModuleType | None:
         _SOURCE,
         FUNCTIONS,
         what="CPU fused element-wise kernels",
-        fallback="the model's norms, RoPE and SwiGLU run as torch ops instead",
+        fallback="the model's norms and RoPE run as torch ops instead",
     )
 
 
@@ -524,9 +485,3 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     largest (torch's rules). Single-threaded: a greedy step's logits are a few
     hundred kilobytes, and torch's own argmax spends ~30 us on them."""
     return _module().argmax_rows(logits)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for gate_up `[T, 2 * I]` (last dim contiguous, any row
-    stride; gate the first I columns): a new contiguous `[T, I]`."""
-    return _module().silu_mul(gate_up)

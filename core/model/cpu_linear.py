@@ -83,7 +83,7 @@ inline void micro_kernel(const T* x, int64_t x_stride, const T* panel, int64_t K
     std::memcpy(&b1, bias + L, sizeof(V));
     for (int r = 0; r < MR; ++r) { acc0[r] += b0; acc1[r] += b1; }
   }
-  if constexpr (Gated) {  // silu(g) * u = g / (1 + exp(-g)) * u, as cpu_fused.silu_mul
+  if constexpr (Gated) {  // silu(g) * u = g / (1 + exp(-g)) * u, as F.silu(g) * u
     for (int r = 0; r < MR; ++r) {
       const V gated = acc0[r] / (T(1) + exp_lanes(-acc0[r])) * acc1[r];
       if (cols == L) {
@@ -168,13 +168,37 @@ void linear_impl(const torch::Tensor& x, const torch::Tensor& packed, const torc
 
 }  // namespace
 
+namespace {
+
+// Columns a panel holds for tensors of t's dtype; float32 and float64 only.
+int64_t panel_cols_of(const torch::Tensor& t, const char* op) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kDouble, op,
+              ": float32 or float64 only (got ", t.scalar_type(), ")");
+  return t.scalar_type() == torch::kFloat ? panel_cols<float>() : panel_cols<double>();
+}
+
+// What linear and linear_gated both require: x [rows, K] with contiguous rows,
+// and `packer`'s output for K, of x's dtype, on the CPU.
+void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const char* op,
+                    const char* packer) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be [rows, in_features] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1), op,
+              ": the packed weight must be ", packer, "'s output for in_features = ", x.size(1));
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), op,
+              ": x and the weight must share a dtype (got ", x.scalar_type(), " and ",
+              packed.scalar_type(), ")");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(packed.size(2) == panel_cols_of(x, op), op, ": packed for another dtype");
+}
+
+}  // namespace
+
 // w [N, K] -> [ceil(N / NR), K, NR], columns past N zero; NR = 2 vectors of w's dtype.
 torch::Tensor pack_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack_weight: the weight must be [out_features, in_features]");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kDouble,
-              "pack_weight: float32 or float64 only (got ", w.scalar_type(), ")");
+  const int64_t NR = panel_cols_of(w, "pack_weight");
   const int64_t N = w.size(0), K = w.size(1);
-  const int64_t NR = w.scalar_type() == torch::kFloat ? panel_cols<float>() : panel_cols<double>();
   const int64_t panels = (N + NR - 1) / NR;
   auto padded = torch::zeros({panels * NR, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
@@ -183,7 +207,7 @@ torch::Tensor pack_weight(torch::Tensor w) {
 
 // bias: a padded copy ([panels * NR], zeros past N) so the kernel reads whole vectors.
 torch::Tensor pack_bias(torch::Tensor bias, int64_t panels) {
-  const int64_t NR = bias.scalar_type() == torch::kFloat ? panel_cols<float>() : panel_cols<double>();
+  const int64_t NR = panel_cols_of(bias, "pack_bias");
   auto padded = torch::zeros({panels * NR}, bias.options());
   padded.narrow(0, 0, bias.size(0)).copy_(bias);
   return padded;
@@ -191,15 +215,8 @@ torch::Tensor pack_bias(torch::Tensor bias, int64_t panels) {
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                      int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
-              "linear: x must be [rows, in_features] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1),
-              "linear: the packed weight must be pack_weight's output for in_features = ",
-              x.size(1));
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
-              "linear: x and the weight must share a dtype (got ", x.scalar_type(), " and ",
-              packed.scalar_type(), ")");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: CPU tensors only");
+  check_operands(x, packed, "linear", "pack_weight");
+  TORCH_CHECK(out_features <= packed.size(0) * packed.size(2), "linear: out_features too large");
   auto out = torch::empty({x.size(0), out_features}, x.options());
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -209,17 +226,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
                 "linear: the bias must be pack_bias's output");
   }
   if (x.size(0) == 0) return out;
-  if (x.scalar_type() == torch::kFloat) {
-    TORCH_CHECK(packed.size(2) == panel_cols<float>(), "linear: packed for another dtype");
-    TORCH_CHECK(out_features <= packed.size(0) * packed.size(2), "linear: out_features too large");
-    linear_impl<float, false>(x, packed, b, out_features, out);
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kDouble, "linear: float32 or float64 only (got ",
-                x.scalar_type(), ")");
-    TORCH_CHECK(packed.size(2) == panel_cols<double>(), "linear: packed for another dtype");
-    TORCH_CHECK(out_features <= packed.size(0) * packed.size(2), "linear: out_features too large");
-    linear_impl<double, false>(x, packed, b, out_features, out);
-  }
+  if (x.scalar_type() == torch::kFloat) linear_impl<float, false>(x, packed, b, out_features, out);
+  else linear_impl<double, false>(x, packed, b, out_features, out);
   return out;
 }
 
@@ -229,10 +237,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
 torch::Tensor pack_gated_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % 2 == 0,
               "pack_gated_weight: the weight must be [2 * inner, in_features] (gate, then up)");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kDouble,
-              "pack_gated_weight: float32 or float64 only (got ", w.scalar_type(), ")");
+  const int64_t half = panel_cols_of(w, "pack_gated_weight") / 2;
   const int64_t inner = w.size(0) / 2, K = w.size(1);
-  const int64_t half = (w.scalar_type() == torch::kFloat ? panel_cols<float>() : panel_cols<double>()) / 2;
   const int64_t panels = (inner + half - 1) / half;
   auto gate = torch::zeros({panels * half, K}, w.options());
   auto up = torch::zeros({panels * half, K}, w.options());
@@ -244,27 +250,13 @@ torch::Tensor pack_gated_weight(torch::Tensor w) {
 
 // silu(x @ gate.T) * (x @ up.T): [rows, inner] from pack_gated_weight's output.
 torch::Tensor linear_gated(torch::Tensor x, torch::Tensor packed, int64_t inner) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
-              "linear_gated: x must be [rows, in_features] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1),
-              "linear_gated: the packed weight must be pack_gated_weight's output for "
-              "in_features = ", x.size(1));
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
-              "linear_gated: x and the weight must share a dtype (got ", x.scalar_type(), " and ",
-              packed.scalar_type(), ")");
-  TORCH_CHECK(x.device().is_cpu(), "linear_gated: CPU tensors only");
+  check_operands(x, packed, "linear_gated", "pack_gated_weight");
   TORCH_CHECK(inner <= packed.size(0) * packed.size(2) / 2, "linear_gated: inner too large");
   auto out = torch::empty({x.size(0), inner}, x.options());
   if (x.size(0) == 0) return out;
   const torch::Tensor no_bias;
-  if (x.scalar_type() == torch::kFloat) {
-    TORCH_CHECK(packed.size(2) == panel_cols<float>(), "linear_gated: packed for another dtype");
-    linear_impl<float, true>(x, packed, no_bias, inner, out);
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kDouble, "linear_gated: float32 or float64 only");
-    TORCH_CHECK(packed.size(2) == panel_cols<double>(), "linear_gated: packed for another dtype");
-    linear_impl<double, true>(x, packed, no_bias, inner, out);
-  }
+  if (x.scalar_type() == torch::kFloat) linear_impl<float, true>(x, packed, no_bias, inner, out);
+  else linear_impl<double, true>(x, packed, no_bias, inner, out);
   return out;
 }
 """
@@ -287,8 +279,7 @@ class PackedLinear:
     """`F.linear(x, weight, bias)` for a fixed weight, packed once.
 
     Holds its own packed copy: a weight changed in place afterwards is not
-    seen (the model packs after loading, and `is_current` tells a caller
-    whether the source tensor it packed is still the one it was given)."""
+    seen (the model's `kernel_forward` repacks when a parameter changes)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         module = kernel()

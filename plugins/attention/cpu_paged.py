@@ -12,7 +12,12 @@ and the next keys' scattered pages are prefetched into L2. A thread claims
 its next item before it runs the current one, and the prefetch runs on from
 the current item's last keys into the next one's first: a new item no longer
 starts with a wait for DRAM (reference workload: decode steps 0.73-0.74 ->
-0.67-0.70 s).
+0.67-0.70 s). In float32 a tile's 16 dot products per query head are summed by
+one transposing reduction (`reduce_add_16`: the same pairwise sums, in the same
+order, as 16 separate `reduce_add`s, so results are bit for bit the same) in a
+quarter of the instructions: the kernel's L3-resident rate 52.8 -> 57.7 GB/s,
+prompt tokens' attention (compute-bound, from L2) about 10% faster; DRAM-bound
+decodes are unchanged.
 
 Rules:
 - float32 (the fast path) or float64 (the oracle's dtype: `exp` from the C
@@ -72,6 +77,34 @@ inline T reduce_max(typename Simd<T>::vec v) {
   else return std::max(q[0], q[1]);
 }
 
+// reduce_add of 16 float32 vectors at once: lane t of the result is exactly
+// reduce_add(d[t]) (the same pairwise sums in the same order), but the four
+// folding steps run on whole vectors holding 2, 4, 8, then 16 keys' partial
+// sums: 15 shuffle-add pairs for a tile instead of 16 separate reductions.
+inline Simd<float>::vec reduce_add_16(const Simd<float>::vec (&d)[16]) {
+  using vec = Simd<float>::vec;
+  vec halves[8], quarters[4], pairs[2];
+  for (int m = 0; m < 8; ++m)  // keys 2m, 2m+1: v[i] + v[i + 8], 8 lanes each
+    halves[m] = __builtin_shufflevector(d[2 * m], d[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                        18, 19, 20, 21, 22, 23) +
+                __builtin_shufflevector(d[2 * m], d[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                        25, 26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 4; ++m)  // keys 4m..4m+3: h[i] + h[i + 4], 4 lanes each
+    quarters[m] = __builtin_shufflevector(halves[2 * m], halves[2 * m + 1], 0, 1, 2, 3, 8, 9, 10,
+                                          11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                  __builtin_shufflevector(halves[2 * m], halves[2 * m + 1], 4, 5, 6, 7, 12, 13, 14,
+                                          15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int m = 0; m < 2; ++m)  // keys 8m..8m+7: (q[0] + q[2]), (q[1] + q[3])
+    pairs[m] = __builtin_shufflevector(quarters[2 * m], quarters[2 * m + 1], 0, 1, 4, 5, 8, 9, 12,
+                                       13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(quarters[2 * m], quarters[2 * m + 1], 2, 3, 6, 7, 10, 11,
+                                       14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(pairs[0], pairs[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                 24, 26, 28, 30) +
+         __builtin_shufflevector(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                 25, 27, 29, 31);
+}
+
 // Where a sequence's keys live, in order, without a division per key.
 struct KeyWalk {
   const int32_t* table;
@@ -113,22 +146,43 @@ struct GroupState {
 
   // n <= kTile keys, their K rows at k_head + rows[t], V rows at v_head + rows[t].
   void update(const T* k_head, const T* v_head, const int64_t* rows, int n) {
-    T scores[G][kTile];
-    for (int t = 0; t < n; ++t) {
-      vec k[V];
-      for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
-      for (int g = 0; g < G; ++g) {
-        vec dot = qs[g][0] * k[0];
-        for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
-        scores[g][t] = reduce_add<T>(dot);
+    vec tile_scores[G];  // lane t: key t's score (lanes past n: anything)
+    if constexpr (S::kLanes == 16) {
+      // a tile's 16 dot products per head are summed together (`reduce_add_16`)
+      vec dots[G][kTile];
+      for (int t = 0; t < kTile; ++t) {
+        if (t >= n) {
+          for (int g = 0; g < G; ++g) dots[g][t] = vec{};
+          continue;
+        }
+        vec k[V];
+        for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
+        for (int g = 0; g < G; ++g) {
+          vec dot = qs[g][0] * k[0];
+          for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
+          dots[g][t] = dot;
+        }
       }
+      for (int g = 0; g < G; ++g) tile_scores[g] = reduce_add_16(dots[g]);
+    } else {  // float64 (the oracle's dtype): one reduction per score
+      T scores[G][kTile];
+      for (int t = 0; t < n; ++t) {
+        vec k[V];
+        for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
+        for (int g = 0; g < G; ++g) {
+          vec dot = qs[g][0] * k[0];
+          for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
+          scores[g][t] = reduce_add<T>(dot);
+        }
+      }
+      for (int g = 0; g < G; ++g) tile_scores[g] = load<vec>(scores[g]);
     }
     typename S::mask lane;
     for (int i = 0; i < S::kLanes; ++i) lane[i] = i;
     const auto valid = lane < n;  // a sequence's last tile may be short
     vec probs[G];
     for (int g = 0; g < G; ++g) {
-      const vec s = valid ? load<vec>(scores[g]) : vec{} - INFINITY;
+      const vec s = valid ? tile_scores[g] : vec{} - INFINITY;
       const T tile_max = std::max(run_max[g], reduce_max<T>(s));
       const T correction = exp_nonpositive(vec{} + (run_max[g] - tile_max))[0];
       run_max[g] = tile_max;

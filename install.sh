@@ -12,4 +12,4 @@ python -m pip install -q -e ".[dev]"
 # Build the C++ CPU kernels now, once (torch caches them, keyed by their source), so
 # neither the first engine nor the tests pay for it; a failed build is logged and
 # the engine then keeps torch's ops (see servelab/cpp_extension.py)
-python -c "from servelab.model import cpu_fused, cpu_linear; from servelab.plugins.attention import cpu_paged; [m.kernel() for m in (cpu_fused, cpu_linear, cpu_paged)]"
+python -c "from servelab.model import cpu_decoder, cpu_fused, cpu_linear; from servelab.plugins.attention import cpu_paged; [m.kernel() for m in (cpu_fused, cpu_linear, cpu_paged, cpu_decoder)]"

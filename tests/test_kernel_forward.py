@@ -12,6 +12,8 @@ by far more than that.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -107,3 +109,85 @@ def test_logits_follow_the_head_weight_without_a_forward(shape):
         torch.testing.assert_close(
             model.compute_logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
         )
+
+
+# -- the decoder loop (`cpu_decoder`): every layer in one C++ call
+
+
+def paged_kernel_backend(model):
+    """flash_varlen impl=cpu, its paged kernel selected, with its `forward`
+    counted (the decoder loop must not call it)."""
+    from servelab.plugins.attention.flash_varlen import FlashVarlenBackend
+
+    config = model.config
+    backend = FlashVarlenBackend(
+        config.num_heads, config.num_kv_heads, config.head_dim, config.attention_scale, impl="cpu"
+    )
+    backend.check(SimpleNamespace(block_size=4, name="paged"), torch.device("cpu"), model.dtype)
+    backend.forward_calls = 0
+    forward = backend.forward
+
+    def counted(*args):
+        backend.forward_calls += 1
+        return forward(*args)
+
+    backend.forward = counted
+    return backend
+
+
+def three_steps(model, decoder) -> tuple[list[torch.Tensor], list, object]:
+    """A prompt step, a mixed step (a decode, a prompt's second chunk, a new
+    prompt) and a decode-only step, with the decoder loop on or off; returns the
+    logits, the K/V caches and the backend."""
+    program = model.kernel_forward
+    saved = program._decoder
+    program._decoder = program._decoder if decoder else None
+    try:
+        driver = PagedDriver(model, num_blocks=32, block_size=4)
+        driver.backend = paged_kernel_backend(model)
+        gen = torch.Generator().manual_seed(5)
+        tokens = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (11, 6, 7, 3)]
+        logits = driver.step([(0, tokens[0]), (1, tokens[1])])
+        logits += driver.step([(0, [4]), (1, tokens[2]), (2, tokens[3])])
+        logits += driver.step([(0, [9]), (1, [2]), (2, [8])])
+    finally:
+        program._decoder = saved
+    return logits, driver.kv_caches, driver.backend
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-llama"])
+def test_decoder_loop_is_the_python_loop_bit_for_bit(shape, dtype):
+    """The same kernels in the same order: equal logits and caches, not close ones
+    (Qwen3's q/k norms, Qwen2's biases, Llama's neither: every optional weight)."""
+    model, _, _ = load_model(shape, dtype, "cpu")
+    model.use_cpu_kernels(True)
+    if model.kernel_forward._decoder is None:
+        pytest.skip("the decoder loop's extension cannot be built here")
+    fast, fast_caches, fast_backend = three_steps(model, decoder=True)
+    slow, slow_caches, slow_backend = three_steps(model, decoder=False)
+    assert fast_backend.forward_calls == 0  # every step went through the C++ loop
+    assert slow_backend.forward_calls == 3 * model.config.num_layers
+    # both account every layer the paged kernel attended
+    assert (
+        fast_backend.stats()
+        == slow_backend.stats()
+        == {"cpu_kernel_decode_calls": 3 * model.config.num_layers}
+    )
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_decoder_loop_only_where_the_backend_says_so():
+    """A backend without `cpu_paged_kernel_inputs` (the default None) keeps its
+    own `forward` in every layer."""
+    model, _, _ = load_model("tiny", "float64", "cpu")
+    model.use_cpu_kernels(True)
+    driver = PagedDriver(model, num_blocks=16, block_size=4)  # the dense reference backend
+    calls = []
+    forward = driver.backend.forward
+    driver.backend.forward = lambda *args: calls.append(1) or forward(*args)
+    driver.step([(0, [1, 2, 3])])
+    assert len(calls) == model.config.num_layers

@@ -18,6 +18,12 @@ so Python's share (module attribute lookups, wrapper frames, per-call checks)
 is a visible part of a step. The program holds plain references: packed
 weights, norm weights and eps per layer, built from the model's parameters.
 
+When the attention backend says a step's attention is exactly the C++ paged
+kernel (`cpu_paged_kernel_inputs`), the same program runs as one C++ call
+(`cpu_decoder`: the same kernels in the same order, bit for bit): the Python
+between the kernels ran cache-cold after each step's K/V stream, and cost the
+reference workload's decode steps about 3%.
+
 Rules:
 - it is rebuilt (weights packed again) whenever any parameter of the model was
   replaced or changed in place since it was built: every step compares each
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from servelab.model import cpu_fused, cpu_linear
+from servelab.model import cpu_decoder, cpu_fused, cpu_linear
 
 if TYPE_CHECKING:
     from servelab.model.transformer import Transformer
@@ -147,12 +153,17 @@ class KernelForward:
         self._layers: list[LayerProgram] = []
         self._final: tuple[torch.Tensor, float] | None = None
         self._lm_head: Matmul | None = None
+        # the whole layer loop in one C++ call, for steps whose attention is the
+        # paged kernel (`cpu_decoder`); None where it cannot be built
+        self._decoder = cpu_decoder.kernel()
+        self._decoder_args: tuple[list, list, list] = ([], [], [])
 
     def _program(self) -> list[LayerProgram]:
         key = identity(self._slots)
         if key != self._key:
             model = self.model
             self._layers = [_layer_program(layer) for layer in model.model.layers]
+            self._decoder_args = cpu_decoder.layer_arguments(self._layers)
             norm = model.model.norm
             self._final = (norm.weight.detach(), float(norm.eps))
             params, name = self._head_slot[0]
@@ -178,6 +189,16 @@ class KernelForward:
         head_split = (num_heads, num_kv_heads, num_kv_heads)
         cos, sin = model.rope_cos, model.rope_sin
         residual = model.model.embed_tokens(input_ids)
+        if self._decoder is not None and kv_caches and kv_caches[0][0].dtype == residual.dtype:
+            paged = backend.cpu_paged_kernel_inputs(attn_plan, len(layers))
+            if paged is not None:  # every layer in one C++ call: the same kernels, in order
+                slots, tables, lens = paged
+                weight, eps = self._final
+                return self._decoder.decoder_forward(
+                    residual, *self._decoder_args, [c for kv in kv_caches for c in kv],
+                    tables, lens, slots, positions, cos, sin,
+                    num_heads, num_kv_heads, head_dim, backend.scale, weight, eps,
+                )  # fmt: skip
         num_tokens = residual.shape[0]
         delta = None
         for layer, kv_cache in zip(layers, kv_caches, strict=True):

@@ -413,6 +413,25 @@ class FlashVarlenBackend(AttentionBackend):
             causal=True,
         )
 
+    def cpu_paged_kernel_inputs(
+        self, plan: FlashVarlenPlan, num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """impl=cpu with its kernel: every step is `store_kv`, then `paged_decode`
+        over the sequences' tables (a decode-only step) or the prompt tokens'
+        own (`token_tables`); see `forward`."""
+        if not self._decode_kernel or self.active_impl not in SDPA_IMPLS:
+            return None
+        if not plan.completed:
+            self.complete_plan(plan)
+        if plan.num_decodes == plan.meta.num_tokens:
+            tables, lens = plan.block_table, plan.seq_lens
+        elif plan.token_tables is not None:
+            tables, lens = plan.token_tables, plan.token_lens
+        else:
+            return None
+        self.cpu_kernel_decode_calls += num_layers
+        return plan.slot_mapping, tables, lens
+
     def stats(self) -> dict[str, float]:
         """`cpu_kernel_decode_calls`: layers the C++ kernel attended (impl=cpu;
         the name is historical: prompt tokens go through it too)."""

@@ -54,6 +54,7 @@ class DecodeBatch:
         self.stop_tokens: frozenset[int] = frozenset()  # the union of their stop tokens
         self.all_greedy = True
         self.next_input: list[int] = []  # each row's last token: the step's input id
+        self._arange_cache: dict[int, tuple] = {}  # see _aranges
         self.append(seqs, block_tables)
 
     def __len__(self) -> int:
@@ -128,24 +129,28 @@ class DecodeBatch:
         """The attention inputs of a step of only this batch's decodes, computing
         the tokens at `starts` (the step's snapshot of `self.starts`); on a
         device, uploaded through `staging` when given (`AttentionMetadata.to_device`)."""
+        # every numpy call here runs once per step, cache-cold after the forward
+        # streamed the K/V through: as few as possible (about 5 us each)
         n = len(starts)
         bs = self.block_size
-        seq_lens = starts + 1
+        rows, query_start, logits_indices = self._aranges(n)
+        context_lens = starts.astype(np.int32)
+        seq_lens = context_lens + 1
         width = max(1, int(self.table_lens.max())) if n else 1
         tables = self.tables[:, :width].copy()  # the batch's array changes next step
-        slots = tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
-        arange = np.arange(n + 1, dtype=np.int32)
+        block_index, offset = np.divmod(starts, bs)
+        slots = tables[rows, block_index] * np.int64(bs) + offset
         seq_start = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(seq_lens, out=seq_start[1:])
         tensors = dict(
-            query_start_loc=torch.from_numpy(arange),
+            query_start_loc=query_start,
             seq_start_loc=torch.from_numpy(seq_start),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            context_lens=torch.from_numpy(starts.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens),
+            context_lens=torch.from_numpy(context_lens),
             block_tables=torch.from_numpy(tables),
             slot_mapping=torch.from_numpy(slots),
-            positions=torch.from_numpy(starts.copy()),
-            logits_indices=torch.from_numpy(arange[:n].astype(np.int64)),
+            positions=torch.from_numpy(starts),  # the plan's own snapshot: never changed
+            logits_indices=logits_indices,
         )
         if device.type != "cpu" or staging is not None:
             tensors = AttentionMetadata.to_device(tensors, device, staging)
@@ -162,6 +167,19 @@ class DecodeBatch:
             max_seq_len=max(seq_lens_list) if n else 0,
             **tensors,
         )
+
+    def _aranges(self, n: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """0..n-1 (numpy int64), 0..n (int32 tensor: query starts) and 0..n-1
+        (int64 tensor: logits rows), built once per batch size; read-only."""
+        found = self._arange_cache.get(n)
+        if found is None:
+            found = (
+                np.arange(n, dtype=np.int64),
+                torch.arange(n + 1, dtype=torch.int32),
+                torch.arange(n, dtype=torch.int64),
+            )
+            self._arange_cache[n] = found
+        return found
 
     def advance(self, tokens: list[int], now: float) -> list[Sequence]:
         """Appends each row's sampled token (`tokens` in row order), advances the

@@ -488,9 +488,12 @@ class BaseScheduler(Scheduler):
 
     # -- figures
     def stats(self) -> dict[str, float]:
+        # after a step the decode batch, when there is one, is exactly the running
+        # sequences (check_decode_batch): its length saves a walk over every group
+        batch = self.decode_batch
         return {
             "waiting": len(self.waiting),
-            "running": self.num_running_seqs,
+            "running": len(batch) if batch is not None else self.num_running_seqs,
             "swapped": len(self.swapped),
             "preemptions_recompute": self.num_preemptions["recompute"],
             "preemptions_swap": self.num_preemptions["swap"],

@@ -55,6 +55,7 @@ class DecodeBatch:
         self.all_greedy = True
         self.next_input: list[int] = []  # each row's last token: the step's input id
         self._arange_cache: dict[int, tuple] = {}  # see _aranges
+        self._written: tuple | None = None  # see written_blocks
         self.append(seqs, block_tables)
 
     def __len__(self) -> int:
@@ -139,7 +140,9 @@ class DecodeBatch:
         width = max(1, int(self.table_lens.max())) if n else 1
         tables = self.tables[:, :width].copy()  # the batch's array changes next step
         block_index, offset = np.divmod(starts, bs)
-        slots = tables[rows, block_index] * np.int64(bs) + offset
+        blocks = tables[rows, block_index]
+        self._written = (starts, blocks, offset)  # `written_blocks` of this step reuses them
+        slots = blocks * np.int64(bs) + offset
         seq_start = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(seq_lens, out=seq_start[1:])
         tensors = dict(
@@ -181,12 +184,24 @@ class DecodeBatch:
             self._arange_cache[n] = found
         return found
 
-    def advance(self, tokens: list[int], now: float) -> list[Sequence]:
+    def written_blocks(self, starts: np.ndarray) -> tuple[list[int], list[int]]:
+        """For the step that computed the tokens at `starts`: the block each row
+        wrote its token into, and the rows whose token filled that block (from
+        `metadata`'s arrays when it built this step's)."""
+        cached = self._written
+        if cached is not None and cached[0] is starts:
+            _, blocks, offset = cached
+        else:
+            index, offset = np.divmod(starts, self.block_size)
+            blocks = self.tables[self._aranges(len(starts))[0], index]
+        return blocks.tolist(), np.flatnonzero(offset == self.block_size - 1).tolist()
+
+    def advance(self, tokens: list[int], now: float) -> list[tuple[int, Sequence]]:
         """Appends each row's sampled token (`tokens` in row order), advances the
-        counters, and returns the rows' sequences that may have to stop: every
-        one that must is among them (length by arrays; a stop token by the union
-        of the rows' stop tokens, so the caller applies each sequence's own rule).
-        Rows do not leave here (`keep` does)."""
+        counters, and returns the rows (index, sequence) that may have to stop:
+        every one that must is among them (length by arrays; a stop token by the
+        union of the rows' stop tokens, so the caller applies each sequence's own
+        rule). Rows do not leave here (`keep` does)."""
         for seq, token in zip(self.seqs, tokens):
             seq.num_computed_tokens += 1
             seq.token_ids.append(token)
@@ -195,13 +210,13 @@ class DecodeBatch:
         self.next_input = tokens
         # num_tokens is now starts + 1 (the new token has no K/V yet)
         done = np.flatnonzero(self.starts + 1 >= self.stop_at).tolist()
-        stopping = [self.seqs[r] for r in done]
+        stopping = [(r, self.seqs[r]) for r in done]
         if self.watched:
-            stops = self.stop_tokens
+            stops, watched, at_length = self.stop_tokens, self.watched, set(done)
             stopping += [
-                seq
-                for seq, token in zip(self.seqs, tokens)
-                if token in stops and seq.seq_id in self.watched and seq not in stopping
+                (r, seq)
+                for r, (seq, token) in enumerate(zip(self.seqs, tokens))
+                if token in stops and seq.seq_id in watched and r not in at_length
             ]
         return stopping
 

@@ -390,21 +390,20 @@ class BaseScheduler(Scheduler):
             tokens = sampled.tokens[:rows]
         else:  # a mapping seq_id -> [token] (tests, stub models)
             tokens = [sampled[seq_id][0] for seq_id in batch.seq_ids]
-        bs = batch.block_size
-        starts = plan.decode_starts
-        written = batch.tables[np.arange(rows), starts // bs].tolist()
+        written, filled = batch.written_blocks(plan.decode_starts)
         candidates = batch.advance(tokens, now)
-        filled = np.flatnonzero(batch.starts % bs == 0).tolist()
         self.allocator.commit_decodes(batch.seqs, written, filled)
-        ending = False
-        for seq in candidates:
+        ending = []
+        for row, seq in candidates:
             reason = self.stop_reason(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 stopped.add(seq.group)
-                ending = True
+                ending.append(row)
         if ending:
-            batch.keep(np.fromiter((not s.is_finished for s in batch.seqs), bool, len(batch)))
+            keep = np.ones(len(batch), dtype=bool)
+            keep[ending] = False
+            batch.keep(keep)
 
     def refresh_decode_batch(self, plan: StepPlan, forked: bool) -> None:
         """After a step: keeps, grows or builds the decode batch when every

@@ -191,3 +191,14 @@ def test_decoder_loop_only_where_the_backend_says_so():
     driver.backend.forward = lambda *args: calls.append(1) or forward(*args)
     driver.step([(0, [1, 2, 3])])
     assert len(calls) == model.config.num_layers
+
+
+def test_decoder_loop_rejects_a_token_outside_the_vocabulary():
+    model, _, _ = load_model("tiny", "float32", "cpu")
+    model.use_cpu_kernels(True)
+    if model.kernel_forward._decoder is None:
+        pytest.skip("the decoder loop's extension cannot be built here")
+    driver = PagedDriver(model, num_blocks=16, block_size=4)
+    driver.backend = paged_kernel_backend(model)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        driver.step([(0, [1, model.config.vocab_size])])

@@ -8,9 +8,11 @@ cache-cold, after each step has streamed ~50 MB of K/V through the caches.
 When the backend says a step's attention is exactly the C++ paged kernel
 (`AttentionBackend.cpu_paged_kernel_inputs`: `cpu_paged.store_kv` at the
 plan's slots, then `cpu_paged.paged_decode` over a table and lengths), this
-module runs the whole layer loop in C++ instead: the same kernel functions, in
-the same order, on the same tensors, so the result is bit for bit the Python
-loop's.
+module runs the whole layer loop in C++ instead, from the embedding lookup (a
+row copy per token, as `F.embedding` makes) to the final norm: the same kernel
+functions, in the same order, on the same tensors, so the result is bit for
+bit the Python loop's. Like the rest of the kernel path it calls no module,
+so forward hooks on the embedding or the layers do not run.
 
 The extension is one translation unit of the three kernels' sources (matmul,
 fused element-wise, paged attention) and the loop, built like them (see
@@ -57,10 +59,11 @@ c10::optional<torch::Tensor> present(const torch::Tensor& t) {
 
 }  // namespace
 
-// residual [T, hidden] (the embeddings; updated in place as the Python loop
-// does); per layer LAYER_TENSORS, LAYER_INTS and LAYER_EPS flattened in that
-// order; caches: per layer k_cache, v_cache. Returns the final norm's output.
-torch::Tensor decoder_forward(torch::Tensor residual, std::vector<torch::Tensor> tensors,
+// input_ids int64 [T]; embed [vocab, hidden], contiguous; per layer
+// LAYER_TENSORS, LAYER_INTS and LAYER_EPS flattened in that order; caches: per
+// layer k_cache, v_cache. Returns the final norm's output.
+torch::Tensor decoder_forward(torch::Tensor input_ids, torch::Tensor embed,
+                              std::vector<torch::Tensor> tensors,
                               std::vector<int64_t> ints, std::vector<double> eps,
                               std::vector<torch::Tensor> caches, torch::Tensor tables,
                               torch::Tensor lens, torch::Tensor slots, torch::Tensor positions,
@@ -74,7 +77,22 @@ torch::Tensor decoder_forward(torch::Tensor residual, std::vector<torch::Tensor>
                   static_cast<int64_t>(ints.size()) == kInts * layers &&
                   static_cast<int64_t>(eps.size()) == kEps * layers,
               "decoder_forward: per-layer arguments of different lengths");
-  const int64_t tokens = residual.size(0);
+  // the embeddings: each token's row of the table, copied as F.embedding does
+  // (torch's index_select costs a parallel region for a few rows)
+  TORCH_CHECK(input_ids.scalar_type() == torch::kLong && input_ids.dim() == 1 &&
+                  input_ids.is_contiguous() && embed.dim() == 2 && embed.is_contiguous(),
+              "decoder_forward: input_ids must be contiguous int64 [T], embed contiguous [vocab, hidden]");
+  const int64_t tokens = input_ids.size(0), vocab = embed.size(0);
+  torch::Tensor residual = torch::empty({tokens, embed.size(1)}, embed.options());
+  const int64_t row_bytes = embed.size(1) * embed.element_size();
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  const char* table = static_cast<const char*>(embed.data_ptr());
+  char* rows = static_cast<char*>(residual.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "decoder_forward: token id ", ids[t],
+                " is outside the vocabulary [0, ", vocab, ")");
+    std::memcpy(rows + t * row_bytes, table + ids[t] * row_bytes, row_bytes);
+  }
   torch::Tensor delta;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = tensors.data() + l * kTensors;

@@ -188,17 +188,19 @@ class KernelForward:
         qk_heads = num_heads + num_kv_heads
         head_split = (num_heads, num_kv_heads, num_kv_heads)
         cos, sin = model.rope_cos, model.rope_sin
-        residual = model.model.embed_tokens(input_ids)
-        if self._decoder is not None and kv_caches and kv_caches[0][0].dtype == residual.dtype:
+        embed = model.model.embed_tokens.weight
+        if self._decoder is not None and kv_caches and kv_caches[0][0].dtype == embed.dtype:
             paged = backend.cpu_paged_kernel_inputs(attn_plan, len(layers))
             if paged is not None:  # every layer in one C++ call: the same kernels, in order
                 slots, tables, lens = paged
                 weight, eps = self._final
                 return self._decoder.decoder_forward(
-                    residual, *self._decoder_args, [c for kv in kv_caches for c in kv],
+                    input_ids, embed, *self._decoder_args,
+                    [c for kv in kv_caches for c in kv],
                     tables, lens, slots, positions, cos, sin,
                     num_heads, num_kv_heads, head_dim, backend.scale, weight, eps,
                 )  # fmt: skip
+        residual = model.model.embed_tokens(input_ids)
         num_tokens = residual.shape[0]
         delta = None
         for layer, kv_cache in zip(layers, kv_caches, strict=True):

@@ -149,6 +149,10 @@ def kernel() -> ModuleType | None:
 def layer_arguments(layers) -> tuple[list[torch.Tensor], list[int], list[float]]:
     """`KernelForward`'s layer programs flattened for `decoder_forward`."""
     empty = torch.empty(0)
+
+    def given(t: torch.Tensor | None) -> torch.Tensor:  # an absent weight: empty
+        return empty if t is None else t
+
     tensors: list[torch.Tensor] = []
     ints: list[int] = []
     eps: list[float] = []
@@ -156,15 +160,15 @@ def layer_arguments(layers) -> tuple[list[torch.Tensor], list[int], list[float]]
         tensors += [
             layer.attn_norm,
             layer.qkv.packed,
-            empty if layer.qkv.bias is None else layer.qkv.bias,
-            empty if layer.q_norm is None else layer.q_norm,
-            empty if layer.k_norm is None else layer.k_norm,
+            given(layer.qkv.bias),
+            given(layer.q_norm),
+            given(layer.k_norm),
             layer.o.packed,
-            empty if layer.o.bias is None else layer.o.bias,
+            given(layer.o.bias),
             layer.mlp_norm,
             layer.gate_up.packed,
             layer.down.packed,
-            empty if layer.down.bias is None else layer.down.bias,
+            given(layer.down.bias),
         ]
         ints += [layer.qkv.out_features, layer.o.out_features, layer.gate_up.inner]
         ints += [layer.down.out_features]

@@ -181,12 +181,9 @@ class KernelForward:
         attn_plan: Any,
     ) -> torch.Tensor:
         layers = self._program()
-        model, fused = self.model, self._fused
-        linear, gated = self._linear.linear, self._linear.linear_gated
+        model = self.model
         config = model.config
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        qk_heads = num_heads + num_kv_heads
-        head_split = (num_heads, num_kv_heads, num_kv_heads)
         cos, sin = model.rope_cos, model.rope_sin
         embed = model.model.embed_tokens.weight
         if self._decoder is not None and kv_caches and kv_caches[0][0].dtype == embed.dtype:
@@ -200,6 +197,9 @@ class KernelForward:
                     tables, lens, slots, positions, cos, sin,
                     num_heads, num_kv_heads, head_dim, backend.scale, weight, eps,
                 )  # fmt: skip
+        fused, linear, gated = self._fused, self._linear.linear, self._linear.linear_gated
+        qk_heads = num_heads + num_kv_heads
+        head_split = (num_heads, num_kv_heads, num_kv_heads)
         residual = model.model.embed_tokens(input_ids)
         num_tokens = residual.shape[0]
         delta = None

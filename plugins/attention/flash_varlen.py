@@ -423,14 +423,18 @@ class FlashVarlenBackend(AttentionBackend):
             return None
         if not plan.completed:
             self.complete_plan(plan)
-        if plan.num_decodes == plan.meta.num_tokens:
-            tables, lens = plan.block_table, plan.seq_lens
-        elif plan.token_tables is not None:
-            tables, lens = plan.token_tables, plan.token_lens
-        else:
-            return None
         self.cpu_kernel_decode_calls += num_layers
-        return plan.slot_mapping, tables, lens
+        return (plan.slot_mapping, *self._kernel_tables(plan))
+
+    @staticmethod
+    def _kernel_tables(plan: FlashVarlenPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """What impl=cpu's kernel attends over, one call a layer: the sequences'
+        tables on a decode-only step, else every query token's own
+        (`token_tables`, which `complete_plan` builds for such a step)."""
+        if plan.num_decodes == plan.meta.num_tokens:
+            return plan.block_table, plan.seq_lens
+        assert plan.token_tables is not None and plan.token_lens is not None
+        return plan.token_tables, plan.token_lens
 
     def stats(self) -> dict[str, float]:
         """`cpu_kernel_decode_calls`: layers the C++ kernel attended (impl=cpu;
@@ -477,16 +481,16 @@ class FlashVarlenBackend(AttentionBackend):
         v_cache: torch.Tensor,
         plan: FlashVarlenPlan,
     ) -> torch.Tensor:
+        if self._decode_kernel:
+            # one kernel call: the decodes, and prompt tokens each over its causal
+            # context (its K/V were just stored) instead of an SDPA call per chunk;
+            # the kernel reads the first q.shape[0] rows of the tables
+            self.cpu_kernel_decode_calls += 1
+            tables, lens = self._kernel_tables(plan)
+            return cpu_paged.paged_decode(q, k_cache, v_cache, tables, lens, self.scale)
         num_decodes = plan.num_decodes
         if num_decodes == q.shape[0]:  # a decode-only step: one call, nothing to assemble
             return self._decode(q, k_cache, v_cache, plan)
-        if plan.token_tables is not None:
-            # prompt tokens too, each over its causal context (its K/V were just
-            # stored): one kernel call instead of an SDPA call per prompt chunk
-            self.cpu_kernel_decode_calls += 1
-            return cpu_paged.paged_decode(
-                q, k_cache, v_cache, plan.token_tables, plan.token_lens, self.scale
-            )
         out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, plan)
@@ -497,13 +501,7 @@ class FlashVarlenBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
     ) -> torch.Tensor:
-        """The step's decodes (its first rows, one query each)."""
-        if self._decode_kernel:
-            self.cpu_kernel_decode_calls += 1
-            # the kernel reads the first q.shape[0] rows of the step's tables
-            return cpu_paged.paged_decode(
-                q, k_cache, v_cache, plan.block_table, plan.seq_lens, self.scale
-            )
+        """The step's decodes (its first rows, one query each), batched through SDPA."""
         return decode_attention(q, k_cache, v_cache, plan.decodes, self.scale, self.workspace)
 
     def _forward_torch(

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from servelab.batch import AttentionMetadata
 from servelab.plugins.attention.triton_paged import TritonPagedBackend
+from servelab.step.metadata import AttentionMetadata
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

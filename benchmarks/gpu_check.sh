@@ -67,7 +67,7 @@ if ! "$PYTHON" -c "import omegaconf" 2>/dev/null; then
     PYTHONPATH="$(cd "$PYDEPS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONPATH
 fi
-"$PYTHON" -c "from servelab import LLM; import servelab.cuda_graphs, servelab.device" || exit 3
+"$PYTHON" -c "from servelab import LLM; import servelab.executor.cuda_graphs, servelab.executor.device_memory" || exit 3
 
 {
     nvidia-smi -L

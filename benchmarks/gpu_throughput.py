@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from servelab import LLM, ConfigError, SamplingParams
-from servelab.build import attention_backend
-from servelab.cuda_graphs import backend_is_graph_safe
+from servelab.engine.build import attention_backend
+from servelab.executor.cuda_graphs import backend_is_graph_safe
 from servelab.model.config import named_config
 
 CUDA_BACKENDS = ("triton_paged", "flash_varlen", "padded", "per_request")

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from servelab.build import build_engine
-from servelab.engine import Engine
-from servelab.plugin_manager import registered
-from servelab.runner import warm_up
-from servelab.workload import WorkloadRequest, make_workload
+from servelab.engine.build import build_engine
+from servelab.engine.engine import Engine
+from servelab.lab.runner import warm_up
+from servelab.lab.workload import WorkloadRequest, make_workload
+from servelab.registry.plugin_manager import registered
 
 SMOKE = os.environ.get("SERVELAB_BENCH_SMOKE", "") not in ("", "0")
 NUM_THREADS = 2  # the reference machine: 2 cores; torch.set_num_threads(2) for every group

@@ -12,8 +12,8 @@ import random
 import pytest
 from reference_workload import SMOKE, node_id, variants
 
-from servelab.options import construct
-from servelab.sequence import SamplingParams, Sequence
+from servelab.registry.construct import construct
+from servelab.step.sequence import SamplingParams, Sequence
 
 NUM_SEQS = 200 if SMOKE else 10_000
 PROMPT_LEN = 64  # four 16-token blocks

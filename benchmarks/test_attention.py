@@ -15,8 +15,8 @@ import pytest
 import torch
 from reference_workload import SMOKE, node_id, runs_on_this_machine, variants
 
-from servelab.batch import AttentionMetadata
-from servelab.options import construct
+from servelab.registry.construct import construct
+from servelab.step.metadata import AttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 4, 2, 64, 4
 BLOCK_SIZE = 16

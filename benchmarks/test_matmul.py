@@ -1,4 +1,4 @@
-"""Matmuls: servelab's packed-weight CPU kernel (`servelab.model.cpu_linear`)
+"""Matmuls: servelab's packed-weight CPU kernel (`servelab.kernels.cpu_linear`)
 next to `F.linear` (MKL) on the reference model's projection shapes, for the
 row counts a step has: 1, 8, 32 and 64 decoding sequences, a 2,048-token
 prompt chunk. `gflops` is each row's rate at its median.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from reference_workload import NUM_THREADS, SMOKE
 
-from servelab.model import cpu_linear
+from servelab.kernels import cpu_linear
 from servelab.model.config import named_config
 
 ROWS = (1, 8) if SMOKE else (1, 8, 32, 64, 2048)

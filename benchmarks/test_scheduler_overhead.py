@@ -15,10 +15,11 @@ import pytest
 import torch
 from reference_workload import SMOKE, node_id, variants
 
-from servelab.batch import AttentionMetadata, SampledTokens
-from servelab.model_runner import ModelRunner
-from servelab.options import construct
-from servelab.sequence import SamplingParams, Sequence, SequenceGroup
+from servelab.executor.model_runner import ModelRunner
+from servelab.registry.construct import construct
+from servelab.step.metadata import AttentionMetadata
+from servelab.step.plan import SampledTokens
+from servelab.step.sequence import SamplingParams, Sequence, SequenceGroup
 
 NUM_SEQS = 16 if SMOKE else 256
 PROMPT_LEN = 32

@@ -29,9 +29,9 @@ import pytest
 import torch
 from reference_workload import NUM_THREADS, SMOKE, prepared_engine, reference_config, serve_all
 
+from servelab.lab.workload import WorkloadRequest
 from servelab.model.config import named_config
 from servelab.model.loader import load_model
-from servelab.workload import WorkloadRequest
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()

@@ -3,9 +3,15 @@
 Public API: `LLM`, `SamplingParams`, `RequestOutput`, `build_engine`, `hookimpl`.
 """
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError, PluginError, RequestError, ServelabError
-from servelab.hookspecs import hookimpl
-from servelab.sequence import RequestOutput, SamplingParams
+from servelab.step.sequence import RequestOutput, SamplingParams
 
 __all__ = [
     "LLM",
@@ -27,7 +33,52 @@ def __getattr__(name: str):
 
         return LLM
     if name == "build_engine":
-        from servelab.build import build_engine
+        from servelab.engine.build import build_engine
 
         return build_engine
     raise AttributeError(f"module 'servelab' has no attribute {name!r}")
+
+
+# Import paths plugin authors used before the package was split into folders:
+# they keep working for one release, with a DeprecationWarning naming the new home.
+MOVED_MODULES: dict[str, tuple[str, ...]] = {
+    "servelab.scheduler_base": ("servelab.contracts.scheduler_base",),
+    "servelab.batch": ("servelab.step.plan", "servelab.step.metadata"),
+    "servelab.sequence": ("servelab.step.sequence",),
+    "servelab.options": ("servelab.registry.options", "servelab.registry.construct"),
+    "servelab.interfaces": (
+        "servelab.contracts.allocator",
+        "servelab.contracts.scheduler",
+        "servelab.contracts.preemption",
+        "servelab.contracts.attention",
+    ),
+    "servelab.hookspecs": ("servelab.contracts.hookspecs",),
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves an old path as a module holding the names of its new homes."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in MOVED_MODULES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None  # the default module object
+
+    def exec_module(self, module) -> None:
+        homes = MOVED_MODULES[module.__name__]
+        warnings.warn(
+            f"{module.__name__} is deprecated and goes in the next release; "
+            f"import from {' or '.join(homes)}",
+            DeprecationWarning,
+            stacklevel=2,  # warnings skips the import machinery's frames: the importing line
+        )
+        for home in homes:
+            names = vars(importlib.import_module(home))
+            module.__dict__.update({k: v for k, v in names.items() if not k.startswith("__")})
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())

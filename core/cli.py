@@ -6,8 +6,6 @@ import sys
 
 from servelab.errors import ServelabError
 
-COMPONENT_GROUPS = ("scheduler", "allocator", "preemption", "attention")
-
 
 def _hydra_app(cfg) -> dict:
     """One run: build, serve the workload, write results.json / requests.csv /
@@ -15,7 +13,8 @@ def _hydra_app(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from servelab.runner import print_summary, run_config, save_run
+    from servelab.contracts.kinds import KINDS
+    from servelab.lab.runner import print_summary, run_config, save_run
 
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
@@ -34,7 +33,7 @@ def _hydra_app(cfg) -> dict:
         "cuda_graphs": result.engine.runner.graphs_status,
     }
     save_run(hydra_cfg.runtime.output_dir, result, config, meta)
-    title = ", ".join(f"{k}={_part_name(config[k])}" for k in COMPONENT_GROUPS if k in config)
+    title = ", ".join(f"{k}={_part_name(config[k])}" for k in KINDS if k in config)
     print_summary(result.summary, title=f"{title}\n{hydra_cfg.runtime.output_dir}")
     return result.summary
 
@@ -47,7 +46,7 @@ def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
 
-    from servelab.plugin_manager import get_plugin_manager
+    from servelab.registry.plugin_manager import get_plugin_manager
 
     # plugins may add config-group options (`scheduler=sjf`) before Hydra composes
     get_plugin_manager().register_configs(ConfigStore.instance())
@@ -58,8 +57,8 @@ def main() -> None:
 
 
 def report_main(argv: list[str] | None = None) -> None:
-    """`servelab-report PATH... [--out DIR]`: see servelab.report."""
-    from servelab.report import main as report
+    """`servelab-report PATH... [--out DIR]`: see servelab.lab.report."""
+    from servelab.lab.report import main as report
 
     try:
         report(argv)

@@ -10,19 +10,20 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from servelab.build import COMPONENT_DEFAULTS, build_engine
-from servelab.engine import Engine
-from servelab.sequence import RequestOutput, SamplingParams
+from servelab.contracts.kinds import KINDS
+from servelab.engine.build import build_engine
+from servelab.engine.engine import Engine
+from servelab.step.sequence import RequestOutput, SamplingParams
 
 
 class LLM:
     def __init__(
         self,
         model: str | dict = "tiny",
-        scheduler: str | dict = COMPONENT_DEFAULTS["scheduler"],
-        allocator: str | dict = COMPONENT_DEFAULTS["allocator"],
-        preemption: str | dict = COMPONENT_DEFAULTS["preemption"],
-        attention: str | dict = COMPONENT_DEFAULTS["attention"],
+        scheduler: str | dict = KINDS["scheduler"].default,
+        allocator: str | dict = KINDS["allocator"].default,
+        preemption: str | dict = KINDS["preemption"].default,
+        attention: str | dict = KINDS["attention"].default,
         **engine_options: Any,
     ) -> None:
         self.engine: Engine = build_engine(

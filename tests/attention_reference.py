@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelab.batch import AttentionMetadata
+from servelab.step.metadata import AttentionMetadata
 
 
 def naive_causal_attention(

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from servelab.batch import AttentionMetadata
-from servelab.interfaces import AttentionBackend
+from servelab.contracts.attention import AttentionBackend
+from servelab.step.metadata import AttentionMetadata
 
 
 class DenseReferenceBackend(AttentionBackend):

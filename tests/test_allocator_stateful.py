@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelab.plugin_manager import registered
+from servelab.registry.plugin_manager import registered
 from servelab.testing.allocator_machine import run_allocator_machine
 
 ALLOCATOR_CASES = [

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from servelab.batch import AttentionMetadata
+from servelab.contracts.attention import AttentionBackend
 from servelab.errors import ConfigError
-from servelab.interfaces import AttentionBackend
-from servelab.plugins.attention import common, cpu_paged, flash_varlen, padded, per_request
+from servelab.kernels import cpu_paged
+from servelab.plugins.attention import common, flash_varlen, padded, per_request
 from servelab.plugins.attention.flash_varlen import FlashVarlenBackend, varlen_attention_reference
 from servelab.plugins.attention.padded import PaddedBackend
 from servelab.plugins.attention.per_request import PerRequestBackend
+from servelab.step.metadata import AttentionMetadata
 from tests.attention_reference import (
     make_paged_case,
     naive_causal_attention,

@@ -13,9 +13,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from servelab.build import build_engine
-from servelab.runner import serve
-from servelab.workload import make_workload
+from servelab.engine.build import build_engine
+from servelab.lab.runner import serve
+from servelab.lab.workload import make_workload
 
 BIN = Path(sys.executable).parent
 SMALL = ["workload.scale=0.05", "run.progress=false", "engine.num_threads=1"]
@@ -89,7 +89,7 @@ def test_a_plugin_registered_config_option_works_on_the_command_line(tmp_path):
         """
         import sys
         from servelab import hookimpl
-        from servelab.plugin_manager import get_plugin_manager
+        from servelab.registry.plugin_manager import get_plugin_manager
 
         class AddsConfigs:
             @hookimpl

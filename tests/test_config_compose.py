@@ -19,15 +19,15 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 import servelab.conf
-from servelab.build import build_engine
+from servelab.engine.build import build_engine
 from servelab.errors import ConfigError
+from servelab.lab.report import report_options
+from servelab.lab.runner import RUNNER_NODES, run_options
+from servelab.lab.workload import make_workload
 from servelab.model.config import ModelConfig, named_config
 from servelab.model.transformer import Transformer
-from servelab.options import describe_options
-from servelab.plugin_manager import get_plugin_manager, lookup
-from servelab.report import report_options
-from servelab.runner import RUNNER_NODES, run_options
-from servelab.workload import make_workload
+from servelab.registry.options import describe_options
+from servelab.registry.plugin_manager import get_plugin_manager, lookup
 
 CONF = Path(servelab.conf.__file__).parent
 COMPONENTS = ("scheduler", "allocator", "preemption", "attention")

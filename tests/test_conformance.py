@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from servelab.interfaces import Scheduler
-from servelab.plugin_manager import get_plugin_manager, registered
+from servelab.contracts.scheduler import Scheduler
 from servelab.plugins.allocators.paged import PagedAllocator
 from servelab.plugins.attention.per_request import PerRequestBackend
 from servelab.plugins.preemption.recompute import RecomputePolicy
 from servelab.plugins.schedulers.continuous import ContinuousScheduler
+from servelab.registry.plugin_manager import get_plugin_manager, registered
 from servelab.testing import (
     check_allocator,
     check_attention_backend,

@@ -1,4 +1,4 @@
-"""The fused C++ element-wise kernels (`servelab.model.cpu_fused`) against the
+"""The fused C++ element-wise kernels (`servelab.kernels.cpu_fused`) against the
 torch formulas of `servelab.model.transformer` they replace.
 
 Each op against `transformer.rms_norm` and `transformer.apply_rope` (and
@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelab.model import cpu_fused, transformer
+from servelab.kernels import cpu_fused
+from servelab.model import transformer
 from servelab.testing.oracle import restored_num_threads
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelab.plugins.attention import common, cpu_paged
+from servelab.kernels import cpu_paged
+from servelab.plugins.attention import common
 from servelab.plugins.attention.flash_varlen import FlashVarlenBackend
 from servelab.testing.oracle import cached_case, engine_options, restored_num_threads
 from tests.attention_reference import make_paged_case, naive_causal_attention

@@ -1,4 +1,4 @@
-"""servelab's CPU matmul over packed weights (`servelab.model.cpu_linear`) and
+"""servelab's CPU matmul over packed weights (`servelab.kernels.cpu_linear`) and
 the model's switch to it (`engine.cpu_kernels`).
 
 Kernel level: against the exact product (float64 of float32 inputs, or the
@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelab.build import build_engine
+from servelab.engine.build import build_engine
 from servelab.errors import ConfigError
-from servelab.model import cpu_linear
+from servelab.kernels import cpu_linear
 from servelab.testing.oracle import restored_num_threads
 
 

@@ -1,5 +1,5 @@
-"""The CUDA execution path: decode CUDA graphs (`servelab.cuda_graphs`), KV
-sizing and pinned step staging (`servelab.device`), and the GPU benchmark.
+"""The CUDA execution path: decode CUDA graphs (`servelab.executor.cuda_graphs`), KV
+sizing and pinned step staging (`servelab.executor.device_memory`), and the GPU benchmark.
 
 On the CPU: bucket choice, graph-safety, the eager fallback, and the padded
 decode a graph replays — run eagerly through the same static buffers with the
@@ -33,33 +33,33 @@ import pytest
 import torch
 import yaml
 
-import servelab.device
-import servelab.model_runner
+import servelab.executor.device_memory
+import servelab.executor.model_runner
 from servelab import LLM, SamplingParams
-from servelab.batch import AttentionMetadata
-from servelab.build import ENGINE_DEFAULTS, attention_backend, engine_options
-from servelab.cuda_graphs import (
+from servelab.engine.build import ENGINE_DEFAULTS, attention_backend, engine_options
+from servelab.errors import ConfigError
+from servelab.executor.cuda_graphs import (
     PAD_SLOT,
     DecodeGraphRunner,
     backend_is_graph_safe,
     graph_buckets,
     pick_bucket,
 )
-from servelab.device import (
+from servelab.executor.device_memory import (
     DeviceMemory,
     GiB,
     MemoryBudget,
-    StepStaging,
     device_memory_budget,
     estimate_activation_bytes,
     kv_cache_budget,
     model_weight_bytes,
 )
-from servelab.errors import ConfigError
-from servelab.kv_cache import KVCache
+from servelab.executor.kv_cache import KVCache
+from servelab.executor.staging import StepStaging
 from servelab.model.config import NAMED_SHAPES, named_config
 from servelab.model.loader import load_model
 from servelab.model.transformer import Transformer
+from servelab.step.metadata import AttentionMetadata
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
 
@@ -412,7 +412,7 @@ def test_gpu_memory_utilization_on_cpu_fails_before_loading(monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the option was refused")
 
-    monkeypatch.setattr("servelab.build.load_model", no_load)
+    monkeypatch.setattr("servelab.engine.build.load_model", no_load)
     with pytest.raises(ConfigError) as err:
         LLM(model="tiny", device="cpu", gpu_memory_utilization=0.9)
     message = str(err.value)
@@ -453,7 +453,9 @@ def test_kv_cache_is_sized_from_the_device_budget(monkeypatch, graphs, free_limi
         devices.append(torch.device(device).type)
         return readings[min(len(devices), 2) - 1]
 
-    monkeypatch.setattr(servelab.device, "read_device_memory", fake_read_device_memory)
+    monkeypatch.setattr(
+        servelab.executor.device_memory, "read_device_memory", fake_read_device_memory
+    )
     llm = LLM(
         model="tiny",
         allocator={"name": "paged", "block_size": block_size},
@@ -513,7 +515,7 @@ def test_cuda_graphs_off_leaves_the_cpu_path_as_it_was():
 
 
 def test_cuda_graphs_on_a_cpu_fall_back_to_eager_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="servelab.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="servelab.executor.model_runner"):
         case, llm = oracle_llm(cuda_graphs=True)
     graphs = llm.engine.runner.graphs
     status = llm.engine.runner.graphs_status
@@ -555,7 +557,7 @@ def test_decode_steps_replay_through_the_model_runner(monkeypatch):
     graphs stood in for by `ForwardReplay`): every one-token-per-sequence step
     replays a bucket without planning, every other step plans and runs eagerly,
     and the tokens are still transformers' greedy tokens."""
-    monkeypatch.setattr(servelab.model_runner, "DecodeGraphRunner", CpuReplayRunner)
+    monkeypatch.setattr(servelab.executor.model_runner, "DecodeGraphRunner", CpuReplayRunner)
     case, llm = oracle_llm("triton_paged", cuda_graphs=True)
     runner = llm.engine.runner
     assert runner.graphs_status.startswith("captured"), runner.graphs_status
@@ -572,8 +574,8 @@ def test_decode_steps_replay_through_the_model_runner(monkeypatch):
 
 
 def test_a_graph_unsafe_backend_stays_eager_where_graphs_could_run(monkeypatch, caplog):
-    monkeypatch.setattr(servelab.model_runner, "DecodeGraphRunner", CpuReplayRunner)
-    with caplog.at_level(logging.WARNING, logger="servelab.model_runner"):
+    monkeypatch.setattr(servelab.executor.model_runner, "DecodeGraphRunner", CpuReplayRunner)
+    with caplog.at_level(logging.WARNING, logger="servelab.executor.model_runner"):
         case, llm = oracle_llm("per_request", cuda_graphs=True)
     runner = llm.engine.runner
     assert runner.graphs_status.startswith("eager:") and "per_request" in runner.graphs_status

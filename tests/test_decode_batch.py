@@ -1,4 +1,4 @@
-"""The decode fast path (`servelab.decode_batch`) changes how a step is
+"""The decode fast path (`servelab.step.decode_batch`) changes how a step is
 bookkept, never what happens: with it on or off (`decode_fast_path`), every
 request's tokens, finish reasons and every step's record (sequences, prefill
 and decode tokens, KV tokens used and reserved, prefix hits, swaps,
@@ -171,7 +171,7 @@ def test_default_allocator_hooks_give_the_same_run(monkeypatch):
     """An allocator that does not override `extend_decodes` / `commit_decodes`
     (a third-party one) gets the contract's generic versions: the same run,
     step for step, as the general path."""
-    from servelab.interfaces import KVAllocator
+    from servelab.contracts.allocator import KVAllocator
     from servelab.plugins.allocators.paged import PagedAllocator
 
     monkeypatch.setattr(PagedAllocator, "extend_decodes", KVAllocator.extend_decodes)

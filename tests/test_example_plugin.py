@@ -22,8 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servelab import SamplingParams, build_engine, plugin_manager, plugins_cli
-from servelab.scheduler_base import BaseScheduler
+from servelab import SamplingParams, build_engine
+from servelab.contracts.scheduler_base import BaseScheduler
+from servelab.registry import listing as plugins_cli
+from servelab.registry import plugin_manager
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "servelab-sjf"
 DIST_NAME = "servelab-sjf"
@@ -121,10 +123,10 @@ def test_servelab_plugins_lists_sjf_with_its_distribution(installed, version):
 
 
 def test_plugins_cli_lists_sjf_options_and_observer(installed, version, sjf_registered):
-    # the same listing through servelab.plugins_cli, checked field by field
+    # the same listing through servelab.registry.listing, checked field by field
     from servelab_sjf import ShortestJobFirst
 
-    cmd = [sys.executable, "-m", "servelab.plugins_cli", "--json"]
+    cmd = [sys.executable, "-m", "servelab.registry.listing", "--json"]
     listing = json.loads(run(cmd, env_with(installed)).stdout)
     (sjf,) = [p for p in listing["parts"]["scheduler"] if p["name"] == "sjf"]
     assert sjf["origin"] == f"{DIST_NAME} {version}"

@@ -1,4 +1,4 @@
-"""`servelab.host_memory.keep_freed_memory`: glibc's heap thresholds, set once."""
+"""`servelab.executor.host_memory.keep_freed_memory`: glibc's heap thresholds, set once."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from servelab import host_memory
+from servelab.executor import host_memory
 
 
 class FakeLibc:

@@ -1,5 +1,5 @@
 """`Transformer.use_cpu_kernels`: the model's forward through the C++ CPU kernels
-(`servelab.model.kernel_forward`) follows its parameters.
+(`servelab.executor.kernel_forward`) follows its parameters.
 
 The program packs weights once; these tests change the parameters in every way
 a user can (in place through a fused view, in place on a plain weight, a bias,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from servelab import LLM, RequestError, SamplingParams
+from servelab.lab.workload import SEEDS_LENGTHS
 from servelab.plugins.allocators.paged import PagedAllocator
-from servelab.workload import SEEDS_LENGTHS
 
 KIB = 1024  # the float64 tiny model stores 1 KiB of K/V per token
 MAX_MODEL_LEN = 64
@@ -196,8 +196,8 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_full():
 
 
 def test_lowest_priority_latest_arrival_is_the_victim():
-    from servelab.plugin_manager import lookup
-    from servelab.sequence import Sequence
+    from servelab.registry.plugin_manager import lookup
+    from servelab.step.sequence import Sequence
 
     policy = lookup("preemption", "recompute")()
     seqs = [
@@ -433,7 +433,7 @@ def test_paged_wastes_less_than_contiguous_at_equal_memory(capsys):
 
 @pytest.mark.parametrize("writers", [1, 2, 3, 4])
 def test_blocks_needed_together_counts_copy_on_write_exactly(writers):
-    from servelab.sequence import Sequence
+    from servelab.step.sequence import Sequence
 
     alloc = PagedAllocator(token_capacity=64, host_token_capacity=0, max_model_len=32, block_size=4)
     parent = Sequence("r", [1, 2, 3, 4, 5, 6], SamplingParams())
@@ -457,7 +457,7 @@ def test_blocks_needed_together_counts_copy_on_write_exactly(writers):
 
 
 def test_blocks_needed_together_lets_the_last_sharer_keep_its_block():
-    from servelab.sequence import Sequence
+    from servelab.step.sequence import Sequence
 
     alloc = PagedAllocator(token_capacity=64, host_token_capacity=0, max_model_len=32, block_size=4)
     parent = Sequence("r", [1, 2, 3, 4, 5, 6], SamplingParams())

@@ -11,17 +11,17 @@ from dataclasses import fields
 import numpy as np
 import pytest
 
-from servelab.build import build_engine
-from servelab.metrics import (
+from servelab.engine.build import build_engine
+from servelab.engine.metrics import (
     RequestRecord,
     StepRecord,
     decode_stalls,
     percentiles,
     summarize,
 )
-from servelab.runner import run_config, serve
-from servelab.sequence import SamplingParams
-from servelab.workload import make_workload
+from servelab.lab.runner import run_config, serve
+from servelab.lab.workload import make_workload
+from servelab.step.sequence import SamplingParams
 
 # -- percentiles
 

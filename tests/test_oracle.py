@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 
 from servelab import hookimpl
-from servelab.model import cpu_linear
-from servelab.plugin_manager import get_plugin_manager
-from servelab.plugins.attention import cpu_paged
+from servelab.kernels import cpu_linear, cpu_paged
+from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.testing.oracle import assert_matches_reference, drive
 from tests.oracle import combinations, combo_id, make_case
 

@@ -17,10 +17,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from servelab import hookimpl, plugin_manager
+from servelab import hookimpl
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.kinds import KINDS
+from servelab.contracts.preemption import PreemptionPolicy
+from servelab.contracts.scheduler import Scheduler
 from servelab.errors import ConfigError, PluginError
-from servelab.interfaces import AttentionBackend, PreemptionPolicy, Scheduler
-from servelab.options import REQUIRED, construct, describe_options, split_component
+from servelab.registry import plugin_manager
+from servelab.registry.construct import construct
+from servelab.registry.options import REQUIRED, describe_options, split_component
 
 FAKE_DISTS = Path(__file__).parent / "fake_dists"
 FAKE_PREFIX = "servelab_fake"
@@ -399,8 +404,8 @@ def test_missing_required_option_is_named():
     assert construct("preemption", {"name": "needs_budget", "budget": 7}).budget == 7
 
 
-def test_context_outside_context_params_is_an_engine_bug():
-    with pytest.raises(TypeError, match="CONTEXT_PARAMS"):
+def test_context_outside_the_kinds_table_is_an_engine_bug():
+    with pytest.raises(TypeError, match=r"KINDS\['preemption'\]\.context"):
         construct("preemption", "anything", num_blocks=3)
 
 
@@ -412,8 +417,8 @@ def test_every_builtin_plugin_loads():
     pm = plugin_manager.build_plugin_manager(REAL_DEFAULT_PLUGINS)
     failed = [str(e) for e in pm.load_errors if e.origin == plugin_manager.BUILTIN]
     assert failed == []
-    for kind in plugin_manager.REGISTRATION_HOOKS:
+    for kind in KINDS:
         for info in pm.registered(kind).values():  # contracts and names are checked here
-            # `scheduler=<name>` alone must build: every context parameter is in CONTEXT_PARAMS.
+            # `scheduler=<name>` alone must build: every context parameter is in its kind's context.
             required = [key for key, default in info.options.items() if default is REQUIRED]
             assert required == [], f"{kind} {info.name!r} requires {required}"

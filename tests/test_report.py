@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from servelab.cli import report_main
+from servelab.engine.metrics import RequestRecord, StepRecord, summarize
 from servelab.errors import ConfigError
-from servelab.metrics import RequestRecord, StepRecord, summarize
-from servelab.report import assign_slots, evaluate_claims, load_runs, write_report
-from servelab.runner import RunResult, save_run
+from servelab.lab.report import assign_slots, evaluate_claims, load_runs, write_report
+from servelab.lab.runner import RunResult, save_run
 
 PLOTS = ("throughput.png", "ttft_cdf.png", "itl_cdf.png", "kv_util.png", "timeline.png")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from servelab.model.sampler import Sampler
-from servelab.sequence import SamplingParams
+from servelab.step.sequence import SamplingParams
 
 LOGITS_5 = [2.0, 1.0, 0.5, 0.0, -1.0]
 # chi-square critical value, 4 degrees of freedom, p = 1e-4 (deterministic seeds anyway)

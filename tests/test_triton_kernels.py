@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from servelab.batch import AttentionMetadata
 from servelab.errors import ConfigError
 from servelab.plugins.attention import triton_kernels as tk
 from servelab.plugins.attention.triton_paged import (
     TritonPagedBackend,
     servelab_register_attention_backends,
 )
+from servelab.step.metadata import AttentionMetadata
 
 ON_GPU = torch.cuda.is_available() and not tk.INTERPRETED
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -251,7 +251,7 @@ INTERPRETER_AFTER_TRITON_IMPORT = """
 import triton.language  # as torch does lazily, before servelab decides on TRITON_INTERPRET
 import torch
 import torch.nn.functional as F
-from servelab.batch import AttentionMetadata
+from servelab.step.metadata import AttentionMetadata
 from servelab.plugins.attention import triton_kernels as tk
 assert tk.INTERPRETED
 q, k, v = torch.randn(3, 5, 4, 16, dtype=torch.float64).unbind(0)

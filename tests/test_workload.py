@@ -10,10 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from servelab.build import build_engine
+from servelab.engine.build import build_engine
 from servelab.errors import ConfigError
-from servelab.runner import serve
-from servelab.workload import (
+from servelab.lab.runner import serve
+from servelab.lab.workload import (
     SEEDS_LENGTHS,
     LengthDist,
     arrival_times,
@@ -321,7 +321,7 @@ def test_static_batcher_waits_for_batch_size_or_timeout():
     clock = FakeClock()
     engine.scheduler.clock = clock
     params = dict(max_tokens=2, temperature=0.0, ignore_eos=True)
-    from servelab.sequence import SamplingParams
+    from servelab.step.sequence import SamplingParams
 
     engine.add_request([5, 6, 7], SamplingParams(**params), request_id="a")
     clock.now = 0.2

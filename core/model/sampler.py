@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from servelab.sequence import SamplingParams
+from servelab.step.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab.cpp_extension import BUILD_PROBLEM
-from servelab.interfaces import AttentionBackend
-from servelab.model import cpu_fused, cpu_linear
+from servelab.contracts.attention import AttentionBackend
+from servelab.executor.kernel_forward import KernelForward
+from servelab.kernels import cpu_fused, cpu_linear
+from servelab.kernels.cpp_extension import BUILD_PROBLEM
 from servelab.model.config import ModelConfig
-from servelab.model.kernel_forward import KernelForward
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

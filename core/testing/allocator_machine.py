@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelab.sequence import SamplingParams, Sequence
+from servelab.step.sequence import SamplingParams, Sequence
 from servelab.testing.deps import require
 
 hypothesis = require("hypothesis", "the allocator state machine")

@@ -23,11 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.kinds import KINDS
 from servelab.errors import ConfigError, PluginError
-from servelab.hookspecs import hookimpl
-from servelab.options import check_options, describe_options
-from servelab.plugin_manager import REGISTRATION_HOOKS, get_plugin_manager
-from servelab.sequence import SamplingParams, Sequence, SequenceGroup
+from servelab.registry.options import check_options, describe_options
+from servelab.registry.plugin_manager import get_plugin_manager
+from servelab.step.sequence import SamplingParams, Sequence, SequenceGroup
 
 # The built-ins a part is combined with.
 PAGED = {"name": "paged", "block_size": 4}
@@ -71,7 +72,7 @@ def temporarily_registered(kind: str, cls: type, name: str | None = None) -> Ite
 
     A class that does not implement its contract raises AssertionError here.
     """
-    hook_name = REGISTRATION_HOOKS[kind]
+    hook_name = KINDS[kind].hook
     name = name or f"under_test_{cls.__name__}"
 
     def provide(self) -> dict[str, type]:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from servelab.plugin_manager import lookup, registered
-from servelab.sequence import SamplingParams
+from servelab.registry.plugin_manager import lookup, registered
+from servelab.step.sequence import SamplingParams
 from servelab.testing.hf_reference import build_tiny_hf, hf_greedy
 
 VOCAB = 128

@@ -6,7 +6,7 @@ first write (copy-on-write of the one block)."""
 
 from __future__ import annotations
 
-from servelab.hookspecs import hookimpl
+from servelab.contracts.hookspecs import hookimpl
 from servelab.plugins.allocators.paged import PagedAllocator
 
 

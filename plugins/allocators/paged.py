@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from servelab.batch import BlockCopies
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.hookspecs import hookimpl
-from servelab.interfaces import KVAllocator
-from servelab.sequence import Sequence
+from servelab.step.plan import BlockCopies
+from servelab.step.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelab.batch import AttentionMetadata
+from servelab.step.metadata import AttentionMetadata
 
 
 def _torch_version() -> tuple[int, int]:

@@ -41,11 +41,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from servelab.batch import AttentionMetadata
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.hookspecs import hookimpl
-from servelab.interfaces import AttentionBackend, KVAllocator
-from servelab.plugins.attention import cpu_paged
+from servelab.kernels import cpu_paged
 from servelab.plugins.attention.common import (
     Workspace,
     expand_kv_heads,
@@ -61,6 +61,7 @@ from servelab.plugins.attention.sdpa_paths import (
     plan_decode_batch,
     plan_per_seq,
 )
+from servelab.step.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from servelab.batch import AttentionMetadata
-from servelab.hookspecs import hookimpl
-from servelab.interfaces import AttentionBackend
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.hookspecs import hookimpl
 from servelab.plugins.attention.common import Workspace, gather_slots, store_kv
 from servelab.plugins.attention.sdpa_paths import padded_context_slots
+from servelab.step.metadata import AttentionMetadata
 
 
 @dataclass

@@ -13,11 +13,11 @@ from typing import ClassVar
 
 import torch
 
-from servelab.batch import AttentionMetadata
-from servelab.hookspecs import hookimpl
-from servelab.interfaces import AttentionBackend
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.hookspecs import hookimpl
 from servelab.plugins.attention.common import Workspace, store_kv
 from servelab.plugins.attention.sdpa_paths import PerSeqPlan, per_seq_attention, plan_per_seq
+from servelab.step.metadata import AttentionMetadata
 
 # the plan of a step: one call per sequence (kept under its historical name)
 PerRequestPlan = PerSeqPlan

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from servelab.batch import AttentionMetadata
 from servelab.plugins.attention.common import (
     Workspace,
     causal_offset_mask,
@@ -26,6 +25,7 @@ from servelab.plugins.attention.common import (
     packed_slots_of,
     sdpa,
 )
+from servelab.step.metadata import AttentionMetadata
 
 # -- batched decode
 

@@ -17,10 +17,11 @@ from typing import ClassVar
 
 import torch
 
-from servelab.batch import AttentionMetadata
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.hookspecs import hookimpl
-from servelab.interfaces import AttentionBackend, KVAllocator
+from servelab.step.metadata import AttentionMetadata
 
 NAME = "triton_paged"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

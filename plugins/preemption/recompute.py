@@ -2,9 +2,10 @@
 queue and its prompt + generated tokens are prefilled again (the prefix cache
 may serve part of them)."""
 
-from servelab.hookspecs import hookimpl
-from servelab.interfaces import KVAllocator, PreemptionPolicy
-from servelab.sequence import Sequence
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.preemption import PreemptionPolicy
+from servelab.step.sequence import Sequence
 
 
 class RecomputePolicy(PreemptionPolicy):

@@ -2,9 +2,10 @@
 blocks; the group resumes before new admissions when room returns. When the
 host pool is full it falls back to recompute."""
 
-from servelab.hookspecs import hookimpl
-from servelab.interfaces import KVAllocator, PreemptionPolicy
-from servelab.sequence import Sequence
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.preemption import PreemptionPolicy
+from servelab.step.sequence import Sequence
 
 
 class SwapPolicy(PreemptionPolicy):

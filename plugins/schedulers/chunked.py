@@ -6,10 +6,10 @@ long prompt therefore never stalls the running decodes for more than a chunk."""
 
 from __future__ import annotations
 
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
-from servelab.hookspecs import hookimpl
-from servelab.scheduler_base import BaseScheduler
-from servelab.sequence import Sequence
+from servelab.step.sequence import Sequence
 
 
 class ChunkedScheduler(BaseScheduler):

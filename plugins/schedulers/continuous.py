@@ -2,8 +2,8 @@
 and admits waiting requests while `max_num_seqs`, the token budget and KV room
 allow; prompts are prefilled whole."""
 
-from servelab.hookspecs import hookimpl
-from servelab.scheduler_base import BaseScheduler
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.scheduler_base import BaseScheduler
 
 
 class ContinuousScheduler(BaseScheduler):

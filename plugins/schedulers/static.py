@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import time
 
-from servelab.batch import StepPlan
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
-from servelab.hookspecs import hookimpl
-from servelab.scheduler_base import BaseScheduler
-from servelab.sequence import Sequence, SequenceGroup
+from servelab.step.plan import StepPlan
+from servelab.step.sequence import Sequence, SequenceGroup
 
 
 class StaticScheduler(BaseScheduler):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from servelab.plugin_manager import get_plugin_manager
+from servelab.registry.plugin_manager import get_plugin_manager
 
 import servelab_sjf
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 from servelab import LLM, SamplingParams, build_engine
-from servelab.plugin_manager import get_plugin_manager
-from servelab.scheduler_base import BaseScheduler
+from servelab.contracts.scheduler_base import BaseScheduler
+from servelab.registry.plugin_manager import get_plugin_manager
 
 from servelab_sjf import TRACE_ENV, ShortestJobFirst
 

@@ -1,7 +1,7 @@
 """Stands in for a built-in plugin module (listed in DEFAULT_PLUGINS by the tests)."""
 
 from servelab import hookimpl
-from servelab.interfaces import PreemptionPolicy
+from servelab.contracts.preemption import PreemptionPolicy
 
 STEPS_SEEN: list[dict] = []
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelab import hookimpl
-from servelab.options import describe_options
+from servelab.registry.options import describe_options
 
 from servelab_sjf.scheduler import ShortestJobFirst
 from servelab_sjf.trace import TRACE_ENV, servelab_engine_ready, servelab_step_end

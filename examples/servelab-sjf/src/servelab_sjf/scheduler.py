@@ -11,10 +11,10 @@ Everything else — queues, KV admission, preemption, finishing — is
 
 from __future__ import annotations
 
-from servelab.batch import StepPlan
+from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
-from servelab.scheduler_base import BaseScheduler
-from servelab.sequence import SequenceGroup
+from servelab.step.plan import StepPlan
+from servelab.step.sequence import SequenceGroup
 
 PREDICTORS = ("max_tokens", "total")
 

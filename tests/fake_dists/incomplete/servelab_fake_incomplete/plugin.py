@@ -1,7 +1,7 @@
 """A plugin whose scheduler implements only part of the Scheduler contract."""
 
 from servelab import hookimpl
-from servelab.interfaces import Scheduler
+from servelab.contracts.scheduler import Scheduler
 
 
 class HalfScheduler(Scheduler):

@@ -2,7 +2,8 @@
 options, and an observer that takes fewer arguments than its hook spec."""
 
 from servelab import hookimpl
-from servelab.interfaces import AttentionBackend, Scheduler
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.scheduler import Scheduler
 
 STEPS_SEEN: list[dict] = []
 

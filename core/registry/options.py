@@ -1,14 +1,9 @@
-"""From a config node to a part: `{"name": "paged", "block_size": 16}` -> `PagedAllocator(...)`.
+"""A part's options: the keyword parameters of its constructor, minus the
+context its kind gets from the engine (`servelab.contracts.kinds`).
 
-Rules:
-- a node is a bare name (`"paged"`) or a mapping with `name` plus that part's
-  options;
-- a part's options are the keyword parameters of its constructor, minus the
-  engine-supplied context parameters of its kind (`CONTEXT_PARAMS`);
-- an unknown option is a `ConfigError` listing the accepted ones; a user
-  never sets a context parameter, the engine always does;
-- `construct` is the one place a node becomes an object:
-  `cls(**options, **context)`.
+Rules: a config node is a bare name (`"paged"`) or a mapping with `name` plus
+that part's options; an unknown option is a `ConfigError` listing the accepted
+ones; a user never sets a context parameter, the engine always does.
 """
 
 from __future__ import annotations
@@ -19,26 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from servelab.contracts.kinds import kind as get_kind
 from servelab.errors import ConfigError
-
-# What the engine passes to every part of a kind. Kept here, once, so option
-# validation and the engine cannot disagree. Allocators get capacities in
-# tokens, not blocks: the engine sizes every allocator from one memory budget
-# before knowing its block size.
-CONTEXT_PARAMS: dict[str, frozenset[str]] = {
-    "scheduler": frozenset(
-        {"allocator", "preemption", "max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-    ),
-    "allocator": frozenset({"token_capacity", "host_token_capacity", "max_model_len"}),
-    "preemption": frozenset(),
-    "attention": frozenset({"num_heads", "num_kv_heads", "head_dim", "scale"}),
-}
-
-
-def check_kind(kind: str) -> None:
-    """Raises `ConfigError` unless `kind` is one of the four contracts."""
-    if kind not in CONTEXT_PARAMS:
-        raise ConfigError(f"unknown kind {kind!r}; kinds: {', '.join(CONTEXT_PARAMS)}")
 
 
 class _Required:
@@ -75,8 +52,7 @@ def describe_options(cls: type, kind: str) -> dict[str, Any]:
     Follows `**kwargs` up the MRO: a constructor that forwards `**kwargs` to
     its base also accepts the base constructor's keyword parameters.
     """
-    check_kind(kind)
-    context = CONTEXT_PARAMS[kind]
+    context = get_kind(kind).context
     options: dict[str, Any] = {}
     for params in _constructor_chain(cls):
         for param in params:
@@ -85,26 +61,6 @@ def describe_options(cls: type, kind: str) -> dict[str, Any]:
                     REQUIRED if param.default is inspect.Parameter.empty else param.default
                 )
     return options
-
-
-def construct(kind: str, spec: Any, **context: Any) -> Any:
-    """Looks up the part named by `spec`, validates its options, returns
-    `cls(**options, **context)` with `.name` set to the registered name."""
-    # Imported here: plugin_manager imports this module for `describe_options`.
-    from servelab.plugin_manager import lookup
-
-    check_kind(kind)
-    unexpected = set(context) - CONTEXT_PARAMS[kind]
-    if unexpected:
-        # An engine bug, not a user error: CONTEXT_PARAMS is the contract.
-        raise TypeError(f"context {sorted(unexpected)} is not in CONTEXT_PARAMS[{kind!r}]")
-    name, options = split_component(spec, kind)
-    cls = lookup(kind, name)
-    accepted = describe_options(cls, kind)
-    check_options(kind, name, options, accepted)
-    part = cls(**options, **context)
-    part.name = name  # the registered name, for error messages and reports
-    return part
 
 
 def check_options(
@@ -116,7 +72,7 @@ def check_options(
         listed = ", ".join(accepted) or "(none)"
         noun = "option" if len(unknown) == 1 else "options"
         message = f"unknown {noun} {', '.join(map(repr, unknown))} for {kind} {name!r}; accepted: {listed}"
-        from_engine = [key for key in unknown if key in CONTEXT_PARAMS[kind]]
+        from_engine = [key for key in unknown if key in get_kind(kind).context]
         if from_engine:
             message += f" ({', '.join(from_engine)} is supplied by the engine)"
         raise ConfigError(message)

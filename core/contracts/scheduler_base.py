@@ -20,11 +20,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from servelab.batch import SampledTokens, ScheduledSeq, StepPlan
-from servelab.decode_batch import DecodeBatch
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.preemption import PreemptionPolicy
+from servelab.contracts.scheduler import Scheduler
 from servelab.errors import ConfigError, RequestError
-from servelab.interfaces import KVAllocator, PreemptionPolicy, Scheduler
-from servelab.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from servelab.step.decode_batch import DecodeBatch
+from servelab.step.plan import SampledTokens, ScheduledSeq, StepPlan
+from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 ADMISSION_MODES = ("reserve", "on_demand")
 
@@ -78,7 +80,7 @@ class BaseScheduler(Scheduler):
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_recomputed_tokens = 0
         self.dropped: list[SequenceGroup] = []  # finished by schedule() itself (cache full)
-        # the running sequences while they all decode (see servelab.decode_batch);
+        # the running sequences while they all decode (see servelab.step.decode_batch);
         # None whenever a step must take the general path
         self.decode_batch: DecodeBatch | None = None
 

@@ -24,13 +24,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from servelab.build import build_engine
-from servelab.engine import Engine
+from servelab.engine.build import build_engine
+from servelab.engine.engine import Engine
+from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.errors import ConfigError
-from servelab.metrics import RequestRecord, StepRecord
-from servelab.report import report_options
-from servelab.sequence import SamplingParams
-from servelab.workload import WorkloadRequest, make_workload
+from servelab.lab.report import report_options
+from servelab.lab.workload import WorkloadRequest, make_workload
+from servelab.step.sequence import SamplingParams
 
 RUN_DEFAULTS: dict[str, Any] = {
     "progress": True,  # a live progress bar (requests done, tok/s)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from servelab.batch import AttentionMetadata
-from servelab.sequence import Sequence
+from servelab.step.metadata import AttentionMetadata
+from servelab.step.sequence import Sequence
 
 
 class DecodeBatch:

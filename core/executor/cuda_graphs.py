@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from servelab.batch import AttentionMetadata
+from servelab.step.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -1,21 +1,20 @@
-"""The four contracts. A part is a class implementing one of these ABCs and
-registered under a name through a `servelab_register_*` hook.
+"""The KV allocator contract: what a part that owns sequence -> block mapping implements.
 
-Every part is constructed as `cls(**options, **context)` where `options` come
-from the user's config node (validated against the constructor's keyword
-parameters) and `context` holds what the engine supplies (listed per contract).
+Pure CPU bookkeeping (block ids, ref counts, hashes): this module and every
+allocator import no torch, so an allocator can be unit-tested and fuzzed alone.
+Block copies an allocator needs (swap, copy-on-write) are returned as
+`BlockCopies` by `take_copies()` and run by the executor before the forward.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+from servelab.step.plan import BlockCopies
 
-from servelab.batch import AttentionMetadata, BlockCopies, StepPlan
-from servelab.sequence import Sequence, SequenceGroup
+if TYPE_CHECKING:
+    from servelab.step.sequence import Sequence
 
 
 class KVAllocator(abc.ABC):
@@ -82,7 +81,7 @@ class KVAllocator(abc.ABC):
         """Called after a step computed tokens of `seq`: full blocks may now be
         published to the prefix cache. No-op without prefix caching."""
 
-    # -- the decode fast path (servelab.decode_batch); the defaults are correct
+    # -- the decode fast path (servelab.step.decode_batch); the defaults are correct
     # for any allocator, an override only makes them cheap
     def extend_decodes(self, seqs: list[Sequence], rows: list[int]) -> list[int] | None:
         """Room for one more token in each of `seqs`, all decoding (each computes
@@ -149,133 +148,3 @@ class KVAllocator(abc.ABC):
     @abc.abstractmethod
     def check_integrity(self) -> None:
         """Asserts every invariant of the docstring above."""
-
-
-class PreemptionPolicy(abc.ABC):
-    """Frees room when on-demand allocation runs out.
-
-    Rules: the victim is the lowest priority (largest `priority` value), then
-    the latest arrival; a preempted request loses nothing: its final tokens
-    equal an unpreempted run. `preempt` returns the status the group goes to
-    (WAITING for recompute, SWAPPED for swap).
-
-    Engine-supplied context: none.
-    """
-
-    description: ClassVar[str] = ""
-
-    def select_victim(self, running: list[list[Sequence]]) -> list[Sequence]:
-        """Chooses the group to preempt among running groups (each a list of sequences)."""
-        return max(running, key=lambda g: (g[0].priority, g[0].arrival_time, g[0].seq_id))
-
-    @abc.abstractmethod
-    def preempt(self, group: list[Sequence], allocator: KVAllocator) -> str:
-        """Frees the group's device blocks; returns "waiting" (recompute) or "swapped"."""
-
-    def resume(self, group: list[Sequence], allocator: KVAllocator) -> bool:
-        """Brings a swapped group back if room allows; True when resumed."""
-        if not allocator.can_swap_in(group):
-            return False
-        allocator.swap_in(group)
-        return True
-
-
-class AttentionBackend(abc.ABC):
-    """Computes attention for a packed batch of mixed prefill chunks and decodes.
-
-    Rules:
-    - `plan(meta)` runs once per step and returns whatever `forward` needs
-      (masks, padding indices, kernel arguments); `forward` runs once per layer
-      and must not rebuild per-step state;
-    - `forward(q, k, v, kv_cache, plan)` first writes this step's `k`, `v`
-      (`[num_tokens, num_kv_heads, head_dim]`) into the layer's cache at
-      `meta.slot_mapping`, then attends every query (`[num_tokens, num_heads,
-      head_dim]`) causally over its sequence's whole context — cached prefix,
-      earlier chunks and this chunk — reading K/V through the block table; it
-      returns `[num_tokens, num_heads, head_dim]`;
-    - the layer cache is a pair `(k_cache, v_cache)`, each
-      `[num_blocks, block_size, num_kv_heads, head_dim]`;
-    - `check(...)` raises `ConfigError` naming the backend and the part it
-      cannot serve.
-
-    Engine-supplied context: `num_heads`, `num_kv_heads`, `head_dim`, `scale`.
-    """
-
-    description: ClassVar[str] = ""
-    # True when forward() never syncs with the host and skips negative slots,
-    # so a decode step can be captured in a CUDA graph (see servelab.cuda_graphs)
-    graph_safe: ClassVar[bool] = False
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-
-    def check(self, allocator: KVAllocator, device: torch.device, dtype: torch.dtype) -> None:
-        """Raises ConfigError for a combination this backend cannot serve."""
-
-    @abc.abstractmethod
-    def plan(self, meta: AttentionMetadata) -> Any:
-        """Per-step preparation; the result is passed to every `forward` of the step."""
-
-    @abc.abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        plan: Any,
-    ) -> torch.Tensor:
-        """Stores k/v into the cache, returns attention output for q."""
-
-    def stats(self) -> dict[str, float]:
-        """Backend-specific figures (e.g. padding tokens); cumulative."""
-        return {}
-
-    def cpu_paged_kernel_inputs(
-        self, plan: Any, num_layers: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Optional: `(slot_mapping, tables, lens)` when, in every one of the
-        step's `num_layers` layers, `forward` would be exactly
-        `cpu_paged.store_kv` of k/v at `slot_mapping`, then
-        `cpu_paged.paged_decode` of q over `tables` and `lens`: the model may
-        then run all its layers in one C++ call (`servelab.model.cpu_decoder`)
-        instead of calling `forward` per layer. A backend that answers accounts
-        those layers as if `forward` had run them. None (the default): the
-        model calls `forward`."""
-        return None
-
-
-class Scheduler(abc.ABC):
-    """Decides each step's work. See `servelab.scheduler_base.BaseScheduler`."""
-
-    description: ClassVar[str] = ""
-
-    @abc.abstractmethod
-    def add(self, group: SequenceGroup) -> None: ...
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> list[Sequence]: ...
-
-    @abc.abstractmethod
-    def schedule(self) -> StepPlan: ...
-
-    @abc.abstractmethod
-    def update(
-        self, plan: StepPlan, sampled: Mapping[int, list[int]], now: float
-    ) -> list[SequenceGroup]:
-        """After the forward: `sampled` maps seq_id -> the tokens sampled for it
-        (the engine passes a `SampledTokens`, which also lists them in order)."""
-
-    @abc.abstractmethod
-    def has_unfinished(self) -> bool: ...
-
-
-CONTRACTS: dict[str, type] = {
-    "scheduler": Scheduler,
-    "allocator": KVAllocator,
-    "preemption": PreemptionPolicy,
-    "attention": AttentionBackend,
-}

@@ -14,20 +14,21 @@ from typing import Any
 
 import torch
 
-from servelab.device import (
+from servelab.contracts.kinds import KINDS
+from servelab.engine.engine import Engine
+from servelab.errors import ConfigError
+from servelab.executor.device_memory import (
     allocated_before_weights,
     check_utilization,
     device_memory_budget,
     estimate_activation_bytes,
 )
-from servelab.engine import Engine
-from servelab.errors import ConfigError
-from servelab.host_memory import keep_freed_memory
-from servelab.kv_cache import KVCache
+from servelab.executor.host_memory import keep_freed_memory
+from servelab.executor.kv_cache import KVCache
 from servelab.model.loader import load_model, resolve_dtype
 from servelab.model.sampler import Sampler
-from servelab.options import construct
-from servelab.plugin_manager import get_plugin_manager, notify
+from servelab.registry.construct import construct
+from servelab.registry.plugin_manager import get_plugin_manager, notify
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,6 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # None: the KV cache takes kv_cache_memory; a fraction in (0, 1]: it takes what this
     # share of the CUDA device leaves after the weights and an activation estimate
     "gpu_memory_utilization": None,
-}
-COMPONENTS = ("scheduler", "allocator", "preemption", "attention")
-COMPONENT_DEFAULTS = {
-    "scheduler": "continuous",
-    "allocator": "paged",
-    "preemption": "recompute",
-    "attention": "per_request",
 }
 
 _UNITS = {
@@ -222,10 +216,10 @@ def attention_backend(spec: Any, model_config) -> Any:
 
 def build_engine(config: Mapping) -> Engine:
     config = _to_dict(config)
-    unknown = set(config) - {"model", "engine", *COMPONENTS}
+    unknown = set(config) - {"model", "engine", *KINDS}
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {sorted(unknown)}; accepted: model, engine, {', '.join(COMPONENTS)}"
+            f"unknown config key(s) {sorted(unknown)}; accepted: model, engine, {', '.join(KINDS)}"
         )
     get_plugin_manager()
     opts = engine_options(config.get("engine"))
@@ -257,7 +251,7 @@ def build_engine(config: Mapping) -> Engine:
     token_capacity = kv_bytes // bytes_per_token
     host_capacity = parse_bytes(opts["swap_space"], "swap_space") // bytes_per_token
 
-    parts = {c: config.get(c) or COMPONENT_DEFAULTS[c] for c in COMPONENTS}
+    parts = {k: config.get(k) or KINDS[k].default for k in KINDS}
     allocator = construct(
         "allocator",
         parts["allocator"],

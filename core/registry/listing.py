@@ -17,11 +17,11 @@ import json
 import sys
 from typing import Any
 
+from servelab.contracts.kinds import KINDS
 from servelab.errors import PluginError
-from servelab.options import REQUIRED
-from servelab.plugin_manager import (
+from servelab.registry.options import REQUIRED
+from servelab.registry.plugin_manager import (
     EVENT_HOOKS,
-    REGISTRATION_HOOKS,
     RUNTIME,
     PartInfo,
     ServelabPluginManager,
@@ -34,7 +34,7 @@ INDENT = "  "
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    kinds = [args.kind] if args.kind else list(REGISTRATION_HOOKS)
+    kinds = [args.kind] if args.kind else list(KINDS)
     try:
         pm = get_plugin_manager()
         parts = {kind: pm.registered(kind) for kind in kinds}
@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         description="List servelab's registered parts, their origins and options, "
         "and the plugins that failed to load.",
     )
-    parser.add_argument("kind", nargs="?", choices=list(REGISTRATION_HOOKS), help="one kind only")
+    parser.add_argument("kind", nargs="?", choices=list(KINDS), help="one kind only")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 

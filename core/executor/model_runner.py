@@ -15,9 +15,9 @@ Rules that keep a step cheap:
   per step).
 
 On CUDA the step's input ids and metadata reach the device in one pinned,
-non-blocking copy (`servelab.device.StepStaging`), and with
+non-blocking copy (`servelab.executor.staging.StepStaging`), and with
 `enable_decode_graphs` decode steps replay captured CUDA graphs
-(`servelab.cuda_graphs.DecodeGraphRunner`).
+(`servelab.executor.cuda_graphs.DecodeGraphRunner`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
-from servelab.batch import AttentionMetadata, SampledTokens, StepPlan
-from servelab.cuda_graphs import DecodeGraphRunner
-from servelab.device import StepStaging
-from servelab.interfaces import AttentionBackend, KVAllocator
-from servelab.kv_cache import KVCache
-from servelab.sequence import SamplingParams
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.attention import AttentionBackend
+from servelab.executor.cuda_graphs import DecodeGraphRunner
+from servelab.executor.kv_cache import KVCache
+from servelab.executor.staging import StepStaging
+from servelab.step.metadata import AttentionMetadata
+from servelab.step.plan import SampledTokens, StepPlan
+from servelab.step.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +204,7 @@ class ModelRunner:
         return attn_plan, torch.tensor(input_ids, dtype=torch.long)
 
     def prepare_decode_batch(self, plan: StepPlan) -> StepBatch:
-        """`prepare` for a step of a decode batch's rows only (`servelab.decode_batch`):
+        """`prepare` for a step of a decode batch's rows only (`servelab.step.decode_batch`):
         array arithmetic, plus per-row lists only when a row samples with
         parameters (not greedy)."""
         batch = plan.decodes

@@ -5,7 +5,7 @@ named after one of these specifications. Two families:
 
 - registration hooks collect parts from every plugin (none is `firstresult`):
   each returns `{name: class}`; the plugin manager checks the classes against
-  the contracts in `servelab.interfaces` and rejects duplicate names;
+  the contracts in `servelab.contracts.attention` and rejects duplicate names;
 - event hooks observe the engine; each implementation is called in isolation,
   so an observer that raises is reported and never stops the engine.
 
@@ -21,7 +21,7 @@ import pluggy
 if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore
 
-    from servelab.engine import Engine
+    from servelab.engine.engine.engine import Engine
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -17,7 +17,7 @@ Rules:
   results match `F.linear` to rounding, not bit for bit;
 - deterministic: an output element is computed whole by one thread in a fixed
   order, so the thread count never changes a result;
-- built on first use through `servelab.cpp_extension.build_inline`; without a
+- built on first use through `servelab.kernels.cpp_extension.build_inline`; without a
   compiler (or with `SERVELAB_CPU_KERNEL=0`) `kernel()` is None and callers
   keep `F.linear`.
 """
@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from servelab.cpp_extension import SIMD_PRELUDE, build_inline
+from servelab.kernels.cpp_extension import SIMD_PRELUDE, build_inline
 
 DTYPES = (torch.float32, torch.float64)
 

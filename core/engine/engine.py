@@ -18,13 +18,15 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from servelab.batch import StepPlan
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.scheduler import Scheduler
+from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
 from servelab.errors import RequestError
-from servelab.interfaces import AttentionBackend, KVAllocator, Scheduler
-from servelab.kv_cache import KVCache
-from servelab.metrics import MetricsCollector, RequestRecord, StepRecord
-from servelab.model_runner import ModelRunner
-from servelab.sequence import (
+from servelab.executor.kv_cache import KVCache
+from servelab.executor.model_runner import ModelRunner
+from servelab.step.plan import StepPlan
+from servelab.step.sequence import (
     CompletionOutput,
     FinishReason,
     RequestOutput,

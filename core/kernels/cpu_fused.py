@@ -43,7 +43,12 @@ from types import ModuleType
 
 import torch
 
-from servelab.cpp_extension import BUILD_PROBLEM, SIMD_PRELUDE, build_inline, placement_problems
+from servelab.kernels.cpp_extension import (
+    BUILD_PROBLEM,
+    SIMD_PRELUDE,
+    build_inline,
+    placement_problems,
+)
 
 DTYPES = (torch.float32, torch.float64)
 # The least work a call needs before its rows are split over threads, in units

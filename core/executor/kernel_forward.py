@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from servelab.model import cpu_decoder, cpu_fused, cpu_linear
+from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear
 
 if TYPE_CHECKING:
     from servelab.model.transformer import Transformer

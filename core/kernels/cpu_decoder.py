@@ -16,7 +16,7 @@ so forward hooks on the embedding or the layers do not run.
 
 The extension is one translation unit of the three kernels' sources (matmul,
 fused element-wise, paged attention) and the loop, built like them (see
-`servelab.cpp_extension`). The paged-attention source comes from the
+`servelab.kernels.cpp_extension`). The paged-attention source comes from the
 `flash_varlen` backend's `cpu_paged` module: the one place the model reaches
 into a built-in plugin, because this loop exists only to run that kernel.
 """
@@ -28,8 +28,8 @@ from types import ModuleType
 
 import torch
 
-from servelab.cpp_extension import SIMD_PRELUDE, build_inline
-from servelab.model import cpu_fused, cpu_linear
+from servelab.kernels import cpu_fused, cpu_linear
+from servelab.kernels.cpp_extension import SIMD_PRELUDE, build_inline
 
 # One layer's tensors in the order the loop reads them; an absent optional
 # weight (a bias, Qwen3's q/k norms on other models) is an empty tensor.
@@ -128,7 +128,7 @@ def _body(source: str) -> str:
 @functools.cache
 def kernel() -> ModuleType | None:
     """The compiled extension, or None (logged once) when it cannot be built."""
-    from servelab.plugins.attention import cpu_paged  # the attention kernel's source
+    from servelab.kernels import cpu_paged  # the attention kernel's source
 
     source = (
         SIMD_PRELUDE

@@ -28,10 +28,11 @@ from typing import Any
 
 import pluggy
 
-from servelab import hookspecs
+from servelab.contracts import hookspecs
+from servelab.contracts.kinds import KINDS
+from servelab.contracts.kinds import kind as get_kind
 from servelab.errors import ConfigError, PluginError
-from servelab.interfaces import CONTRACTS
-from servelab.options import check_kind, describe_options
+from servelab.registry.options import describe_options
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,6 @@ DISABLE_ENV = "SERVELAB_DISABLE_PLUGINS"
 BUILTIN = "built-in"
 RUNTIME = "registered at runtime"  # origin of a plugin passed to `register` by code
 
-REGISTRATION_HOOKS: dict[str, str] = {
-    "scheduler": "servelab_register_schedulers",
-    "allocator": "servelab_register_allocators",
-    "preemption": "servelab_register_preemption_policies",
-    "attention": "servelab_register_attention_backends",
-}
 EVENT_HOOKS: tuple[str, ...] = (
     "servelab_engine_ready",
     "servelab_step_end",
@@ -185,7 +180,7 @@ class ServelabPluginManager(pluggy.PluginManager):
 
     def registered(self, kind: str) -> dict[str, PartInfo]:
         """Every part of `kind` registered by any plugin, in registration order."""
-        check_kind(kind)
+        get_kind(kind)
         if kind not in self._parts:
             self._parts[kind] = self._collect_parts(kind)
         return dict(self._parts[kind])
@@ -201,7 +196,7 @@ class ServelabPluginManager(pluggy.PluginManager):
         raise ConfigError(message)
 
     def _collect_parts(self, kind: str) -> dict[str, PartInfo]:
-        hook_name = REGISTRATION_HOOKS[kind]
+        hook_name = KINDS[kind].hook
         parts: dict[str, PartInfo] = {}
         for impl in getattr(self.hook, hook_name).get_hookimpls():
             plugin, origin = impl.plugin_name, self.origins.get(impl.plugin_name, RUNTIME)
@@ -338,13 +333,13 @@ def notify(hook_name: str, **kwargs: Any) -> None:
 def _part_info(kind: str, name: Any, cls: Any, plugin: str, origin: str) -> PartInfo:
     """Checks one registered part against its contract; `PluginError` naming the owner otherwise."""
     owner = f"{plugin} ({origin})"
-    contract = CONTRACTS[kind]
+    contract = KINDS[kind].contract
     if not isinstance(name, str) or not name:
         raise PluginError(f"{owner} registered a {kind} under {name!r}; a name is a non-empty str")
     if not (isinstance(cls, type) and issubclass(cls, contract)):
         raise PluginError(
             f"{kind} {name!r} of {owner} is {cls!r}, which does not subclass "
-            f"servelab.interfaces.{contract.__name__}"
+            f"servelab.contracts.attention.{contract.__name__}"
         )
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
     if missing:

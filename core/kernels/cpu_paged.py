@@ -45,7 +45,12 @@ from types import ModuleType
 
 import torch
 
-from servelab.cpp_extension import BUILD_PROBLEM, SIMD_PRELUDE, build_inline, placement_problems
+from servelab.kernels.cpp_extension import (
+    BUILD_PROBLEM,
+    SIMD_PRELUDE,
+    build_inline,
+    placement_problems,
+)
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float32, torch.float64)

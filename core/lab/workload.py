@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from servelab.errors import ConfigError
-from servelab.sequence import SamplingParams
+from servelab.step.sequence import SamplingParams
 
 
 @dataclass

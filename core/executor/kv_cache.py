@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from servelab.batch import BlockCopies
+from servelab.step.plan import BlockCopies
 
 
 class KVCache:

@@ -1,0 +1,78 @@
+"""The one table of the kinds of part: every place that enumerates them (the
+plugin manager, `construct`, the builder, the CLI, the conformance kit) reads it.
+
+A kind names its contract (the ABC a part subclasses), the registration hook
+that collects its parts, the context the engine passes to every part of the
+kind (never a user option), and the built-in a config gets when it names none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.preemption import PreemptionPolicy
+from servelab.contracts.scheduler import Scheduler
+from servelab.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # the config group and the CLI's word: `scheduler=chunked`
+    contract: type
+    hook: str  # the registration hook, `servelab_register_*`
+    context: frozenset[str]  # supplied by the engine: `cls(**options, **context)`
+    default: str  # the built-in part used when a config names none
+
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind(
+            "scheduler",
+            Scheduler,
+            "servelab_register_schedulers",
+            frozenset(
+                {
+                    "allocator",
+                    "preemption",
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "max_model_len",
+                }
+            ),
+            "continuous",
+        ),
+        # capacities in tokens, not blocks: the engine sizes every allocator from one
+        # memory budget before knowing its block size
+        Kind(
+            "allocator",
+            KVAllocator,
+            "servelab_register_allocators",
+            frozenset({"token_capacity", "host_token_capacity", "max_model_len"}),
+            "paged",
+        ),
+        Kind(
+            "preemption",
+            PreemptionPolicy,
+            "servelab_register_preemption_policies",
+            frozenset(),
+            "recompute",
+        ),
+        Kind(
+            "attention",
+            AttentionBackend,
+            "servelab_register_attention_backends",
+            frozenset({"num_heads", "num_kv_heads", "head_dim", "scale"}),
+            "per_request",
+        ),
+    )
+}
+
+
+def kind(name: str) -> Kind:
+    """The kind called `name`; a `ConfigError` listing the kinds otherwise."""
+    if name not in KINDS:
+        raise ConfigError(f"unknown kind {name!r}; kinds: {', '.join(KINDS)}")
+    return KINDS[name]

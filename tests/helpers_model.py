@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.contracts.attention import AttentionBackend
+from servelab.executor.forward import TorchForward
 from servelab.step.metadata import AttentionMetadata
 
 
@@ -71,10 +72,12 @@ def make_backend(config) -> DenseReferenceBackend:
 class PagedDriver:
     """Runs a `Transformer` over sequences with a paged KV cache, like the engine
     would: each sequence owns blocks handed out in a scrambled order so the block
-    table is really exercised."""
+    table is really exercised. `forward` is the executor's forward to run it
+    through (`TorchForward(model)` when None; a `KernelForward` for the C++ path)."""
 
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 4) -> None:
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 4, forward=None) -> None:
         self.model = model
+        self.forward = forward if forward is not None else TorchForward(model)
         self.block_size = block_size
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [
@@ -113,12 +116,12 @@ class PagedDriver:
             self.num_computed[seq] = end
         meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, self.block_size)
         input_ids = torch.tensor(ids, device=self.model.device)
-        hidden = self.model(
+        hidden = self.forward.forward(
             input_ids,
             meta.positions.to(self.model.device),
             self.kv_caches,
             self.backend,
             self.backend.plan(meta),
         )
-        logits = self.model.compute_logits(hidden)
+        logits = self.forward.logits(hidden)
         return list(logits.split(query_lens))

@@ -109,9 +109,9 @@ def tiny_engine(**engine):
 
 
 def test_engine_option_turns_the_kernels_on_and_off():
-    assert tiny_engine().model.cpu_kernels
-    assert tiny_engine(cpu_kernels="on").model.cpu_kernels
-    assert not tiny_engine(cpu_kernels="off").model.cpu_kernels
+    assert tiny_engine().runner.cpu_kernels
+    assert tiny_engine(cpu_kernels="on").runner.cpu_kernels
+    assert not tiny_engine(cpu_kernels="off").runner.cpu_kernels
 
 
 def test_engine_option_errors_name_choices_and_reasons():
@@ -120,14 +120,14 @@ def test_engine_option_errors_name_choices_and_reasons():
     with pytest.raises(ConfigError, match="dtype must be float32 or float64"):
         tiny_engine(cpu_kernels="on", dtype="bfloat16")
     # auto quietly keeps torch's matmuls where the kernels cannot run
-    assert not tiny_engine(dtype="bfloat16").model.cpu_kernels
+    assert not tiny_engine(dtype="bfloat16").runner.cpu_kernels
 
 
 def test_switched_off_kernels_leave_torch_matmuls(monkeypatch):
     monkeypatch.setenv("SERVELAB_CPU_KERNEL", "0")
     cpu_linear.kernel.cache_clear()
     try:
-        assert not tiny_engine().model.cpu_kernels
+        assert not tiny_engine().runner.cpu_kernels
         with pytest.raises(ConfigError, match="SERVELAB_CPU_KERNEL=0"):
             tiny_engine(cpu_kernels="on")
     finally:

@@ -1,4 +1,4 @@
-"""`Transformer.use_cpu_kernels`: the model's forward through the C++ CPU kernels
+"""`KernelForward`: the model's forward through the C++ CPU kernels
 (`servelab.executor.kernel_forward`) follows its parameters.
 
 The program packs weights once; these tests change the parameters in every way
@@ -18,6 +18,8 @@ import pytest
 import torch
 from torch import nn
 
+from servelab.executor.forward import TorchForward, choose_forward, cpu_kernel_problems
+from servelab.executor.kernel_forward import KernelForward, PagedKernelAttention
 from servelab.model.loader import load_model
 from tests.helpers_model import PagedDriver
 
@@ -27,37 +29,29 @@ TOL = 1e-9
 @pytest.fixture(autouse=True)
 def needs_the_kernels():
     model, _, _ = load_model("tiny", "float64", "cpu")
-    if model.cpu_kernel_problems():
-        pytest.skip(f"the C++ CPU kernels cannot run here: {model.cpu_kernel_problems()}")
+    if cpu_kernel_problems(model):
+        pytest.skip(f"the C++ CPU kernels cannot run here: {cpu_kernel_problems(model)}")
 
 
-def run_steps(model) -> torch.Tensor:
+def run_steps(model, forward) -> torch.Tensor:
     """Logits of a prompt step then a decode step on a fresh cache."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 4)]
-    driver = PagedDriver(model, num_blocks=16, block_size=4)
+    driver = PagedDriver(model, num_blocks=16, block_size=4, forward=forward)
     first = driver.step([(0, prompts[0]), (1, prompts[1])])
     second = driver.step([(0, [5]), (1, [7])])
     return torch.cat(first + second)
 
 
-def logits_both_ways(model) -> tuple[torch.Tensor, torch.Tensor]:
+def logits_both_ways(model, program) -> tuple[torch.Tensor, torch.Tensor]:
     """The same model's logits through its (long-lived) kernel program, then
-    through torch's ops with that program set aside and put back."""
-    program = model.kernel_forward
-    assert program is not None
-    kernels = run_steps(model)
-    model.kernel_forward = None
-    try:
-        reference = run_steps(model)
-    finally:
-        model.kernel_forward = program
-    return kernels, reference
+    through torch's ops."""
+    return run_steps(model, program), run_steps(model, TorchForward(model))
 
 
-def assert_paths_agree(model) -> torch.Tensor:
+def assert_paths_agree(model, program) -> torch.Tensor:
     with torch.no_grad():
-        kernels, reference = logits_both_ways(model)
+        kernels, reference = logits_both_ways(model, program)
     torch.testing.assert_close(kernels, reference, rtol=0, atol=TOL)
     return reference
 
@@ -65,8 +59,8 @@ def assert_paths_agree(model) -> torch.Tensor:
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-llama"])
 def test_kernel_path_follows_every_parameter_change(shape):
     model, _, _ = load_model(shape, "float64", "cpu")
-    model.use_cpu_kernels(True)  # once: the program must notice every change itself
-    before = assert_paths_agree(model)
+    program = KernelForward(model)  # once: the program must notice every change itself
+    before = assert_paths_agree(model, program)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
     with torch.no_grad():
         attn.k_proj.weight.mul_(-1.5)  # a view of the fused q/k/v weight
@@ -75,7 +69,7 @@ def test_kernel_path_follows_every_parameter_change(shape):
         if attn.q_proj.bias is not None:
             attn.q_proj.bias.add_(0.5)  # Qwen2's q/k/v bias
         model.model.embed_tokens.weight.mul_(0.9)  # also the LM head when tied
-    after = assert_paths_agree(model)
+    after = assert_paths_agree(model, program)
     assert (after - before).abs().max() > 1e-3  # the changes really changed the logits
     # a parameter replaced outright: q/k/v are no longer views of one tensor
     gen = torch.Generator().manual_seed(4)
@@ -84,30 +78,30 @@ def test_kernel_path_follows_every_parameter_change(shape):
         requires_grad=False,
     )
     assert not attn.qkv.is_current()
-    assert_paths_agree(model)
+    assert_paths_agree(model, program)
 
 
-def test_switching_off_restores_torch_ops():
+def test_the_forward_follows_engine_cpu_kernels():
     model, _, _ = load_model("tiny", "float64", "cpu")
-    model.use_cpu_kernels(True)
-    assert model.cpu_kernels and model.kernel_forward is not None
-    model.use_cpu_kernels(False)
-    assert not model.cpu_kernels and model.kernel_forward is None
+    assert isinstance(choose_forward(model, "auto", compile=False), KernelForward)
+    assert isinstance(choose_forward(model, "on", compile=False), KernelForward)
+    assert isinstance(choose_forward(model, "off", compile=False), TorchForward)
+    assert isinstance(choose_forward(model, "auto", compile=True), TorchForward)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-llama"])  # untied, tied
 def test_logits_follow_the_head_weight_without_a_forward(shape):
     model, _, _ = load_model(shape, "float64", "cpu")
-    model.use_cpu_kernels(True)
+    program = KernelForward(model)
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     hidden = torch.randn(3, model.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(
-            model.compute_logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
+            program.logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
         )
         head.weight.mul_(-2.0)
         torch.testing.assert_close(
-            model.compute_logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
+            program.logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
         )
 
 
@@ -135,15 +129,14 @@ def paged_kernel_backend(model):
     return backend
 
 
-def three_steps(model, decoder) -> tuple[list[torch.Tensor], list, object]:
+def three_steps(model, program, decoder) -> tuple[list[torch.Tensor], list, object]:
     """A prompt step, a mixed step (a decode, a prompt's second chunk, a new
     prompt) and a decode-only step, with the decoder loop on or off; returns the
     logits, the K/V caches and the backend."""
-    program = model.kernel_forward
     saved = program._decoder
     program._decoder = program._decoder if decoder else None
     try:
-        driver = PagedDriver(model, num_blocks=32, block_size=4)
+        driver = PagedDriver(model, num_blocks=32, block_size=4, forward=program)
         driver.backend = paged_kernel_backend(model)
         gen = torch.Generator().manual_seed(5)
         tokens = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (11, 6, 7, 3)]
@@ -161,11 +154,11 @@ def test_decoder_loop_is_the_python_loop_bit_for_bit(shape, dtype):
     """The same kernels in the same order: equal logits and caches, not close ones
     (Qwen3's q/k norms, Qwen2's biases, Llama's neither: every optional weight)."""
     model, _, _ = load_model(shape, dtype, "cpu")
-    model.use_cpu_kernels(True)
-    if model.kernel_forward._decoder is None:
+    program = KernelForward(model)
+    if program._decoder is None:
         pytest.skip("the decoder loop's extension cannot be built here")
-    fast, fast_caches, fast_backend = three_steps(model, decoder=True)
-    slow, slow_caches, slow_backend = three_steps(model, decoder=False)
+    fast, fast_caches, fast_backend = three_steps(model, program, decoder=True)
+    slow, slow_caches, slow_backend = three_steps(model, program, decoder=False)
     assert fast_backend.forward_calls == 0  # every step went through the C++ loop
     assert slow_backend.forward_calls == 3 * model.config.num_layers
     # both account every layer the paged kernel attended
@@ -181,11 +174,12 @@ def test_decoder_loop_is_the_python_loop_bit_for_bit(shape, dtype):
 
 
 def test_decoder_loop_only_where_the_backend_says_so():
-    """A backend without `cpu_paged_kernel_inputs` (the default None) keeps its
-    own `forward` in every layer."""
+    """A backend that is no `PagedKernelAttention` keeps its own `forward` in
+    every layer."""
     model, _, _ = load_model("tiny", "float64", "cpu")
-    model.use_cpu_kernels(True)
-    driver = PagedDriver(model, num_blocks=16, block_size=4)  # the dense reference backend
+    program = KernelForward(model)
+    driver = PagedDriver(model, num_blocks=16, block_size=4, forward=program)  # dense reference
+    assert not isinstance(driver.backend, PagedKernelAttention)
     calls = []
     forward = driver.backend.forward
     driver.backend.forward = lambda *args: calls.append(1) or forward(*args)
@@ -195,10 +189,10 @@ def test_decoder_loop_only_where_the_backend_says_so():
 
 def test_decoder_loop_rejects_a_token_outside_the_vocabulary():
     model, _, _ = load_model("tiny", "float32", "cpu")
-    model.use_cpu_kernels(True)
-    if model.kernel_forward._decoder is None:
+    program = KernelForward(model)
+    if program._decoder is None:
         pytest.skip("the decoder loop's extension cannot be built here")
-    driver = PagedDriver(model, num_blocks=16, block_size=4)
+    driver = PagedDriver(model, num_blocks=16, block_size=4, forward=program)
     driver.backend = paged_kernel_backend(model)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         driver.step([(0, [1, model.config.vocab_size])])

@@ -19,6 +19,8 @@ import json
 import pytest
 import torch
 
+from servelab.executor.forward import cpu_kernel_problems
+from servelab.executor.kernel_forward import KernelForward
 from servelab.model.config import ModelConfig
 from servelab.model.loader import load_model
 from servelab.model.transformer import rope_inv_freq
@@ -88,15 +90,16 @@ CASES = [
 def test_logits_match_transformers(tmp_path, arch, tied, sharded, rope_scaling, kernels):
     """Logits of prompts, chunks and decodes against transformers in float64,
     through torch's ops and through servelab's C++ CPU kernels
-    (`Transformer.use_cpu_kernels`)."""
+    (`servelab.executor.kernel_forward`)."""
     hf = build_hf_model(arch, tied, rope_scaling)
     hf.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "1GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
 
     model, config, tokenizer = load_model(str(tmp_path), "float64", "cpu")
+    forward = None
     if kernels:
-        assert model.cpu_kernel_problems() == []
-        model.use_cpu_kernels(True)
+        assert cpu_kernel_problems(model) == []
+        forward = KernelForward(model)
     assert tokenizer is None
     assert (config.architecture, config.tie_word_embeddings) == (arch, tied)
     assert config.eos_token_ids == [2, 3] and config.bos_token_id == 1
@@ -111,7 +114,7 @@ def test_logits_match_transformers(tmp_path, arch, tied, sharded, rope_scaling, 
         s: torch.randint(0, 96, (n,), generator=gen).tolist() for s, n in enumerate((7, 11, 3))
     }
     tokens = {s: list(p) for s, p in prompts.items()}
-    driver = PagedDriver(model, num_blocks=32, block_size=4)
+    driver = PagedDriver(model, num_blocks=32, block_size=4, forward=forward)
 
     def check(chunks):
         logits = driver.step(chunks)

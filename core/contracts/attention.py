@@ -65,16 +65,3 @@ class AttentionBackend(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Backend-specific figures (e.g. padding tokens); cumulative."""
         return {}
-
-    def cpu_paged_kernel_inputs(
-        self, plan: Any, num_layers: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Optional: `(slot_mapping, tables, lens)` when, in every one of the
-        step's `num_layers` layers, `forward` would be exactly
-        `cpu_paged.store_kv` of k/v at `slot_mapping`, then
-        `cpu_paged.paged_decode` of q over `tables` and `lens`: the model may
-        then run all its layers in one C++ call (`servelab.kernels.cpu_decoder`)
-        instead of calling `forward` per layer. A backend that answers accounts
-        those layers as if `forward` had run them. None (the default): the
-        model calls `forward`."""
-        return None

@@ -23,6 +23,7 @@ from servelab.executor.device_memory import (
     device_memory_budget,
     estimate_activation_bytes,
 )
+from servelab.executor.forward import CPU_KERNEL_CHOICES, choose_forward
 from servelab.executor.host_memory import keep_freed_memory
 from servelab.executor.kv_cache import KVCache
 from servelab.model.loader import load_model, resolve_dtype
@@ -143,28 +144,6 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
     return options
 
 
-CPU_KERNEL_CHOICES = ("auto", "on", "off")
-
-
-def choose_cpu_kernels(model, opts: Mapping[str, Any]) -> None:
-    """Turns the model's C++ CPU kernels on or off as `engine.cpu_kernels` says:
-    `auto` uses them wherever they can run, `on` is a ConfigError where they
-    cannot (naming why). `torch.compile` traces the model's own torch ops, so
-    `compile=true` keeps them off under `auto`."""
-    choice = opts["cpu_kernels"]
-    if choice == "off":
-        model.use_cpu_kernels(False)
-        return
-    problems = model.cpu_kernel_problems()
-    if opts["compile"]:
-        problems.append("engine.compile=true compiles the model's torch ops instead")
-    if problems and choice == "on":
-        raise ConfigError(f"engine.cpu_kernels=on cannot run here: {'; '.join(problems)}")
-    if problems:
-        log.info("servelab: the C++ CPU kernels are off (%s)", "; ".join(problems))
-    model.use_cpu_kernels(not problems)
-
-
 def kv_cache_bytes(
     opts: Mapping[str, Any],
     device: torch.device,
@@ -236,7 +215,7 @@ def build_engine(config: Mapping) -> Engine:
     sizes_from_device = opts["gpu_memory_utilization"] is not None
     allocated_before = allocated_before_weights(device) if sizes_from_device else 0
     model, model_config, tokenizer = load_model(source, dtype, device, seed=opts["seed"])
-    choose_cpu_kernels(model, opts)
+    model_forward = choose_forward(model, opts["cpu_kernels"], bool(opts["compile"]))
     max_model_len = int(opts["max_model_len"])
     if max_model_len > model_config.max_position_embeddings:
         raise ConfigError(
@@ -294,7 +273,7 @@ def build_engine(config: Mapping) -> Engine:
         max_model_len,
         seed=int(opts["seed"]),
         notify=notify,
-        compile=bool(opts["compile"]),
+        model_forward=model_forward,
         config={"model": config.get("model", "tiny"), "engine": opts, **parts},
     )
     if opts["cuda_graphs"]:

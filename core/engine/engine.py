@@ -23,6 +23,7 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.scheduler import Scheduler
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
 from servelab.errors import RequestError
+from servelab.executor.forward import ModelForward, TorchForward
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.model_runner import ModelRunner
 from servelab.step.plan import StepPlan
@@ -52,7 +53,7 @@ class Engine:
         seed: int = 0,
         notify: Callable[..., None] | None = None,
         config: dict | None = None,
-        compile: bool = False,
+        model_forward: ModelForward | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -69,7 +70,13 @@ class Engine:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         # input preparation, the model forward and sampling: the step's tensor work
         self.runner = ModelRunner(
-            model, backend, kv_cache, allocator, sampler, device, self.generator, compile=compile
+            model_forward or TorchForward(model),
+            backend,
+            kv_cache,
+            allocator,
+            sampler,
+            device,
+            self.generator,
         )
         self.groups: dict[str, SequenceGroup] = {}
         self.metrics = MetricsCollector()

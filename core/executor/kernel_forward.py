@@ -1,45 +1,18 @@
 """The decoder's forward through servelab's C++ CPU kernels, as one flat program.
 
-`Transformer.use_cpu_kernels(True)` routes `forward` and `compute_logits` here.
-A layer is eight kernel calls and the attention backend's `forward`:
-
-    h = add_rms_norm(residual, delta)        # the previous layer's output added in place
-    qkv = linear(h, Wqkv); qk_norm_rope_(qkv) # q/k per-head norm + RoPE, in place
-    out = backend.forward(q, k, v)            # the plugin: stores K/V, attends
-    delta = linear(out, Wo); h = add_rms_norm(residual, delta)
-    delta = linear(linear_gated(h, Wgate_up), Wdown)  # SwiGLU in the matmul's epilogue
-
-with the same formulas, in the same order, as `servelab.model.transformer`'s
-torch path (`cpu_linear`, `cpu_fused` say how each kernel rounds). A layer's
-output stays `residual + delta`, unsummed, until the next norm adds it.
-
-Why a flat program: at decode sizes a layer's kernels take tens of microseconds,
-so Python's share (module attribute lookups, wrapper frames, per-call checks)
-is a visible part of a step. The program holds plain references: packed
-weights, norm weights and eps per layer, built from the model's parameters.
-
-When the attention backend says a step's attention is exactly the C++ paged
-kernel (`cpu_paged_kernel_inputs`), the same program runs as one C++ call
-(`cpu_decoder`: the same kernels in the same order, bit for bit): the Python
-between the kernels ran cache-cold after each step's K/V stream, and cost the
-reference workload's decode steps about 3%.
-
-Rules:
-- it is rebuilt (weights packed again) whenever any parameter of the model was
-  replaced or changed in place since it was built: every step compares each
-  parameter's storage and version counter with the ones it was built from, so
-  a reloaded checkpoint is never multiplied through a stale copy (the
-  parameters' places are the modules' that existed at `use_cpu_kernels`: a
-  submodule swapped for another afterwards needs `use_cpu_kernels` again);
-- q/k/v (and gate/up) are packed as one matrix: the fused weight when the
-  projections are still its views, else their current weights side by side;
-- the packed weights are a second copy of every projection's weight (and of
-  a tied embedding, packed as the LM head): the price of packing once.
+A layer is eight kernel calls and the attention backend's `forward`, with the
+same formulas in the same order as `servelab.model.transformer`'s torch path;
+a layer's output stays `residual + delta`, unsummed, until the next norm adds
+it. Flat because at decode sizes a layer's kernels take tens of microseconds,
+so Python's share is visible. A backend that implements `PagedKernelAttention`
+lets a step run every layer in one C++ call (`cpu_decoder`, bit for bit the
+same). The program packs the weights once (a second copy of each projection)
+and packs them again whenever any parameter was replaced or changed in place.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -47,6 +20,20 @@ from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear
 
 if TYPE_CHECKING:
     from servelab.model.transformer import Transformer
+
+
+@runtime_checkable
+class PagedKernelAttention(Protocol):
+    """An attention backend whose `forward` may be exactly the C++ paged kernel."""
+
+    def cpu_paged_kernel_inputs(
+        self, plan: Any, num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`(slot_mapping, tables, lens)` when, in every one of the step's
+        `num_layers` layers, `forward` would be exactly `cpu_paged.store_kv` of
+        k/v at `slot_mapping`, then `cpu_paged.paged_decode` of q over `tables`
+        and `lens`; the backend then accounts those layers as if `forward` had
+        run them. None: the step calls `forward` in every layer."""
 
 
 class Matmul(NamedTuple):
@@ -138,10 +125,13 @@ def identity(slots: list[tuple[dict, str]]) -> list:
 
 
 class KernelForward:
-    """`Transformer.forward` / `compute_logits` through the C++ CPU kernels."""
+    """`Transformer.forward` / `compute_logits` / argmax through the C++ CPU kernels."""
+
+    cpu_kernels = True
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
+        self._paged_backend: tuple[Any, bool] = (None, False)  # (backend, implements the protocol)
         self._fused = cpu_fused.kernel()
         self._linear = cpu_linear.kernel()
         assert self._fused is not None and self._linear is not None, "kernels not built"
@@ -187,7 +177,13 @@ class KernelForward:
         cos, sin = model.rope_cos, model.rope_sin
         embed = model.model.embed_tokens.weight
         if self._decoder is not None and kv_caches and kv_caches[0][0].dtype == embed.dtype:
-            paged = backend.cpu_paged_kernel_inputs(attn_plan, len(layers))
+            if self._paged_backend[0] is not backend:  # an isinstance of a Protocol costs ~us
+                self._paged_backend = (backend, isinstance(backend, PagedKernelAttention))
+            paged = (
+                backend.cpu_paged_kernel_inputs(attn_plan, len(layers))
+                if self._paged_backend[1]
+                else None
+            )
             if paged is not None:  # every layer in one C++ call: the same kernels, in order
                 slots, tables, lens = paged
                 weight, eps = self._final

@@ -32,6 +32,7 @@ import torch
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.executor.cuda_graphs import DecodeGraphRunner
+from servelab.executor.forward import ModelForward
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.staging import StepStaging
 from servelab.step.metadata import AttentionMetadata
@@ -61,26 +62,21 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model_forward: ModelForward,
         backend: AttentionBackend,
         kv_cache: KVCache,
         allocator: KVAllocator,
         sampler,
         device: torch.device,
         generator: torch.Generator | None = None,
-        compile: bool = False,
     ) -> None:
-        self.model = model
+        self.model_forward = model_forward  # torch's ops, compiled or not, or the C++ kernels
         self.backend = backend
         self.kv_cache = kv_cache
         self.allocator = allocator
         self.sampler = sampler
         self.device = device
         self.generator = generator
-        # `torch.compile` of the model's forward; shapes change every step, so they
-        # are dynamic from the start. The backend's forward stays eager
-        # (`transformer.attend`): its per-step plan would only force recompiles.
-        self.compiled_forward = torch.compile(model.forward, dynamic=True) if compile else None
         # CUDA: one pinned buffer for the step's inputs, one upload per step
         self.staging = None if device.type == "cpu" else StepStaging(device)
         # set by enable_decode_graphs (engine.cuda_graphs); None: run_model calls forward
@@ -115,6 +111,11 @@ class ModelRunner:
             )
         self.graphs = runner
         return self.graphs_status
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether the model runs through servelab's C++ CPU kernels."""
+        return self.model_forward.cpu_kernels
 
     # -- inputs
     def prepare(self, plan: StepPlan) -> StepBatch:
@@ -233,8 +234,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model's forward with this engine's KV cache and backend bound:
         `(input_ids, positions, attn_plan) -> hidden [num_tokens, hidden]`."""
-        forward = self.compiled_forward or self.model
-        return forward(input_ids, positions, self.kv_cache.layers, self.backend, attn_plan)
+        return self.model_forward.forward(
+            input_ids, positions, self.kv_cache.layers, self.backend, attn_plan
+        )
 
     def run_model(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states of one step. The one place a step's forward runs: the
@@ -254,12 +256,12 @@ class ModelRunner:
         # one query token per sequence and every one sampling: the rows are in order already
         every_row = batch.meta.max_query_len == 1 and len(indices) == hidden.shape[0]
         rows = hidden if every_row else hidden[indices]
-        logits = self.model.compute_logits(rows)
+        logits = self.model_forward.logits(rows)
         if len(batch.sample_rows) != logits.shape[0]:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
         if batch.all_greedy:
             # ties go to the lowest index, as the sampler's greedy rule
-            tokens = self.model.greedy_tokens(logits).tolist()
+            tokens = self.model_forward.argmax(logits).tolist()
         else:
             tokens = self.sampler.sample(
                 logits,

@@ -25,9 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.contracts.attention import AttentionBackend
-from servelab.executor.kernel_forward import KernelForward
-from servelab.kernels import cpu_fused, cpu_linear
-from servelab.kernels.cpp_extension import BUILD_PROBLEM
 from servelab.model.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -155,14 +152,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-@torch.compiler.disable
-def attend(backend: AttentionBackend, q, k, v, kv_cache: KVCache, attn_plan: Any) -> torch.Tensor:
-    """`backend.forward`, always eager: under `torch.compile` the layers around it
-    are compiled, while a backend's per-step plan (Python lists, loops over
-    sequences) would only force recompilations."""
-    return backend.forward(q, k, v, kv_cache, attn_plan)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -219,7 +208,6 @@ class Attention(nn.Module):
             qk = rms_norm(qk, weight, self.q_norm.eps)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
-        # never compiled (compile=true keeps the kernels off): no need for `attend`'s wrapper
         out = backend.forward(q, k, v, kv_cache, attn_plan)
         return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
@@ -292,7 +280,6 @@ class Transformer(nn.Module):
                 else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
         self.to_empty(device=device)
-        self.kernel_forward: KernelForward | None = None  # `use_cpu_kernels`
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
@@ -323,8 +310,6 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] at `positions` [T] -> final hidden states [T, hidden].
         Each layer stores its K/V and attends through `backend.forward`."""
-        if self.kernel_forward is not None:
-            return self.kernel_forward.forward(input_ids, positions, kv_caches, backend, attn_plan)
         # gathered once per step, shared by every layer: [T, 1, D/2] broadcasts over heads
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
@@ -335,38 +320,6 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the selected rows only: [N, hidden] -> [N, vocab]."""
-        if self.kernel_forward is not None:
-            return self.kernel_forward.logits(hidden)
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
-
-    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits.argmax(dim=-1)` (ties to the lowest index), through the C++
-        kernel when the model runs on them (torch's argmax costs ~30 us a step)."""
-        if self.kernel_forward is not None:
-            return self.kernel_forward.argmax(logits)
-        return logits.argmax(dim=-1)
-
-    @property
-    def cpu_kernels(self) -> bool:
-        """Whether `forward` runs through the C++ CPU kernels (`use_cpu_kernels`)."""
-        return self.kernel_forward is not None
-
-    def cpu_kernel_problems(self) -> list[str]:
-        """Why servelab's C++ CPU kernels cannot serve this model (empty: they can)."""
-        found = cpu_fused.problems(self.device, self.dtype)  # and cpu_linear's: the same
-        if not found and cpu_linear.kernel() is None:
-            found.append(BUILD_PROBLEM)
-        return found
-
-    def use_cpu_kernels(self, enabled: bool) -> None:
-        """Run the model through servelab's C++ CPU kernels (`kernel_forward`:
-        every projection through `cpu_linear`, weights packed once, faster than
-        MKL on a decode step's few rows; norms, residual adds, q/k norm + RoPE
-        and SwiGLU through `cpu_fused`, one call each instead of a handful of
-        torch ops), or back through torch's ops. Check `cpu_kernel_problems` first."""
-        if enabled:
-            problems = self.cpu_kernel_problems()
-            assert not problems, problems
-        self.kernel_forward = KernelForward(self) if enabled else None

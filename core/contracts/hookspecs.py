@@ -21,7 +21,7 @@ import pluggy
 if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore
 
-    from servelab.engine.engine.engine import Engine
+    from servelab.engine.engine import Engine
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)

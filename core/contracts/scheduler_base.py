@@ -16,16 +16,14 @@ Admission modes:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
-
-import numpy as np
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.scheduler import Scheduler
+from servelab.contracts.scheduler_update import AfterTheForward
 from servelab.errors import ConfigError, RequestError
 from servelab.step.decode_batch import DecodeBatch
-from servelab.step.plan import SampledTokens, ScheduledSeq, StepPlan
+from servelab.step.plan import ScheduledSeq, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 ADMISSION_MODES = ("reserve", "on_demand")
@@ -39,8 +37,9 @@ def queue_key(group: SequenceGroup) -> tuple:
     return (group.priority, group.arrival_time, group.seqs[0].seq_id)
 
 
-class BaseScheduler(Scheduler):
-    """Shared queues, admission checks, preemption, forking and finishing."""
+class BaseScheduler(AfterTheForward, Scheduler):
+    """Shared queues, admission checks and preemption (`schedule`); appending,
+    forking and finishing after the forward come from `AfterTheForward`."""
 
     needs_whole_prompt_budget = True  # max_num_batched_tokens must hold a whole prompt
     # steady decode phases run as a DecodeBatch (same plans, array bookkeeping);
@@ -339,142 +338,6 @@ class BaseScheduler(Scheduler):
         self.release_reservation(group)
         for seq in group.seqs:
             self.allocator.free(seq)
-
-    # -- after the forward
-    def update(
-        self, plan: StepPlan, sampled: Mapping[int, list[int]], now: float
-    ) -> list[SequenceGroup]:
-        """Advances every scheduled sequence, appends sampled tokens (forking a
-        group whose prompt just finished), applies stop rules and frees the
-        finished. Returns the groups that finished in this step."""
-        finished, self.dropped = self.dropped, []
-        stopped: set[SequenceGroup] = set()  # groups with a sequence finished in this step
-        if plan.decodes is not None:
-            self.update_decode_batch(plan, sampled, now, stopped)
-        forked = False
-        for item in plan.items:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_query_tokens
-            self.allocator.commit(seq)
-            tokens = sampled.get(seq.seq_id)
-            if tokens is None:
-                continue
-            targets = [seq] + self.fork(seq, len(tokens) - 1)
-            forked = forked or len(targets) > 1
-            for target, token in zip(targets, tokens):
-                target.append_token(token)
-                target.token_times.append(now)
-                reason = self.stop_reason(target)
-                if reason is not None:
-                    self.finish(target, reason)
-                    stopped.add(target.group)
-        if stopped:
-            for group in list(self.running):  # in queue order
-                if group in stopped and group.is_finished and self.group_done(group):
-                    self.running.remove(group)
-                    self.release_group(group)
-                    finished.append(group)
-        self.refresh_decode_batch(plan, forked)
-        return finished
-
-    def update_decode_batch(
-        self,
-        plan: StepPlan,
-        sampled: Mapping[int, list[int]],
-        now: float,
-        stopped: set[SequenceGroup],
-    ) -> None:
-        """`update` for the plan's decode-batch rows: their tokens come first in
-        `sampled`, one per row."""
-        batch = plan.decodes
-        rows = plan.num_batch_decodes
-        if isinstance(sampled, SampledTokens):
-            tokens = sampled.tokens[:rows]
-        else:  # a mapping seq_id -> [token] (tests, stub models)
-            tokens = [sampled[seq_id][0] for seq_id in batch.seq_ids]
-        written, filled = batch.written_blocks(plan.decode_starts)
-        candidates = batch.advance(tokens, now)
-        self.allocator.commit_decodes(batch.seqs, written, filled)
-        ending = []
-        for row, seq in candidates:
-            reason = self.stop_reason(seq)
-            if reason is not None:
-                self.finish(seq, reason)
-                stopped.add(seq.group)
-                ending.append(row)
-        if ending:
-            keep = np.ones(len(batch), dtype=bool)
-            keep[ending] = False
-            batch.keep(keep)
-
-    def refresh_decode_batch(self, plan: StepPlan, forked: bool) -> None:
-        """After a step: keeps, grows or builds the decode batch when every
-        running sequence now decodes, and drops it otherwise."""
-        if forked or self.swapped or not self.decode_fast_path:
-            self.decode_batch = None
-            return
-        batch = self.decode_batch if plan.decodes is not None else None
-        joining = []
-        for item in plan.items:
-            seq = item.seq
-            if seq.is_finished:
-                continue
-            if not item.samples:  # a prompt still prefilling: not a decode yet
-                self.decode_batch = None
-                return
-            joining.append(seq)
-        if batch is None:
-            # after a general step: the plan must have covered every running sequence
-            if self.num_running_seqs != len(joining) or len(joining) > self.max_num_batched_tokens:
-                self.decode_batch = None
-                return
-            self.decode_batch = DecodeBatch(
-                joining,
-                [self.allocator.block_table(s) for s in joining],
-                self.allocator.block_size,
-                self.max_model_len,
-            )
-        elif joining:
-            if len(batch) + len(joining) > self.max_num_batched_tokens:
-                self.decode_batch = None
-                return
-            batch.append(joining, [self.allocator.block_table(s) for s in joining])
-
-    def fork(self, parent: Sequence, count: int) -> list[Sequence]:
-        if count:
-            self.decode_batch = None
-        group = parent.group
-        children = []
-        for _ in range(count):
-            index = len(group.seqs)
-            child = parent.fork(index, parent.params)
-            child.group = group
-            self.allocator.fork(parent, child)
-            group.seqs.append(child)
-            children.append(child)
-        return children
-
-    def stop_reason(self, seq: Sequence) -> FinishReason | None:
-        token = seq.token_ids[-1]
-        params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in seq.eos_token_ids):
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self.on_seq_finished(seq)
-
-    def on_seq_finished(self, seq: Sequence) -> None:
-        """Frees a finished sequence's blocks at once (static batching defers this)."""
-        self.allocator.free(seq)
-
-    def group_done(self, group: SequenceGroup) -> bool:
-        """Whether a finished group leaves the running queue now."""
-        return True
 
     # -- checks
     def check_integrity(self) -> None:

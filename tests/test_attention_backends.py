@@ -20,7 +20,7 @@ import torch
 from servelab.contracts.attention import AttentionBackend
 from servelab.errors import ConfigError
 from servelab.kernels import cpu_paged
-from servelab.plugins.attention import common, flash_varlen, padded, per_request
+from servelab.plugins.attention import common, flash_varlen, padded, per_request, varlen_impls
 from servelab.plugins.attention.flash_varlen import FlashVarlenBackend, varlen_attention_reference
 from servelab.plugins.attention.padded import PaddedBackend
 from servelab.plugins.attention.per_request import PerRequestBackend
@@ -494,7 +494,7 @@ def varlen_attn_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, ret
     "fake", [varlen_attn_2_9, varlen_attn_2_10, varlen_attn_2_12], ids=["2.9", "2.10", "2.12"]
 )
 def test_torch_impl_plumbing(monkeypatch, fake, block_size):
-    monkeypatch.setattr(flash_varlen, "_torch_varlen_attn", lambda: fake)
+    monkeypatch.setattr(varlen_impls, "_torch_varlen_attn", lambda: fake)
     case = make_paged_case([1, 1, 6, 5], [9, 20, 0, 11], block_size=block_size, seed=12)
     backend = FlashVarlenBackend(NUM_HEADS, 2, HEAD_DIM, scale=0.3, impl="torch")
     backend.active_impl, backend._torch_call = (

@@ -1,38 +1,18 @@
 """`flash_varlen`: FlashAttention's varlen contract. Queries stay packed
-(`cu_seqlens_q = query_start_loc`), keys are read through the block table
-(`cu_seqlens_k = seq_start_loc`), and the causal diagonal is aligned
-bottom-right: the last query of a sequence meets its last key, so a chunk
-after a cached prefix needs no extra mask.
-
-`impl` picks who runs that contract:
-- `flash_attn`: the `flash-attn` package (`flash_attn_varlen_func` with
-  `block_table` for prefill/mixed batches, `flash_attn_with_kvcache` for
-  decode-only ones); CUDA, fp16/bf16, block size a multiple of 256;
-- `torch`: PyTorch's own `torch.nn.attention.varlen.varlen_attn` on CUDA
-  (fp16/bf16). It reads the paged cache directly where it takes a
-  `block_table` (PyTorch >= 2.12) and the block size is a multiple of 256;
-  otherwise the step's pages are gathered into packed K/V first;
-- `sdpa`: PyTorch's SDPA over pages gathered through the block table, any
-  device and dtype: the decodes of a step in one batched call (padded to
-  their longest context, masked), every prefill chunk in its own call (a
-  fresh prompt over its own K/V, no cache read);
-- `cpu`: a C++ kernel (`cpu_paged`: float32 or float64, head_dim 16..256,
-  built when the engine is) reads the cache straight through the block
-  table: a decode step's queries in one call, and a step with prompt tokens
-  also in one call, each token one query over its causal context (its K/V
-  are stored first), in place of an SDPA call per prompt chunk. `sdpa`'s
-  paths, logged, where the kernel cannot run. The fast path on a CPU;
-- `reference`: `varlen_attention_reference`, plain torch, runs anywhere:
-  the specification, never chosen by `auto`;
-- `auto`: the first of flash_attn, torch, cpu, sdpa whose constraints hold
-  (logged with the reasons the earlier ones were passed over): the fastest
-  correct path, as vLLM picks its attention backend. `sdpa` always holds.
+(`cu_seqlens_q`), keys are read through the block table (`cu_seqlens_k`), and
+the causal diagonal is aligned bottom-right, so a chunk after a cached prefix
+needs no extra mask. `impl` picks who runs it:
+- `flash_attn`: the flash-attn package (CUDA, fp16/bf16, block size a multiple of 256);
+- `torch`: PyTorch's `varlen_attn` on CUDA (fp16/bf16), paged where it takes a block table;
+- `sdpa`: SDPA over gathered pages, any device: decodes batched, each prefill chunk alone;
+- `cpu`: the C++ paged kernel (`servelab.kernels.cpu_paged`), every query of a step in
+  one call a layer; `sdpa`'s paths, logged, where it cannot run. The fast path on a CPU;
+- `reference`: `varlen_attention_reference`, the specification, never chosen by `auto`;
+- `auto`: the first of flash_attn, torch, cpu, sdpa whose constraints hold (logged).
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -61,6 +41,14 @@ from servelab.plugins.attention.sdpa_paths import (
     plan_decode_batch,
     plan_per_seq,
 )
+from servelab.plugins.attention.varlen_impls import (
+    TorchVarlenCall,
+    allocator_name,
+    flash_attn_problems,
+    per_token_tables,
+    torch_varlen_problems,
+    varlen_attention_reference,
+)
 from servelab.step.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -68,146 +56,7 @@ logger = logging.getLogger(__name__)
 IMPLS = ("auto", "flash_attn", "torch", "reference", "sdpa", "cpu")
 SDPA_IMPLS = ("sdpa", "cpu")  # impls that plan batched decodes + per-sequence prefill calls
 AUTO_ORDER = ("flash_attn", "torch", "cpu", "sdpa")  # what impl=auto tries, fastest first
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-# FlashAttention-2 reads a paged cache only when a page holds a multiple of 256 tokens.
-FLASH_PAGE_MULTIPLE = 256
 KernelFn = Callable[..., torch.Tensor]
-
-
-# -- the contract, in plain torch
-
-
-def varlen_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    block_table: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    causal: bool = True,
-    seqused_k: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """FlashAttention's paged varlen attention, spelled out in plain torch.
-
-    - `q`: `[total_q, num_heads, head_dim]`, sequence i owns rows
-      `cu_seqlens_q[i]:cu_seqlens_q[i+1]`;
-    - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`;
-      sequence i's key `p` is at `block_table[i, p // block_size]`, offset
-      `p % block_size`; it has `cu_seqlens_k[i+1] - cu_seqlens_k[i]` keys, or
-      `seqused_k[i]` when given (as in FlashAttention);
-    - `num_heads` a multiple of `num_kv_heads`: query head h reads KV head
-      `h // (num_heads // num_kv_heads)`;
-    - `causal`: bottom-right aligned, query j of a sequence with `lq` queries
-      and `lk` keys sees keys `0 .. lk - lq + j`; a query that sees no key
-      (only when `lq > lk`) outputs zeros, as FlashAttention does.
-
-    `max_seqlen_q`/`max_seqlen_k` are accepted for signature parity and checked.
-    Scores are computed in float32 (float64 for float64 inputs); the output has
-    `q`'s dtype. This syncs with the host (it loops over sequences in Python):
-    it is the specification and the CPU implementation, not a fast path.
-    """
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    starts_q = cu_seqlens_q.tolist()
-    if seqused_k is not None:
-        lens_k = seqused_k.tolist()
-    else:
-        starts_k = cu_seqlens_k.tolist()
-        lens_k = [b - a for a, b in zip(starts_k[:-1], starts_k[1:], strict=True)]
-    out = torch.zeros_like(q)
-    for i, len_k in enumerate(lens_k):
-        q_i = q[starts_q[i] : starts_q[i + 1]].to(compute_dtype)
-        len_q = q_i.shape[0]
-        assert len_q <= max_seqlen_q and len_k <= max_seqlen_k, "max_seqlen_q/k below a real length"
-        if len_q == 0:
-            continue
-        num_pages = -(-len_k // block_size)
-        pages = block_table[i, :num_pages].long()
-        k_i = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[-1])[:len_k]
-        v_i = v_cache[pages].reshape(-1, num_kv_heads, v_cache.shape[-1])[:len_k]
-        k_i = expand_kv_heads(k_i.to(compute_dtype), num_heads // num_kv_heads, dim=1)
-        v_i = expand_kv_heads(v_i.to(compute_dtype), num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * scale
-        if causal:
-            query_pos = torch.arange(len_q, device=q.device).view(-1, 1) + (len_k - len_q)
-            allowed = torch.arange(len_k, device=q.device).view(1, -1) <= query_pos
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key -> 0
-        out[starts_q[i] : starts_q[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v_i).to(q.dtype)
-    return out
-
-
-# -- what each impl needs
-
-
-def _allocator_name(allocator: KVAllocator) -> str:
-    return getattr(allocator, "name", type(allocator).__name__)
-
-
-def flash_attn_problems(block_size: int, device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Every constraint of impl='flash_attn' this configuration breaks (empty: usable)."""
-    problems = []
-    try:
-        importlib.import_module("flash_attn")
-    except Exception as exc:  # ImportError, or a broken CUDA build raising OSError
-        problems.append(f"the flash_attn package must be importable (import failed: {exc})")
-    if device.type != "cuda":
-        problems.append(f"the device must be CUDA (got {device})")
-    if dtype not in HALF_DTYPES:
-        problems.append(f"the dtype must be float16 or bfloat16 (got {dtype})")
-    if block_size % FLASH_PAGE_MULTIPLE != 0:
-        problems.append(
-            f"the allocator's block_size must be a multiple of {FLASH_PAGE_MULTIPLE} "
-            f"(got block_size={block_size})"
-        )
-    return problems
-
-
-def torch_varlen_problems(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Every constraint of impl='torch' this configuration breaks (empty: usable)."""
-    problems = []
-    if _torch_varlen_attn() is None:
-        problems.append(
-            f"torch.nn.attention.varlen.varlen_attn must exist (torch {torch.__version__} lacks it)"
-        )
-    if device.type != "cuda":
-        problems.append(f"the device must be CUDA (got {device})")
-    if dtype not in HALF_DTYPES:
-        problems.append(f"the dtype must be float16 or bfloat16 (got {dtype})")
-    return problems
-
-
-def _torch_varlen_attn() -> Callable[..., torch.Tensor] | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-@dataclass(frozen=True)
-class TorchVarlenCall:
-    """How to call this torch's `varlen_attn`; its signature grew over releases:
-    2.9 `is_causal`, 2.10 `scale`/`window_size`, 2.12 `enable_gqa`/`seqused_k`/`block_table`."""
-
-    fn: Callable[..., torch.Tensor]
-    causal_kwargs: dict[str, Any]  # window_size=(-1, 0) or is_causal=True
-    has_scale: bool
-    has_gqa: bool
-    paged: bool  # reads the cache through block_table (else pages are gathered first)
-
-    @classmethod
-    def inspect(cls, block_size: int) -> TorchVarlenCall:
-        fn = _torch_varlen_attn()
-        assert fn is not None
-        params = inspect.signature(fn).parameters
-        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-        paged = "block_table" in params and block_size % FLASH_PAGE_MULTIPLE == 0
-        return cls(fn, causal, "scale" in params, "enable_gqa" in params, paged)
 
 
 # -- the backend
@@ -273,7 +122,7 @@ class FlashVarlenBackend(AttentionBackend):
     def check(self, allocator: KVAllocator, device: torch.device, dtype: torch.dtype) -> None:
         """Resolves `impl` for this allocator/device/dtype; raises ConfigError
         naming every broken constraint when an explicitly asked impl cannot run."""
-        self._select(allocator.block_size, torch.device(device), dtype, _allocator_name(allocator))
+        self._select(allocator.block_size, torch.device(device), dtype, allocator_name(allocator))
 
     def _select(
         self, block_size: int, device: torch.device, dtype: torch.dtype, allocator: str
@@ -540,18 +389,6 @@ class FlashVarlenBackend(AttentionBackend):
             plan.max_seqlen_k,
             **kwargs,
         )
-
-
-def per_token_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query token's block-table row (its sequence's) and causal context
-    length (its position + 1): the C++ kernel then treats every token of a
-    mixed or prompt step as one query over the keys it may see."""
-    query_lens = meta.query_start_loc.diff()
-    owner = torch.repeat_interleave(
-        torch.arange(meta.num_seqs, device=query_lens.device), query_lens
-    )
-    tables = meta.block_tables.index_select(0, owner).contiguous()
-    return tables, (meta.positions + 1).to(torch.int32)
 
 
 @hookimpl

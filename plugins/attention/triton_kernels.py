@@ -1,28 +1,19 @@
-"""Our own Triton kernels for paged attention: a KV-store kernel and one
-attention kernel that serves a mixed batch of prefill chunks and decodes.
+"""Our own Triton kernels for paged attention: a KV-store kernel and one attention
+kernel for a mixed batch of prefill chunks and decodes, both reading and writing
+the layer cache through slots and block tables, never a per-sequence copy.
 
-Both read and write the layer cache `(k_cache, v_cache)`, each
-`[num_blocks, block_size, num_kv_heads, head_dim]`, through slots
-(`block * block_size + offset`) and block tables, never through a contiguous
-per-sequence copy.
-
-Interpreter mode: Triton decides between compiling and interpreting when a
-kernel is *decorated* (`@triton.jit` reads `TRITON_INTERPRET` then; checked
-empirically with triton 3.9: changing the variable afterwards changes
-nothing). So on a machine without a CUDA device, and when the user has not
-chosen, this module sets `TRITON_INTERPRET=1` before defining its kernels,
-which lets the same kernels run on CPU tensors (slowly: the interpreter pays
-per operation, about 10-30 ms per program here, so its tiles are large). The
-setting is process-wide, as Triton's own switch is. `INTERPRETED` says which
-mode the kernels were defined in. Kernels written here call no `@triton.jit`
-helper of triton's own library (see `_MAX`), so they still interpret when
-torch imported `triton.language` before this module set the variable.
+Triton chooses between compiling and interpreting when a kernel is decorated,
+so without a CUDA device (and unless the user chose) this module sets
+`TRITON_INTERPRET=1` before defining its kernels: the same kernels then run on
+CPU tensors, slowly (the interpreter pays per program, so its tiles are large).
+`INTERPRETED` says which mode they were defined in. The kernels call no
+`@triton.jit` helper of Triton's library (see `_MAX`), so they still interpret
+when torch imported `triton.language` before this module set the variable.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +22,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision)
 import triton.language as tl  # noqa: E402
+
+from servelab.plugins.attention.triton_tiles import AttentionTiles, attention_tiles  # noqa: E402
 
 # tl.max and tl.sum are @triton.jit functions themselves. When triton.language
 # was imported before TRITON_INTERPRET was set (torch imports it lazily, so an
@@ -247,43 +240,6 @@ INTERPRETED: bool = type(_paged_attention_kernel).__name__ == "InterpretedFuncti
 # ---------------------------------------------------------------- launch parameters
 
 
-@dataclass(frozen=True)
-class AttentionTiles:
-    """Tile shape of one attention launch. `block_m` counts rows of (query row x
-    group head), so it holds `block_m // next_pow2(group)` query rows."""
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def attention_tiles(
-    max_query_len: int,
-    group_size: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    interpreted: bool = INTERPRETED,
-) -> AttentionTiles:
-    """Picks tiles for a step. The interpreter pays per program and per loop
-    iteration, not per element, so it gets the largest tiles; a GPU gets tiles
-    that fit registers and shared memory (smaller for 4- and 8-byte types)."""
-    group_pad = triton.next_power_of_2(group_size)
-    rows_needed = triton.next_power_of_2(max(max_query_len, 1) * group_pad)
-    if interpreted:
-        return AttentionTiles(block_m=max(16, group_pad, min(rows_needed, 128)), block_n=256)
-    wide = dtype.itemsize >= 4 or head_dim > 128
-    block_m = 16 if rows_needed <= 16 else (32 if wide else 64)
-    block_n = 32 if wide else 64
-    return AttentionTiles(
-        block_m=max(block_m, group_pad),
-        block_n=block_n,
-        # float64 tiles need 8 warps to spill less (ptxas, sm_90); float32 spills with 8, not 4.
-        num_warps=8 if dtype.itemsize == 8 else 4,
-        num_stages=1 if dtype.itemsize >= 4 else 2,
-    )
-
-
 def _require_runnable(*tensors: torch.Tensor) -> None:
     """Compiled kernels need CUDA tensors; interpreted ones run anywhere."""
     if INTERPRETED:
@@ -376,7 +332,7 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     if tiles is None:
-        tiles = attention_tiles(max_query_len, group, head_dim, q.dtype)
+        tiles = attention_tiles(max_query_len, group, head_dim, q.dtype, INTERPRETED)
     assert tiles.block_m % group_pad == 0 and tiles.block_m >= 16, tiles
     block_q = tiles.block_m // group_pad
     # Sequence i owns flat tiles from query_start_loc[i] // block_q + i on (see _find_seq).

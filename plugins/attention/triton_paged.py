@@ -49,8 +49,9 @@ class TritonPagedPlan:
 
     def tiles(self, dtype: torch.dtype):
         if dtype not in self._tiles:
-            self._tiles[dtype] = kernels().attention_tiles(
-                self.max_query_len, self.group_size, self.head_dim, dtype
+            module = kernels()
+            self._tiles[dtype] = module.attention_tiles(
+                self.max_query_len, self.group_size, self.head_dim, dtype, module.INTERPRETED
             )
         return self._tiles[dtype]
 

@@ -1,0 +1,49 @@
+"""Tile shapes for the Triton paged-attention kernel: the interpreter pays per
+program and per loop iteration, a GPU per register and byte of shared memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile shape of one attention launch. `block_m` counts rows of (query row x
+    group head), so it holds `block_m // next_pow2(group)` query rows."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def attention_tiles(
+    max_query_len: int,
+    group_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    interpreted: bool,
+) -> AttentionTiles:
+    """Picks tiles for a step. The interpreter pays per program and per loop
+    iteration, not per element, so it gets the largest tiles; a GPU gets tiles
+    that fit registers and shared memory (smaller for 4- and 8-byte types)."""
+    group_pad = next_power_of_2(group_size)
+    rows_needed = next_power_of_2(max(max_query_len, 1) * group_pad)
+    if interpreted:
+        return AttentionTiles(block_m=max(16, group_pad, min(rows_needed, 128)), block_n=256)
+    wide = dtype.itemsize >= 4 or head_dim > 128
+    block_m = 16 if rows_needed <= 16 else (32 if wide else 64)
+    block_n = 32 if wide else 64
+    return AttentionTiles(
+        block_m=max(block_m, group_pad),
+        block_n=block_n,
+        # float64 tiles need 8 warps to spill less (ptxas, sm_90); float32 spills with 8, not 4.
+        num_warps=8 if dtype.itemsize == 8 else 4,
+        num_stages=1 if dtype.itemsize >= 4 else 2,
+    )

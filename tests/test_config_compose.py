@@ -75,7 +75,7 @@ def test_every_option_composes(group, option):
     elif group in COMPONENTS or group == "model":
         assert config[group]["name"] == option
     else:
-        assert config["workload"]["name"] in ("seeds", "synthetic", "interference", "trace")
+        assert config["workload"]["name"] in ("mixed_lengths", "synthetic", "interference", "trace")
 
 
 @pytest.mark.parametrize("combo", list(itertools.product(*(options(c) for c in COMPONENTS))))

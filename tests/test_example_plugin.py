@@ -89,7 +89,7 @@ def test_servelab_runs_scheduler_sjf(installed, tmp_path):
     trace = tmp_path / "trace.jsonl"
     cmd = script("servelab") + [
         "scheduler=sjf",
-        "workload=seeds",
+        "workload=mixed_lengths",
         "engine.num_threads=1",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
@@ -105,7 +105,7 @@ def test_sjf_works_in_a_sweep(installed, tmp_path):
     cmd = script("servelab") + [
         "-m",
         "scheduler=continuous,sjf",
-        "workload=seeds",
+        "workload=mixed_lengths",
         "engine.num_threads=1",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from servelab import LLM, RequestError, SamplingParams
-from servelab.lab.workload import SEEDS_LENGTHS
+from servelab.lab.workload import MIXED_LENGTHS
 from servelab.plugins.allocators.paged import PagedAllocator
 
 KIB = 1024  # the float64 tiny model stores 1 KiB of K/V per token
@@ -394,7 +394,7 @@ def test_abort_frees_everything(state):
     )
 
 
-# -- reservation waste at equal memory (the seeds' length mix)
+# -- reservation waste at equal memory (the mixed_lengths mix)
 def _waste(allocator) -> tuple[float, int]:
     llm = LLM(
         model="tiny",
@@ -404,7 +404,7 @@ def _waste(allocator) -> tuple[float, int]:
         allocator=allocator,
     )
     eng = llm.engine
-    for i, (p, o) in enumerate(SEEDS_LENGTHS):
+    for i, (p, o) in enumerate(MIXED_LENGTHS):
         eng.add_request(
             [3 + (i + k) % 400 for k in range(p)],
             SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True),
@@ -423,7 +423,7 @@ def test_paged_wastes_less_than_contiguous_at_equal_memory(capsys):
     paged, paged_peak = _waste({"name": "paged", "block_size": 16})
     with capsys.disabled():
         print(
-            f"\nreservation waste at equal memory (seeds' mix): contiguous {contiguous:.1f}% "
+            f"\nreservation waste at equal memory (mixed_lengths): contiguous {contiguous:.1f}% "
             f"(peak {contiguous_peak} seqs), paged {paged:.2f}% (peak {paged_peak} seqs)"
         )
     assert paged < 4.0

@@ -155,8 +155,8 @@ def tiny(**parts):
     return build_engine({"model": "tiny", **parts, "engine": {"num_threads": 1, **engine}})
 
 
-def seeds(engine, scale=0.1):
-    return make_workload({"name": "seeds", "scale": scale}, engine.model_config.vocab_size)
+def mixed_lengths(engine, scale=0.1):
+    return make_workload({"name": "mixed_lengths", "scale": scale}, engine.model_config.vocab_size)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def seeds(engine, scale=0.1):
 )
 def test_every_token_has_the_step_that_sampled_it(scheduler):
     engine = tiny(scheduler=scheduler, engine={"max_num_seqs": 4})
-    serve(engine, seeds(engine))
+    serve(engine, mixed_lengths(engine))
     steps = {s.step: s for s in engine.metrics.steps}
     assert len(engine.metrics.requests) == 8
     for record in engine.metrics.requests:
@@ -233,11 +233,11 @@ def test_warm_up_stays_out_of_the_run():
         {
             "model": "tiny",
             "engine": {"num_threads": 1},
-            "workload": {"name": "seeds", "scale": 0.05},
+            "workload": {"name": "mixed_lengths", "scale": 0.05},
             "run": {"progress": False, "warmup": True},
         }
     )
-    assert {r.request_id for r in result.requests} == {f"seed-{i}" for i in range(8)}
+    assert {r.request_id for r in result.requests} == {f"mixed-{i}" for i in range(8)}
     # the warm-up's prompt and its two tokens are not counted
     assert result.summary["prefill_tokens"] == sum(r.prompt_tokens for r in result.requests)
     assert sum(s.sampled_tokens for s in result.steps) == result.summary["output_tokens"]

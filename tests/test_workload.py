@@ -1,4 +1,4 @@
-"""Workloads: the seeds' mix, seeded length distributions, arrival processes,
+"""Workloads: the mixed_lengths mix, seeded length distributions, arrival processes,
 shared prefixes, long-prompt interference, JSONL traces; serving against the
 wall clock; the static batcher's "enough requests or a timeout"."""
 
@@ -14,7 +14,7 @@ from servelab.engine.build import build_engine
 from servelab.errors import ConfigError
 from servelab.lab.runner import serve
 from servelab.lab.workload import (
-    SEEDS_LENGTHS,
+    MIXED_LENGTHS,
     LengthDist,
     arrival_times,
     make_workload,
@@ -28,15 +28,15 @@ def lengths(requests):
     return [(len(r.prompt_token_ids), r.params.max_tokens) for r in requests]
 
 
-# -- the seeds' example and synthetic lengths
+# -- the mixed_lengths mix and synthetic lengths
 
 
-def test_seeds_is_the_mix_in_order_repeated_and_scaled():
-    assert lengths(make_workload({"name": "seeds"}, VOCAB)) == SEEDS_LENGTHS
-    repeated = make_workload({"name": "seeds", "repeat": 3}, VOCAB)
-    assert lengths(repeated) == SEEDS_LENGTHS * 3
-    half = make_workload({"name": "seeds", "scale": 0.5}, VOCAB)
-    assert lengths(half) == [(round(p / 2), round(o / 2)) for p, o in SEEDS_LENGTHS]
+def test_mixed_lengths_is_the_mix_in_order_repeated_and_scaled():
+    assert lengths(make_workload({"name": "mixed_lengths"}, VOCAB)) == MIXED_LENGTHS
+    repeated = make_workload({"name": "mixed_lengths", "repeat": 3}, VOCAB)
+    assert lengths(repeated) == MIXED_LENGTHS * 3
+    half = make_workload({"name": "mixed_lengths", "scale": 0.5}, VOCAB)
+    assert lengths(half) == [(round(p / 2), round(o / 2)) for p, o in MIXED_LENGTHS]
     assert all(r.arrival_time == 0.0 and r.params.ignore_eos for r in repeated)
 
 
@@ -165,7 +165,7 @@ def test_a_shared_prefix_longer_than_the_engine_allows_is_cut():
 @pytest.mark.parametrize(
     "node",
     [
-        {"name": "seeds", "repeat": 2},
+        {"name": "mixed_lengths", "repeat": 2},
         {"name": "synthetic", "num_requests": 16},
         {"name": "interference", "num_decoders": 5, "num_long": 3},
     ],
@@ -251,7 +251,7 @@ def test_unknown_workload_option_lists_the_accepted_ones():
     assert all(key in message for key in workload_options("synthetic"))
     with pytest.raises(ConfigError, match="accepted: dist, mean, std, min, max"):
         make_workload({"name": "synthetic", "prompt_len": {"dist": "fixed", "meen": 3}}, VOCAB)
-    with pytest.raises(ConfigError, match="accepted: seeds, synthetic, interference, trace"):
+    with pytest.raises(ConfigError, match="accepted: mixed_lengths, synthetic, interference, trace"):
         make_workload({"name": "sharegpt"}, VOCAB)
 
 
@@ -267,7 +267,7 @@ def test_unknown_workload_option_lists_the_accepted_ones():
             "min <= max",
         ),
         ({"name": "synthetic", "shared_fraction": 1.5}, "shared_fraction must be in [0, 1]"),
-        ({"name": "seeds", "repeat": 0}, "repeat must be an integer >= 1"),
+        ({"name": "mixed_lengths", "repeat": 0}, "repeat must be an integer >= 1"),
     ],
 )
 def test_bad_workload_values_are_config_errors(node, problem):
@@ -347,7 +347,7 @@ def test_static_batcher_waits_for_batch_size_or_timeout():
 
 def test_static_batch_never_exceeds_batch_size():
     engine = tiny_engine(name="static", batch_size=2)
-    requests = make_workload({"name": "seeds", "scale": 0.05}, engine.model_config.vocab_size)
+    requests = make_workload({"name": "mixed_lengths", "scale": 0.05}, engine.model_config.vocab_size)
     serve(engine, requests)
     batches: dict[int, int] = {}
     for record in engine.metrics.requests:

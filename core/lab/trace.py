@@ -1,0 +1,118 @@
+"""The `trace` workload: replays a JSONL file, one request per line, as
+written. A trace is never clipped or reordered beyond sorting by arrival time:
+a line that cannot be served is a `ConfigError` naming the file, the line and
+the problem, so a replay is the trace or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from servelab.errors import ConfigError
+from servelab.lab.request_builder import RequestBuilder, WorkloadRequest
+
+TRACE_KEYS = ("prompt_len", "prompt_token_ids", "output_len", "arrival_time", "priority")
+
+
+def trace_workload(
+    vocab_size: int,
+    max_model_len: int | None = None,
+    path: str | None = None,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+) -> list[WorkloadRequest]:
+    """Replays a JSONL trace: one JSON object per line with `prompt_len` or
+    `prompt_token_ids`, `output_len`, optional `arrival_time` (seconds, default
+    0; multiplied by `time_scale`) and `priority` (default 0). Blank lines are
+    skipped; a bad line is a `ConfigError` naming the file, the line and the
+    problem. Random prompt tokens for `prompt_len` come from `seed`."""
+    if not path:
+        raise ConfigError(
+            "workload trace needs `path`: a JSONL file, e.g. workload.path=trace.jsonl"
+        )
+    file = Path(str(path)).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"workload trace: no such file {str(file)!r}")
+    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
+    requests = []
+    with file.open(encoding="utf-8") as lines:
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{file}:{lineno}"
+            prompt, output_len, arrival, priority = parse_trace_line(line, where, vocab_size)
+            if isinstance(prompt, int):
+                prompt = build.random_prompt(prompt)
+            # a trace is replayed as written: too long is an error, never clipped
+            if max_model_len is not None and len(prompt) + output_len > max_model_len:
+                raise ConfigError(
+                    f"{where}: prompt ({len(prompt)} tokens) + output_len ({output_len}) exceeds "
+                    f"max_model_len={max_model_len}"
+                )
+            requests.append(
+                build.request(
+                    lineno,
+                    prompt,
+                    output_len,
+                    arrival_time=arrival * time_scale,
+                    priority=priority,
+                    request_id=f"trace-{lineno}",
+                )
+            )
+    if not requests:
+        raise ConfigError(f"workload trace: {file} holds no requests")
+    requests.sort(key=lambda r: r.arrival_time)  # stable: file order among equal times
+    return requests
+
+
+def parse_trace_line(
+    line: str, where: str, vocab_size: int
+) -> tuple[int | list[int], int, float, int]:
+    """One trace line -> (prompt length or token ids, output_len, arrival_time, priority)."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(item).__name__}")
+    unknown = [k for k in item if k not in TRACE_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; accepted: {', '.join(TRACE_KEYS)}")
+    if ("prompt_len" in item) == ("prompt_token_ids" in item):
+        raise ConfigError(f"{where}: give exactly one of prompt_len and prompt_token_ids")
+
+    def positive_int(key: str) -> int:
+        value = item.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        return value
+
+    if "prompt_len" in item:
+        prompt: int | list[int] = positive_int("prompt_len")
+    else:
+        ids = item["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise ConfigError(f"{where}: prompt_token_ids must be a non-empty list of token ids")
+        bad = [
+            t
+            for t in ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+        ]
+        if bad:
+            raise ConfigError(
+                f"{where}: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+            )
+        prompt = ids
+    if "output_len" not in item:
+        raise ConfigError(f"{where}: missing output_len")
+    output_len = positive_int("output_len")
+    arrival = item.get("arrival_time", 0.0)
+    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not arrival >= 0:
+        raise ConfigError(f"{where}: arrival_time must be a number >= 0 (seconds), got {arrival!r}")
+    priority = item.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ConfigError(f"{where}: priority must be an integer, got {priority!r}")
+    return prompt, output_len, float(arrival), priority

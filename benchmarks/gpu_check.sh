@@ -14,7 +14,7 @@
 # Usage:
 #   bash benchmarks/gpu_check.sh --vendor   # here, once: copy the pure-Python packages the
 #                                           # GPU image lacks (omegaconf, antlr4) into .pydeps/
-#   bash benchmarks/gpu_check.sh            # on the GPU machine (device `run`, carry [".pydeps"])
+#   bash benchmarks/gpu_check.sh            # on the GPU machine, with .pydeps/ copied beside the tree
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -31,7 +31,7 @@ if [ "${1:-}" = "--vendor" ]; then
         cp -r "$src" "$PYDEPS/$pkg"
     done
     find "$PYDEPS" -name __pycache__ -prune -exec rm -rf {} +
-    # keep it out of git; the device tool still carries an ignored folder named in `carry`
+    # keep it out of git (copy it to the GPU machine with the tree)
     if [ "$PYDEPS" = .pydeps ] && [ -d .git ] && ! grep -qx "/.pydeps/" .git/info/exclude 2>/dev/null; then
         mkdir -p .git/info && echo "/.pydeps/" >>.git/info/exclude
     fi

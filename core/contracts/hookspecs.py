@@ -5,7 +5,7 @@ named after one of these specifications. Two families:
 
 - registration hooks collect parts from every plugin (none is `firstresult`):
   each returns `{name: class}`; the plugin manager checks the classes against
-  the contracts in `servelab.contracts.attention` and rejects duplicate names;
+  the contracts in `servelab.contracts` and rejects duplicate names;
 - event hooks observe the engine; each implementation is called in isolation,
   so an observer that raises is reported and never stops the engine.
 
@@ -33,22 +33,22 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def servelab_register_schedulers() -> dict[str, type]:
-    """Schedulers this plugin provides: `{name: subclass of interfaces.Scheduler}`."""
+    """Schedulers this plugin provides: `{name: subclass of servelab.contracts.scheduler.Scheduler}`."""
 
 
 @hookspec
 def servelab_register_allocators() -> dict[str, type]:
-    """KV allocators this plugin provides: `{name: subclass of interfaces.KVAllocator}`."""
+    """KV allocators this plugin provides: `{name: subclass of servelab.contracts.allocator.KVAllocator}`."""
 
 
 @hookspec
 def servelab_register_preemption_policies() -> dict[str, type]:
-    """Preemption policies this plugin provides: `{name: subclass of interfaces.PreemptionPolicy}`."""
+    """Preemption policies this plugin provides: `{name: subclass of servelab.contracts.preemption.PreemptionPolicy}`."""
 
 
 @hookspec
 def servelab_register_attention_backends() -> dict[str, type]:
-    """Attention backends this plugin provides: `{name: subclass of interfaces.AttentionBackend}`."""
+    """Attention backends this plugin provides: `{name: subclass of servelab.contracts.attention.AttentionBackend}`."""
 
 
 @hookspec

@@ -1,6 +1,6 @@
 """`Engine`: requests in, one scheduled step at a time, outputs out.
 
-One step, as data flows (see DESIGN.md):
+One step, as data flows (see docs/architecture.md):
     plan   = scheduler.schedule()
     kv_cache.apply(plan.copies)
     batch  = runner.prepare(plan)           (metadata and backend.plan, once per step)

@@ -1,10 +1,10 @@
-"""`static`: request-level batching, the baseline the seeds criticise. A batch
+"""`static`: request-level batching, the baseline continuous batching is measured against. A batch
 forms only when none runs; a finished sequence keeps its slot, idle, until the
 whole batch ends, and its output is returned then. Idle slot-steps are counted
 per step. (Its KV blocks are freed at once: holding them would only let a
 preempted batch member deadlock behind its idle neighbours.)
 
-Online arrivals (the seeds' "enough requests or a timeout" batcher): when no
+Online arrivals (an "enough requests or a timeout" batcher): when no
 batch runs, a new one forms once `batch_size` requests wait, or once
 `batch_timeout` seconds have passed since the oldest waiting request arrived;
 it takes at most `batch_size` requests (and `max_num_seqs` sequences).

@@ -1,20 +1,12 @@
-"""The CUDA execution path: decode CUDA graphs (`servelab.executor.cuda_graphs`), KV
-sizing and pinned step staging (`servelab.executor.device_memory`), and the GPU benchmark.
-
-On the CPU: bucket choice, graph-safety, the eager fallback, and the padded
-decode a graph replays — run eagerly through the same static buffers with the
-real graph-safe backend (`triton_paged`, interpreted) — against the plain eager
-step; KV sizing with made-up device figures; staging round trips; the engine
-options `cuda_graphs` and `gpu_memory_utilization` (validation, the CPU path
-unchanged, the eager fallback, the KV budget from a made-up device, decode
-steps routed through the graph runner with a CPU stand-in for a graph), every
-engine run against transformers' greedy tokens; a smoke run of
-`benchmarks/gpu_throughput.py --tiny`.
-
-On a CUDA device only (skipped elsewhere): graph capture and replay against
-eager, greedy tokens on CUDA against the CPU for every attention backend whose
-`check()` accepts the setup, every backend's attention at the Qwen3-0.6B head
-shape in bf16 and float32 against a float64 reference, and the device readings.
+"""The device path on a CPU: decode CUDA graphs' bucket choice, graph safety and
+eager fallback (`servelab.executor.cuda_graphs`), the padded decode a graph
+replays (run eagerly through the same static buffers with the real graph-safe
+backend, `triton_paged`, interpreted) against the plain eager step, KV sizing
+with made-up device figures (`servelab.executor.device_memory`), staging round
+trips (`servelab.executor.staging`), the engine options `cuda_graphs` and
+`gpu_memory_utilization`, every engine run against transformers' greedy tokens,
+and a smoke run of `benchmarks/gpu_throughput.py --tiny`. The CUDA-only half is
+`test_cuda_only.py`.
 """
 
 from __future__ import annotations
@@ -22,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import random
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,7 +25,7 @@ import yaml
 
 import servelab.executor.device_memory
 import servelab.executor.model_runner
-from servelab import LLM, SamplingParams
+from servelab import LLM
 from servelab.engine.build import ENGINE_DEFAULTS, attention_backend, engine_options
 from servelab.errors import ConfigError
 from servelab.executor.cuda_graphs import (
@@ -54,20 +44,19 @@ from servelab.executor.device_memory import (
     kv_cache_budget,
     model_weight_bytes,
 )
-from servelab.executor.kv_cache import KVCache
 from servelab.executor.staging import StepStaging
 from servelab.model.config import NAMED_SHAPES, named_config
-from servelab.model.loader import load_model
 from servelab.model.transformer import Transformer
 from servelab.step.metadata import AttentionMetadata
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
+from tests.executor.decode_scenes import assert_same_decode, make_scene, scene_runner
 
 HAS_CUDA = torch.cuda.is_available()
 # triton_paged runs compiled where CUDA is, interpreted on CPU tensors elsewhere
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("padded", "per_request", "flash_varlen", "triton_paged")
 
 
@@ -98,123 +87,6 @@ def test_graph_safety_comes_from_the_backend():
     # a declared flag wins over the name
     assert backend_is_graph_safe(SimpleNamespace(name="mine", graph_safe=True))
     assert not backend_is_graph_safe(SimpleNamespace(name="triton_paged", graph_safe=False))
-
-
-# ---------------------------------------------------------------- a decode scene
-
-
-@dataclass
-class DecodeScene:
-    """A tiny model whose KV cache holds prefilled prompts, and two decode steps:
-    `steps[0]` for every sequence, `steps[1]` for the first few only (so the
-    second step's padding rows held real sequences in the first)."""
-
-    model: Transformer
-    backend: object
-    kv: KVCache
-    steps: list[tuple[torch.Tensor, AttentionMetadata]]
-    block_size: int
-    max_model_len: int
-
-    def forward(self, ids, positions, plan):
-        return self.model(ids, positions, self.kv.layers, self.backend, plan)
-
-    def eager(self, ids, meta):
-        return self.forward(ids, meta.positions, self.backend.plan(meta))
-
-
-def make_scene(device, dtype, backend_name, prompt_lens=(3, 9, 1, 14, 6), second=3, seed=0):
-    model, config, _ = load_model("tiny", dtype, device, seed=0)
-    backend = attention_backend(backend_name, config)
-    rng = random.Random(seed)
-    block_size, max_model_len = 4, 32
-    blocks = [-(-(p + 2) // block_size) for p in prompt_lens]  # room for two decode tokens
-    num_blocks = sum(blocks) + 3  # spare blocks nobody may touch
-    physical = rng.sample(range(num_blocks), num_blocks)
-    tables, used = [], 0
-    for n in blocks:
-        tables.append(physical[used : used + n])
-        used += n
-    kv = KVCache(
-        config.num_layers,
-        num_blocks,
-        block_size,
-        config.num_kv_heads,
-        config.head_dim,
-        dtype,
-        torch.device(device),
-    )
-    scene = DecodeScene(model, backend, kv, [], block_size, max_model_len)
-    lens = list(prompt_lens)
-    prompt_ids = [rng.randrange(config.vocab_size) for _ in range(sum(lens))]
-    meta = AttentionMetadata.from_lists(lens, lens, tables, block_size, device=device)
-    ids = torch.tensor(prompt_ids, device=device)
-    with torch.inference_mode():
-        scene.eager(ids, meta)  # prefill: the cache now holds every prompt
-    for count in (len(lens), second):
-        seq_lens = [n + 1 for n in lens[:count]]
-        meta = AttentionMetadata.from_lists(
-            [1] * count, seq_lens, tables[:count], block_size, device=device
-        )
-        ids = torch.tensor([rng.randrange(config.vocab_size) for _ in range(count)], device=device)
-        scene.steps.append((ids, meta))
-        lens[:count] = seq_lens
-    return scene
-
-
-def written_slots(scene) -> torch.Tensor:
-    return torch.cat([meta.slot_mapping for _, meta in scene.steps]).cpu()
-
-
-def assert_near(have: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    """Equal when `tol` is 0, else ||have - want|| / ||want|| <= tol (no NaN passes)."""
-    assert have.shape == want.shape
-    if tol == 0:
-        assert torch.equal(have, want)
-        return
-    have, want = have.double().cpu(), want.double().cpu()
-    err = float((have - want).norm() / want.norm())
-    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
-
-
-def assert_same_decode(scene, run_candidate, tol):
-    """Runs both steps eagerly, then through `run_candidate` from the same cache:
-    same hidden states and K/V at the written slots (to `tol`), every other slot
-    untouched (exactly)."""
-    pool = scene.kv.device_pool
-    before = pool.clone()
-    with torch.inference_mode():
-        expected = [scene.eager(ids, meta).clone() for ids, meta in scene.steps]
-        expected_pool = pool.clone()
-        pool.copy_(before)
-        got = [run_candidate(ids, meta).clone() for ids, meta in scene.steps]
-    for want, have in zip(expected, got, strict=True):
-        assert_near(have, want, tol)
-    slots = written_slots(scene)
-    flat = lambda t: t.flatten(2, 3).cpu()  # [2, layers, slots, heads, dim]
-    untouched = torch.ones(flat(pool).shape[2], dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(flat(pool)[:, :, untouched], flat(before)[:, :, untouched]), (
-        "a padding row wrote K/V"
-    )
-    assert_near(flat(pool)[:, :, slots], flat(expected_pool)[:, :, slots], tol)
-
-
-# ---------------------------------------------------------------- the runner on the CPU
-
-
-def scene_runner(scene, device, **options) -> DecodeGraphRunner:
-    """A graph runner over a scene's forward and backend: 8 sequences, the
-    scene's length and block size."""
-    return DecodeGraphRunner(
-        scene.forward,
-        scene.backend,
-        max_num_seqs=8,
-        max_model_len=scene.max_model_len,
-        block_size=scene.block_size,
-        device=device,
-        **options,
-    )
 
 
 def test_padded_decode_matches_eager_and_writes_only_real_slots():
@@ -620,186 +492,3 @@ def test_throughput_benchmark_tiny_smoke(tmp_path):
     assert (tmp_path / "gpu_throughput.md").is_file() and (
         tmp_path / "gpu_throughput.json"
     ).is_file()
-
-
-# ---------------------------------------------------------------- CUDA only
-
-
-@cuda_only
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replay_matches_eager(dtype):
-    scene = make_scene("cuda", dtype, "triton_paged")
-    runner = scene_runner(scene, "cuda")
-    assert runner.enabled, runner.disabled_reason
-    before = scene.kv.device_pool.clone()
-    runner.capture()
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
-    assert torch.equal(scene.kv.device_pool, before), "capture wrote K/V"
-    assert_same_decode(scene, runner.run, tol=1e-5 if dtype == torch.float32 else 1e-2)
-    assert runner.num_replays == 2 and runner.num_eager == 0
-    prefill = AttentionMetadata.from_lists([2], [2], [[0]], scene.block_size, device="cuda")
-    with torch.inference_mode():
-        runner.run(torch.tensor([1, 2], device="cuda"), prefill)
-    assert runner.num_eager == 1  # a prefill never replays
-
-
-@cuda_only
-@pytest.mark.cuda
-def test_graph_unsafe_backend_runs_eagerly_on_cuda():
-    scene = make_scene("cuda", torch.float32, "per_request")
-    runner = DecodeGraphRunner(
-        scene.forward, scene.backend, max_num_seqs=8, max_model_len=32, block_size=4, device="cuda"
-    )
-    assert "per_request" in runner.disabled_reason
-    runner.capture()
-    assert not runner.graphs
-    assert_same_decode(scene, runner.run, tol=0)
-
-
-def greedy_tokens(attention, device, prompts, max_tokens=12):
-    llm = LLM(model="tiny", attention=attention, device=device, dtype="float32", max_model_len=128)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-
-
-@cuda_only
-@pytest.mark.cuda
-@pytest.mark.parametrize("attention", BACKENDS)
-def test_greedy_tokens_on_cuda_equal_the_cpu(attention):
-    rng = random.Random(3)
-    prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(3, 40))] for _ in range(5)]
-    try:
-        on_cuda = greedy_tokens(attention, "cuda", prompts)
-    except ConfigError as err:  # the backend's check() refuses float32 on CUDA
-        pytest.skip(f"{attention}: {err}")
-    assert on_cuda == greedy_tokens("per_request", "cpu", prompts)
-
-
-def dense_reference(q, keys, values, context_len, scale):
-    """One sequence in float64 from unpaged K/V: q [Q, H, D], keys/values [S, KVH, D]."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    query_pos = context_len + torch.arange(q.shape[0])
-    hidden = torch.arange(k.shape[0])[None, :] > query_pos[:, None]
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
-
-
-@cuda_only
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("spec", [*BACKENDS, {"name": "flash_varlen", "impl": "torch"}], ids=str)
-def test_backend_attention_on_cuda_at_qwen3_heads(spec, dtype):
-    """A mixed batch (decodes, a chunk mid-context, a whole prompt) at 16 query /
-    8 KV heads, head_dim 128, against a float64 dense reference."""
-    config = named_config("qwen3-0.6b")
-    backend = attention_backend(spec, config)
-    block_size, device = 16, torch.device("cuda")
-    try:
-        backend.check(SimpleNamespace(block_size=block_size, name="paged"), device, dtype)
-    except ConfigError as err:
-        pytest.skip(str(err))
-    query_lens, context_lens = [1, 1, 37, 120], [300, 17, 64, 0]
-    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-    gen = torch.Generator().manual_seed(0)
-    nkv, hd = config.num_kv_heads, config.head_dim
-    blocks = [-(-s // block_size) for s in seq_lens]
-    physical = torch.randperm(sum(blocks) + 2, generator=gen).tolist()
-    tables, used = [], 0
-    for n in blocks:
-        tables.append(physical[used : used + n])
-        used += n
-    cache = torch.zeros(sum(blocks) + 2, block_size, nkv, hd, dtype=dtype, device=device)
-    k_cache, v_cache = cache.clone(), cache.clone()
-    keys = [torch.randn(s, nkv, hd, generator=gen).to(dtype) for s in seq_lens]
-    values = [torch.randn(s, nkv, hd, generator=gen).to(dtype) for s in seq_lens]
-    for table, c, k, v in zip(tables, context_lens, keys, values):
-        for pos in range(c):
-            k_cache[table[pos // block_size], pos % block_size] = k[pos].to(device)
-            v_cache[table[pos // block_size], pos % block_size] = v[pos].to(device)
-    q = torch.randn(sum(query_lens), config.num_heads, hd, generator=gen).to(dtype)
-    new_k = torch.cat([k[c:] for k, c in zip(keys, context_lens)])
-    new_v = torch.cat([v[c:] for v, c in zip(values, context_lens)])
-    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size, device=device)
-    plan = backend.plan(meta)
-    out = backend.forward(
-        q.to(device), new_k.to(device), new_v.to(device), (k_cache, v_cache), plan
-    )
-    starts = np.cumsum([0, *query_lens])
-    want = torch.cat(
-        [
-            dense_reference(q[a:b], k, v, c, config.attention_scale)
-            for a, b, k, v, c in zip(starts, starts[1:], keys, values, context_lens)
-        ]
-    )
-    err = (out.double().cpu() - want).norm() / want.norm()
-    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-3), float(err)
-
-
-@cuda_only
-@pytest.mark.cuda
-def test_device_memory_budget_reads_the_device():
-    weights = torch.empty(256 * 1024**2, dtype=torch.uint8, device="cuda")  # stands for weights
-    budget = device_memory_budget("cuda", 0.5, activation_peak_bytes=GiB)
-    assert budget.total_bytes == torch.cuda.get_device_properties(0).total_memory
-    assert budget.weights_bytes >= weights.numel()
-    assert budget.kv_bytes <= int(budget.total_bytes * 0.5) - budget.weights_bytes - GiB
-    with pytest.raises(ConfigError, match="no room"):
-        _ = device_memory_budget("cuda", 1e-6, activation_peak_bytes=GiB).kv_bytes
-
-
-@cuda_only
-@pytest.mark.cuda
-def test_staging_pins_and_uploads_to_cuda():
-    staging = StepStaging("cuda", capacity_bytes=32)
-    assert staging.host.is_pinned()
-    for step in range(3):
-        staging.begin()
-        values = list(range(step, step + 100))
-        staging.put("positions", values, torch.int64)
-        staging.put("seq_lens", values, torch.int32)
-        out = staging.upload()
-        assert out["positions"].device.type == "cuda"
-        assert out["positions"].tolist() == values and out["seq_lens"].tolist() == values
-
-
-@cuda_only
-@pytest.mark.cuda
-def test_engine_replays_decode_graphs_on_cuda():
-    rng = random.Random(5)
-    prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(3, 40))] for _ in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(
-        model="tiny",
-        attention="triton_paged",
-        device="cuda",
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=8,
-        cuda_graphs=True,
-    )
-    runner = llm.engine.runner
-    assert runner.graphs_status.startswith("captured"), runner.graphs_status
-    on_cuda = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-    assert runner.graphs.num_replays > 0
-    assert on_cuda == greedy_tokens("per_request", "cpu", prompts)
-
-
-@cuda_only
-@pytest.mark.cuda
-def test_gpu_memory_utilization_sizes_the_kv_cache_on_cuda():
-    """total x utilization - weights - activation estimate, read from the real
-    device; what this process held before loading is neither weights nor KV."""
-    total = torch.cuda.get_device_properties(0).total_memory
-    held = torch.cuda.memory_allocated()
-    utilization = min(1.0, (held + 2 * GiB) / total)  # about 2 GiB for weights + KV
-    llm = LLM(model="tiny", device="cuda", dtype="float32", gpu_memory_utilization=utilization)
-    config = llm.engine.model_config
-    # engine defaults: max_num_batched_tokens = max(2048, max_model_len), max_num_seqs 64
-    activations = estimate_activation_bytes(config, 2048, 64, torch.float32)
-    budget = int(total * utilization) - model_weight_bytes(config, torch.float32) - activations
-    kv = llm.engine.kv_cache.device_pool.nbytes
-    # below: whole blocks only, and buffers loaded with the weights (RoPE tables) count as weights
-    assert budget - 64 * 1024**2 < kv <= budget

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared device check of the CUDA path, under 9 minutes on one GPU:
 #   1. tests, compiled for CUDA, stopping at the first failure: the Triton kernels
-#      (tests/test_triton_kernels.py) and the CUDA path (tests/test_cuda_path.py:
+#      (tests/plugins/test_triton_kernels.py) and the CUDA path (tests/executor:
 #      decode graphs vs eager, greedy tokens CUDA vs CPU per backend, every
 #      backend's attention at the Qwen3-0.6B heads, KV sizing, pinned staging);
 #   2. benchmarks/gpu_throughput.py: Qwen3-0.6B shape, 256 requests, output tok/s
@@ -45,7 +45,7 @@ OUT=${OUT:-/tmp/servelab-gpu}
 mkdir -p "$OUT"
 
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "no CUDA device: on a CPU run 'pytest tests/test_cuda_path.py' and" \
+    echo "no CUDA device: on a CPU run 'pytest tests/executor' and" \
         "'python benchmarks/gpu_throughput.py --tiny' instead" >&2
     exit 2
 fi
@@ -89,7 +89,7 @@ parallel=()
 "$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n 4)
 begin=$SECONDS
 tests_rc=0
-for spec in "tests/test_cuda_path.py 110" "tests/test_triton_kernels.py 150"; do
+for spec in "tests/executor 110" "tests/plugins/test_triton_kernels.py 150"; do
     read -r file seconds <<<"$spec"
     timeout "$seconds" "$PYTHON" -m pytest -x -q -ra -p no:cacheprovider "${parallel[@]}" "$file" \
         2>&1 | tee -a "$OUT/tests.log"

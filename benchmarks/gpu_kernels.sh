@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device check for our Triton kernels (triton_paged), under 8 minutes on one GPU:
-#   1. tests/test_triton_kernels.py compiled for CUDA (TRITON_INTERPRET unset):
+#   1. tests/plugins/test_triton_kernels.py compiled for CUDA (TRITON_INTERPRET unset):
 #      fp32, fp64, bf16, fp16 and the Qwen3-0.6B head shapes (16 / 8 heads, head_dim 128);
 #   2. benchmarks/bench_triton_decode.py: triton_paged vs torch gather + SDPA,
 #      decode at batch 64 / 256, context 1k-4k, bf16.
@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/servelab-gpu}
 mkdir -p "$OUT"
 
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "no CUDA device: on a CPU run 'pytest tests/test_triton_kernels.py' (interpreted) instead" >&2
+    echo "no CUDA device: on a CPU run 'pytest tests/plugins/test_triton_kernels.py' (interpreted) instead" >&2
     exit 2
 fi
 
@@ -35,7 +35,7 @@ echo "== kernel tests (compiled) =="
 # Each test shape compiles its own kernel variant: spread the compiles over 4 workers.
 parallel=()
 "$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n 4)
-timeout 300 "$PYTHON" -m pytest -x -q -ra -p no:cacheprovider "${parallel[@]}" tests/test_triton_kernels.py \
+timeout 300 "$PYTHON" -m pytest -x -q -ra -p no:cacheprovider "${parallel[@]}" tests/plugins/test_triton_kernels.py \
     2>&1 | tee "$OUT/test_triton_kernels.log"
 tests_rc=${PIPESTATUS[0]}
 

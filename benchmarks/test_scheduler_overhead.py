@@ -62,7 +62,7 @@ def running_scheduler(scheduler_node: dict, allocator_node: dict):
         prompt = [2 + (i * 31 + j) % 1000 for j in range(PROMPT_LEN)]
         scheduler.add(SequenceGroup(str(i), Sequence(str(i), prompt, params)))
     runner = ModelRunner(
-        model=None,
+        model_forward=None,
         backend=StubBackend(),
         kv_cache=StubKVCache(),
         allocator=allocator,

@@ -39,8 +39,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'servelab' has no attribute {name!r}")
 
 
-# Import paths plugin authors used before the package was split into folders:
-# they keep working for one release, with a DeprecationWarning naming the new home.
+# Deprecated flat import paths -> the modules that hold their names: they keep
+# working for one release, with a DeprecationWarning naming the new home.
 MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "servelab.scheduler_base": ("servelab.contracts.scheduler_base",),
     "servelab.batch": ("servelab.step.plan", "servelab.step.metadata"),

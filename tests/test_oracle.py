@@ -15,7 +15,7 @@ from servelab import hookimpl
 from servelab.kernels import cpu_linear, cpu_paged
 from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.testing.oracle import assert_matches_reference, drive
-from tests.oracle import combinations, combo_id, make_case
+from servelab.testing.oracle import combinations, combo_id, make_case
 
 ALL = combinations()
 

@@ -1,15 +1,12 @@
 """Every pluggy hook of servelab, prefixed `servelab_`.
 
-A plugin is any module or object whose functions carry `@hookimpl` and are
-named after one of these specifications. Two families:
-
-- registration hooks collect parts from every plugin (none is `firstresult`):
-  each returns `{name: class}`; the plugin manager checks the classes against
-  the contracts in `servelab.contracts` and rejects duplicate names;
-- event hooks observe the engine; each implementation is called in isolation,
-  so an observer that raises is reported and never stops the engine.
-
-An implementation may accept fewer arguments than its specification lists.
+A plugin is any module or object whose functions carry `@hookimpl` and are named after one
+of these specifications; an implementation may accept fewer arguments than its spec lists.
+- registration hooks collect parts from every plugin (none is `firstresult`): each returns
+  `{name: class}`; the plugin manager checks the classes against the contracts in
+  `servelab.contracts` and rejects duplicate names;
+- event hooks observe the engine; each implementation is called in isolation, so an
+  observer that raises is reported and never stops the engine.
 """
 
 from __future__ import annotations

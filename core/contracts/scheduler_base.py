@@ -1,16 +1,13 @@
 """`BaseScheduler`: the queue bookkeeping every scheduler shares.
 
-Queues hold `SequenceGroup`s (a request and, after its prompt, its n samples).
-`schedule()` runs three phases — running, swapped, waiting — and a built-in
-changes only how many tokens a sequence may run in one step (`tokens_for`) and
-when new groups are admitted (`admit`).
+Queues hold `SequenceGroup`s (a request and, after its prompt, its n samples). `schedule()`
+runs three phases (running, swapped, waiting); a built-in changes only how many tokens a
+sequence may run in one step (`tokens_for`) and when new groups are admitted (`admit`).
 
-Admission modes:
-- `reserve`: a group is admitted only when its worst case (prompt + max_tokens
-  for each of its n samples) fits next to every other admitted group's worst
-  case; blocks are still handed out as tokens arrive, so this never preempts;
-- `on_demand`: room for what runs now; when blocks run out, the preemption
-  policy frees a victim (lowest priority, latest arrival).
+Admission modes: `reserve` admits a group only when its worst case (prompt + max_tokens for
+each of its n samples) fits next to every admitted group's, so it never preempts (blocks are
+still handed out as tokens arrive); `on_demand` needs room for what runs now, and when blocks
+run out the preemption policy frees a victim (lowest priority, latest arrival).
 """
 
 from __future__ import annotations

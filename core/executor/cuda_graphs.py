@@ -1,24 +1,13 @@
-"""Decode CUDA graphs: capture one decode-only forward per batch-size bucket,
-replay the smallest bucket that holds the step's batch.
-
-A decode step launches a few hundred small kernels whose launch gaps, not
-their work, bound a small model; a replayed graph launches them all at once.
-A graph replays fixed kernels on fixed addresses, so the runner owns static
-input buffers of the largest bucket and copies each step's inputs into them.
+"""Decode CUDA graphs: a small model's decode step is bound by the launch gaps of a few
+hundred small kernels, so one decode-only forward per batch-size bucket is captured.
 
 Rules:
-- only a graph-safe backend is captured (`backend_is_graph_safe`): its `plan`
-  reads the metadata's device tensors only (no `*_cpu` list, nothing that
-  changes per step outside them), its `forward` never syncs with the host, and
-  its KV store skips negative slots. Any other backend runs eagerly;
-- a step is replayed only when every sequence has one query token, the batch
-  fits the largest bucket and its block table fits `max_model_len`; anything
-  else runs eagerly through the same `forward`;
-- padding rows (batch < bucket) get slot `PAD_SLOT` (-1: stored nowhere),
-  context length 1, position 0 and token 0, so they write no KV and read one
-  key of some valid block: finite, and never returned;
-- the hidden states a replay returns are a view of the graph's output buffer,
-  overwritten by the next replay of that bucket: consume them within the step.
+- only graph-safe backends are captured: `plan` reads only the metadata's device tensors,
+  `forward` never syncs with the host, the KV store skips negative slots (`PAD_SLOT` rows);
+- a step whose sequences all have one query token replays the smallest bucket that holds it;
+  anything else (or a batch above the largest bucket) runs eagerly through the same `forward`;
+- a replay returns a view of the graph's output buffer, overwritten by the next replay of
+  that bucket: consume it within the step.
 """
 
 from __future__ import annotations

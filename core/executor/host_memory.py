@@ -1,20 +1,13 @@
 """Keeps a CPU engine's freed activations in the heap, so the next step reuses them.
 
-A prefill step's activations are megabytes each (a 2048-token chunk's gate/up
-projection: 8 MiB in float32). glibc serves blocks that large with `mmap` and
-gives them back with `munmap` when they are freed, or trims the heap top past
-128 KiB, so every step faults the same memory in again, page by page, inside
-the matmuls that first write it (measured on the reference workload: prefill
-steps 0.36-0.38 s with glibc's defaults, 0.33-0.34 s with these settings, the
-decode steps unchanged). `keep_freed_memory` raises those thresholds once per
-process with `mallopt`, which is what `MALLOC_MMAP_THRESHOLD_` /
-`MALLOC_TRIM_THRESHOLD_` / `MALLOC_TOP_PAD_` in the environment would do
-before start-up: blocks up to 32 MiB come from the heap, and up to 256 MiB of
-free heap top stays mapped.
+A prefill step's activations are megabytes each. glibc serves blocks that large with `mmap`,
+unmaps them when freed and trims the heap top, so every step faults the same memory in
+again, page by page, inside the matmuls that first write it. `keep_freed_memory` raises
+those thresholds (`SETTINGS`) once per process with `mallopt`, as `MALLOC_MMAP_THRESHOLD_`,
+`MALLOC_TRIM_THRESHOLD_` and `MALLOC_TOP_PAD_` in the environment would at start-up.
 
-Rules: glibc only (elsewhere, e.g. musl or macOS, nothing changes and the reason
-is logged); applied when an engine is built on the CPU; idempotent; the
-environment variables, when set, win (they are the user's explicit choice).
+Rules: glibc only (elsewhere, e.g. musl or macOS, nothing changes and the reason is logged);
+applied when an engine is built on the CPU; idempotent; those variables, when set, win.
 """
 
 from __future__ import annotations

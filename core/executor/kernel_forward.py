@@ -111,7 +111,7 @@ def _layer_program(layer) -> LayerProgram:
 def parameter_slots(model: torch.nn.Module) -> list[tuple[dict, str]]:
     """Where each parameter lives: its module's `_parameters` dict and its name
     there (assigning a new parameter replaces the dict entry, so reading the
-    slot sees it; walking `model.parameters()` every step costs ~0.3 ms)."""
+    slot sees it; walking `model.parameters()` every step costs far more)."""
     return [(m._parameters, name) for m in model.modules() for name in m._parameters]
 
 
@@ -177,7 +177,7 @@ class KernelForward:
         cos, sin = model.rope_cos, model.rope_sin
         embed = model.model.embed_tokens.weight
         if self._decoder is not None and kv_caches and kv_caches[0][0].dtype == embed.dtype:
-            if self._paged_backend[0] is not backend:  # an isinstance of a Protocol costs ~us
+            if self._paged_backend[0] is not backend:  # a Protocol isinstance costs microseconds
                 self._paged_backend = (backend, isinstance(backend, PagedKernelAttention))
             paged = (
                 backend.cpu_paged_kernel_inputs(attn_plan, len(layers))
@@ -209,7 +209,7 @@ class KernelForward:
                 qkv, layer.q_norm, layer.k_norm, layer.qk_eps, cos, sin, positions,
                 num_heads, num_kv_heads,
             )  # fmt: skip
-            # one split, not three slices: tensor indexing from Python costs ~2 us each
+            # one split, not three slices: tensor indexing from Python costs microseconds each
             q, k, v = qkv.view(num_tokens, qk_heads + num_kv_heads, head_dim).split(head_split, 1)
             out = backend.forward(q, k, v, kv_cache, attn_plan)
             delta = linear(out.reshape(num_tokens, num_heads * head_dim), *layer.o)

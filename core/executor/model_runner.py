@@ -4,20 +4,10 @@
     hidden = runner.run_model(batch)          # the model forward: the one place it runs
     tokens = runner.sample(hidden, batch)     # LM head on the sampled rows, one batched sample
 
-Rules that keep a step cheap:
-- the per-step cost grows with the number of sequences only through reading
-  their lists (token ids, block tables); tokens are never looped over in Python;
-- `run_model` is the single call site of the model's forward, so a decode CUDA
-  graph runner (or `torch.compile`) wraps exactly one function;
-- greedy rows skip the sampler's parameter tensors: one `argmax`, one `tolist`;
-- the CPU path pays nothing for the CUDA path: no staging (tensors are built in
-  place), and without `engine.cuda_graphs` no graph runner (one `is None` test
-  per step).
-
-On CUDA the step's input ids and metadata reach the device in one pinned,
-non-blocking copy (`servelab.executor.staging.StepStaging`), and with
-`enable_decode_graphs` decode steps replay captured CUDA graphs
-(`servelab.executor.cuda_graphs.DecodeGraphRunner`).
+Rules that keep a step cheap: the cost grows with the number of sequences only through
+reading their lists (tokens are never looped over in Python); `run_model` is the forward's
+one call site, so a decode graph runner or `torch.compile` wraps one function; greedy rows
+take one `argmax`; the CPU path pays nothing for CUDA's pinned staging and decode graphs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
 Rules:
-- greedy rows (temperature 0, or top_k 1) take `argmax` of the raw logits in
-  their own dtype; ties go to the lowest index, as `torch.argmax`;
-- other rows: logits / temperature, then top-k (keep the k best), then top-p
-  (keep the smallest set of best tokens whose mass reaches p; the best token is
-  always kept), softmax, then the exponential race: the token is
-  `argmax(probs / E)` with E ~ Exp(1) i.i.d. per token, which picks token i
-  with probability probs[i]. Every row goes through the same tensor ops;
-- a request with a `seed` draws its E from a CPU generator seeded by
-  (seed, output position, sample index) only, so it samples the same tokens
-  whatever batch it runs in and after preemption and recompute; unseeded rows
-  draw from `generator` (or torch's default) in one batched call.
+- greedy rows (temperature 0 or top_k 1): raw logits' `argmax` (own dtype, lowest index on ties);
+- other rows: logits / temperature, top-k, top-p (the smallest set of best tokens whose mass
+  reaches p; the best is always kept), softmax, then the exponential race `argmax(probs / E)`,
+  E ~ Exp(1) i.i.d. per token, which picks token i with probability probs[i];
+- a seeded request's E comes from a CPU generator seeded by (seed, output position, sample
+  index) only: the same tokens in any batch and after preemption and recompute; unseeded
+  rows draw from `generator` (or torch's default) in one batched call.
 """
 
 from __future__ import annotations

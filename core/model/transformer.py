@@ -1,18 +1,13 @@
 """One decoder for Qwen3, Qwen2 and Llama over packed tokens and a paged KV cache.
 
 Rules:
-- parameter names mirror Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`,
-  ...), so a safetensors checkpoint loads by name; `lm_head` is None when tied;
-- numerics follow HF op by op (RMSNorm in float32 for low precision, SiLU gate,
-  rotate-half RoPE) so logits match `transformers` to rounding; a float64 model
-  stays float64 everywhere (norms and RoPE included);
-- per-step work (RoPE cos/sin gather) happens once in `forward`; a layer only
-  projects, normalises, rotates and calls `backend.forward`;
-- projections that read the same input run as one matmul (q/k/v, gate/up):
-  their parameters are row views of one fused weight, so a checkpoint still
-  loads them by name and no memory is doubled. A parameter replaced after
-  construction (no longer a view) falls back to separate matmuls, never to
-  stale weights.
+- parameter names mirror Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`, ...),
+  so a safetensors checkpoint loads by name; `lm_head` is None when tied;
+- numerics follow HF op by op (float32 RMSNorm for low precision, SiLU gate, rotate-half
+  RoPE), so logits match `transformers` to rounding; a float64 model stays float64 throughout;
+- per-step work (the RoPE cos/sin gather) runs once in `forward`, never in a layer;
+- q/k/v and gate/up run as one matmul each: their parameters are row views of one fused
+  weight (`FusedLinear`; a parameter replaced later falls back to separate matmuls).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""The plugin manager: built-in plugins, entry points of group `servelab`,
-`SERVELAB_DISABLE_PLUGINS`, and name lookups whose errors list the known names.
+"""The plugin manager: loads plugins and looks parts up by name (errors list the known names).
 
 Rules:
-- built-ins are the modules of `DEFAULT_PLUGINS`; third-party plugins are the
-  entry points of group `servelab`; `SERVELAB_DISABLE_PLUGINS=a,b` (entry-point
-  or module names) keeps plugins from being imported at all;
-- a plugin that fails to import is reported once, with its distribution, and
-  skipped; everything else still loads (a failing built-in is logged as an
-  error: it is a servelab bug);
-- a hook implementation that matches no specification (a misspelled hook) is
-  a `PluginError`, raised while the manager is built;
-- a part registered twice under one name in one kind, or one that does not
-  implement its contract, is a `PluginError` naming its owners;
-- an event-hook implementation that raises is reported and skipped; the other
-  observers and the engine go on.
+- built-ins are the modules of `DEFAULT_PLUGINS`, third-party ones the `servelab` entry points;
+  `SERVELAB_DISABLE_PLUGINS=a,b` (entry-point or module names) keeps plugins unimported;
+- a plugin that fails to import is reported once, with its distribution, and skipped; the
+  rest still loads (a failing built-in is logged as an error: it is a servelab bug);
+- a hook implementation matching no specification (a misspelled hook), a name registered
+  twice in one kind or a part breaking its contract is a `PluginError` naming its owners;
+- an event-hook implementation that raises is reported and skipped; the engine goes on.
 """
 
 from __future__ import annotations

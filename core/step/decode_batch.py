@@ -1,24 +1,12 @@
 """`DecodeBatch`: the running sequences of a steady decode phase, kept between steps.
 
-While every running sequence decodes, a step changes each of them by exactly
-one token. Re-deriving the step from every sequence's lists (its block table,
-its counters, a `ScheduledSeq`, a stop check) costs Python work per sequence per
-step, which at a few hundred sequences outweighs a small model's forward on a
-CPU. A `DecodeBatch` keeps what a decode step needs as arrays — the position
-each row computes next, its block table, when it must stop — and advances
-them with a handful of numpy operations:
-
-    schedule:  rows crossing a block boundary get one new block each (~1/block_size of them)
-    prepare:   positions, slots, lengths and the block-table tensor by array arithmetic
-    update:    one loop appends the sampled tokens; stop rules are array comparisons
-
-The scheduler owns one: it builds it after a step whose sequences are exactly
-the running ones and all decode, shrinks it when rows finish, grows it when
-admitted prompts finish their prefill, and drops it whenever anything else
-changes (a preemption, a fork, an abort, a swap): the next step then takes the
-general path and may build a new one. The arrays are the truth only for what
-they mirror: `starts[i] == seqs[i].num_computed_tokens` and `tables[i]` is the
-allocator's block table of `seqs[i]` (`check` asserts both; tests call it).
+While every running sequence decodes, a step moves each by one token, and re-deriving it
+from every sequence's lists costs Python work per sequence that, at a few hundred sequences,
+outweighs a small model's CPU forward. The batch keeps positions, block tables and stop
+limits as arrays and advances them with a few numpy operations. The scheduler builds one when
+all running sequences decode, shrinks it as rows finish, grows it as prefills complete and
+drops it on anything else (preemption, fork, abort, swap). `check` asserts the invariants:
+`starts[i] == seqs[i].num_computed_tokens`, and `tables[i]` is `seqs[i]`'s block table.
 """
 
 from __future__ import annotations
@@ -131,7 +119,7 @@ class DecodeBatch:
         the tokens at `starts` (the step's snapshot of `self.starts`); on a
         device, uploaded through `staging` when given (`AttentionMetadata.to_device`)."""
         # every numpy call here runs once per step, cache-cold after the forward
-        # streamed the K/V through: as few as possible (about 5 us each)
+        # streamed the K/V through: as few as possible (microseconds each)
         n = len(starts)
         bs = self.block_size
         rows, query_start, logits_indices = self._aranges(n)

@@ -1,14 +1,12 @@
 """A request's sequences, their status machine, sampling parameters and outputs.
 
 A `Sequence` is one token stream whose KV lives in the cache. A request with
-`SamplingParams.n > 1` becomes a `SequenceGroup` of n sequences that share
-their prompt blocks after the prompt is prefilled once.
-
-The one counter that drives scheduling is `num_computed_tokens`: how many of
-`token_ids` already have their K/V in the cache. A step runs tokens
-`[num_computed_tokens, num_computed_tokens + k)`; when that range reaches the
-end of `token_ids`, the step samples the next token. Prefill, chunked prefill,
-decode and recompute after preemption are all this one rule.
+`SamplingParams.n > 1` becomes a `SequenceGroup` of n sequences that share their prompt
+blocks after the prompt is prefilled once. The one counter that drives scheduling is
+`num_computed_tokens`: how many of `token_ids` already have their K/V in the cache. A step
+runs tokens `[num_computed_tokens, num_computed_tokens + k)`; when that range reaches the end
+of `token_ids`, the step samples the next token. Prefill, chunked prefill, decode and
+recompute after preemption are all this one rule.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""The conformance checks a plugin author calls from their own test suite.
+"""The conformance checks a plugin author calls from their own test suite, e.g.
+`check_scheduler(ShortestJobFirst, ageing=0.5)`.
 
-    from servelab.testing import check_scheduler
-
-    def test_sjf_honours_the_contracts():
-        check_scheduler(ShortestJobFirst, ageing=0.5)
-
-Each check registers the class under a temporary name (a pluggy plugin added
-to the process-wide plugin manager and removed afterwards), then runs it
-combined with a representative subset of the built-ins through the token-exact
-oracle: every request's tokens must equal transformers' greedy output, the
-allocator's `check_integrity()` must hold after every step, every request
-must finish exactly once and every block must be free at the end. Each kind
-adds its own property checks. A broken rule raises AssertionError naming the
-combination and what broke; a passing check returns a `ConformanceReport`.
+Each check registers the class under a temporary name (a pluggy plugin added to the
+process-wide plugin manager and removed afterwards) and runs it, combined with a
+representative subset of the built-ins, through the token-exact oracle: every request's
+tokens must equal transformers' greedy output, `check_integrity()` must hold after every
+step, every request must finish exactly once and every block be free at the end; each kind
+adds its own property checks. A broken rule raises AssertionError naming the combination
+and what broke; a passing check returns a `ConformanceReport`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""`flash_varlen`: FlashAttention's varlen contract. Queries stay packed
-(`cu_seqlens_q`), keys are read through the block table (`cu_seqlens_k`), and
-the causal diagonal is aligned bottom-right, so a chunk after a cached prefix
-needs no extra mask. `impl` picks who runs it:
+"""`flash_varlen`: FlashAttention's varlen contract. Queries stay packed (`cu_seqlens_q`), keys
+are read through the block table (`cu_seqlens_k`), and the causal diagonal is aligned
+bottom-right, so a chunk after a cached prefix needs no extra mask. `impl` picks who runs it:
 - `flash_attn`: the flash-attn package (CUDA, fp16/bf16, block size a multiple of 256);
 - `torch`: PyTorch's `varlen_attn` on CUDA (fp16/bf16), paged where it takes a block table;
 - `sdpa`: SDPA over gathered pages, any device: decodes batched, each prefill chunk alone;
-- `cpu`: the C++ paged kernel (`servelab.kernels.cpu_paged`), every query of a step in
-  one call a layer; `sdpa`'s paths, logged, where it cannot run. The fast path on a CPU;
+- `cpu`: the C++ paged kernel (`servelab.kernels.cpu_paged`), every query of a step in one
+  call a layer, `sdpa`'s paths (logged) where it cannot run; the fast path on a CPU;
 - `reference`: `varlen_attention_reference`, the specification, never chosen by `auto`;
-- `auto`: the first of flash_attn, torch, cpu, sdpa whose constraints hold (logged).
-"""
+- `auto`: the first of flash_attn, torch, cpu, sdpa whose constraints hold (logged)."""
 
 from __future__ import annotations
 

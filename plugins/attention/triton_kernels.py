@@ -1,15 +1,13 @@
-"""Our own Triton kernels for paged attention: a KV-store kernel and one attention
-kernel for a mixed batch of prefill chunks and decodes, both reading and writing
-the layer cache through slots and block tables, never a per-sequence copy.
+"""Our own Triton kernels for paged attention: a KV-store kernel and one attention kernel for
+a mixed batch of prefill chunks and decodes, both reading and writing the layer cache through
+slots and block tables, never a per-sequence copy.
 
-Triton chooses between compiling and interpreting when a kernel is decorated,
-so without a CUDA device (and unless the user chose) this module sets
-`TRITON_INTERPRET=1` before defining its kernels: the same kernels then run on
-CPU tensors, slowly (the interpreter pays per program, so its tiles are large).
-`INTERPRETED` says which mode they were defined in. The kernels call no
-`@triton.jit` helper of Triton's library (see `_MAX`), so they still interpret
-when torch imported `triton.language` before this module set the variable.
-"""
+Triton chooses between compiling and interpreting when a kernel is decorated, so without a
+CUDA device (and unless the user chose) this module sets `TRITON_INTERPRET=1` before defining
+its kernels: they then run on CPU tensors, slowly (large tiles: the interpreter pays per
+program). `INTERPRETED` says which mode they were defined in. The kernels call no `@triton.jit`
+helper of Triton's library (see `_MAX`), so they interpret even when torch imported
+`triton.language` before this module set the variable."""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
-"""`static`: request-level batching, the baseline continuous batching is measured against. A batch
-forms only when none runs; a finished sequence keeps its slot, idle, until the
-whole batch ends, and its output is returned then. Idle slot-steps are counted
-per step. (Its KV blocks are freed at once: holding them would only let a
-preempted batch member deadlock behind its idle neighbours.)
+"""`static`: request-level batching, the baseline for continuous batching. A batch forms only
+when none runs; a finished sequence keeps its slot, idle, until the whole batch ends, and its
+output is returned then; idle slot-steps are counted per step. Its KV blocks are freed at
+once: holding them would only let a preempted batch member deadlock behind idle neighbours.
 
-Online arrivals (an "enough requests or a timeout" batcher): when no
-batch runs, a new one forms once `batch_size` requests wait, or once
-`batch_timeout` seconds have passed since the oldest waiting request arrived;
-it takes at most `batch_size` requests (and `max_num_seqs` sequences).
-`batch_size: null` means `max_num_seqs`; `batch_timeout: 0` forms a batch from
-whatever waits at once. Waiting time is measured from `add()` on the
-scheduler's `clock` (a class attribute, `time.perf_counter`; a test replaces it)."""
+Online arrivals: with no batch running, a new one forms once `batch_size` requests wait
+(`null`: `max_num_seqs`) or `batch_timeout` seconds after the oldest waiting one arrived
+(`0`: at once); it takes at most `batch_size` requests and `max_num_seqs` sequences. Waiting
+time runs from `add()` on the scheduler's `clock` (a class attribute, `time.perf_counter`; a
+test replaces it)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ CHECKS = {
     "preemption": check_preemption,
     "attention": check_attention_backend,
 }
-# every built-in, in the options its oracle variants use (triton_paged: tests/test_triton_kernels.py)
+# every built-in, in the options its oracle variants use (triton_paged: tests/plugins/test_triton_kernels.py)
 BUILTINS = [
     ("scheduler", "continuous", {}),
     ("scheduler", "chunked", {"chunk_size": 8}),

@@ -27,7 +27,7 @@ from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.registry import listing as plugins_cli
 from servelab.registry import plugin_manager
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "servelab-sjf"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "servelab-sjf"
 DIST_NAME = "servelab-sjf"
 MODULE = "servelab_sjf"
 BIN = Path(sys.executable).parent

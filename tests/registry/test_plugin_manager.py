@@ -1,4 +1,4 @@
-"""The plugin manager against fake distributions (tests/fake_dists/).
+"""The plugin manager against fake distributions (tests/registry/fake_dists/).
 
 Each fake distribution is a folder holding a package and its `*.dist-info`;
 putting the folder on `sys.path` is all it takes for `importlib.metadata` to

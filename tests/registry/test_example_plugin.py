@@ -142,18 +142,12 @@ def test_plugins_cli_lists_sjf_options_and_observer(installed, version, sjf_regi
     assert listing["failed"] == []
 
 
-def test_plugins_cli_reports_a_plugin_that_failed_to_load(monkeypatch, capsys):
+def test_plugins_cli_reports_a_plugin_that_failed_to_load(on_plugin_path, capsys):
     broken = Path(__file__).parent / "fake_dists" / "broken"
     (metadata,) = broken.glob("*.dist-info/METADATA")
     fields = dict(ln.split(": ", 1) for ln in metadata.read_text().splitlines() if ": " in ln)
-    monkeypatch.syspath_prepend(str(broken))
-    plugin_manager.reset_plugin_manager()
-    try:
-        plugins_cli.main([])
-    finally:
-        plugin_manager.reset_plugin_manager()
-        for name in [m for m in sys.modules if m.startswith("servelab_fake_broken")]:
-            del sys.modules[name]
+    on_plugin_path(broken, "servelab_fake_broken")
+    plugins_cli.main([])
     listing = capsys.readouterr().out
     failed = listing.split("plugins that failed to load:", 1)[1]
     assert f"({fields['Name']} {fields['Version']})" in failed
@@ -172,15 +166,10 @@ def test_example_package_tests_pass(installed, source):
 
 
 @pytest.fixture
-def sjf_registered(installed, monkeypatch):
+def sjf_registered(installed, on_plugin_path):
     """This process's plugin manager, rebuilt with the installed example on sys.path."""
-    monkeypatch.syspath_prepend(str(installed))
-    plugin_manager.reset_plugin_manager()
+    on_plugin_path(installed, MODULE)
     assert plugin_manager.registered("scheduler")["sjf"].origin.startswith(DIST_NAME)
-    yield
-    plugin_manager.reset_plugin_manager()
-    for name in [m for m in sys.modules if m == MODULE or m.startswith(MODULE + ".")]:
-        del sys.modules[name]
 
 
 def mean_latency_in_steps(scheduler: str, output_lengths: list[int]) -> float:

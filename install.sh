@@ -9,7 +9,8 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 python -m pip install -q -e ".[dev]"
-# Build the C++ CPU kernels now, once (torch caches them, keyed by their source), so
+# Build the C++ CPU kernels now, once (cached in ~/.cache/servelab/kernels, or
+# $SERVELAB_KERNEL_CACHE, keyed by their sources, flags, torch, Python and CPU), so
 # neither the first engine nor the tests pay for it; a failed build is logged and
-# the engine then keeps torch's ops (see servelab/cpp_extension.py)
-python -c "from servelab.model import cpu_decoder, cpu_fused, cpu_linear; from servelab.plugins.attention import cpu_paged; [m.kernel() for m in (cpu_fused, cpu_linear, cpu_paged, cpu_decoder)]"
+# the engine then keeps torch's ops (see servelab/kernels/cpp_extension.py)
+python -c "from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear, cpu_paged; [m.kernel() for m in (cpu_fused, cpu_linear, cpu_paged, cpu_decoder)]"

@@ -1,4 +1,4 @@
-"""The wheel ships every source package and every config file.
+"""The wheel ships every source package, every config file and the C++ sources.
 
 `setup.py` computes the package list from the folders, so a new folder can
 never be silently left out; this test builds the wheel from a copy of the
@@ -21,7 +21,12 @@ BUILD_FILES = ("setup.py", "pyproject.toml", "README.md")
 PROBES = {
     "core/zz_packaging_probe/__init__.py": '"""A package folder the test adds."""\n',
     "conf/zz_packaging_probe/nested/probe.yaml": "name: probe\n",
+    "core/zz_packaging_probe/csrc/probe.h": "#pragma once\n",
+    "core/zz_packaging_probe/csrc/probe.cpp": '#include "probe.h"\n',
 }
+# The C++ kernels' sources, built on the user's machine from the installed package.
+KERNEL_SOURCES = ("simd.h", "cpu_linear.h", "cpu_fused.h", "cpu_paged.h", "cpu_linear.cpp")
+KERNEL_SOURCES += ("cpu_fused.cpp", "cpu_paged.cpp", "cpu_decoder.cpp")
 
 
 def copy_sources(target: Path) -> None:
@@ -57,8 +62,13 @@ def wheel_path(relative: Path) -> str:
     return "/".join([ROOTS[folder], *rest])
 
 
+def is_cpp_source(relative: Path) -> bool:
+    return relative.parent.name == "csrc" and relative.suffix in (".h", ".cpp")
+
+
 def expected_files(source: Path) -> set[str]:
-    """Every .py of a package folder and every conf .yaml, as wheel paths."""
+    """Every .py of a package folder, every conf .yaml and every csrc/*.h and
+    *.cpp, as wheel paths."""
     expected = set()
     for folder in ROOTS:
         for path in (source / folder).rglob("*"):
@@ -66,6 +76,8 @@ def expected_files(source: Path) -> set[str]:
             if any(part.startswith((".", "__")) for part in relative.parent.parts):
                 continue  # hidden folders and caches are not packages (setup.py skips them)
             if path.suffix == ".py" or (folder == "conf" and path.suffix == ".yaml"):
+                expected.add(wheel_path(relative))
+            elif is_cpp_source(relative):
                 expected.add(wheel_path(relative))
     return expected
 
@@ -81,8 +93,11 @@ def test_wheel_ships_every_package_and_config(tmp_path):
 
     expected = expected_files(source)
     assert {wheel_path(Path(p)) for p in PROBES} <= expected  # the walk sees the probes
+    assert {f"servelab/kernels/csrc/{name}" for name in KERNEL_SOURCES} <= expected
     missing = sorted(expected - shipped)
     assert missing == [], f"the wheel misses {missing}"
     # Only servelab and its metadata: no tests, examples or build leftovers.
+    # A csrc folder ships its C++ sources, and nothing else.
+    assert not [name for name in shipped if "/csrc/" in name and not is_cpp_source(Path(name))]
     top_level = {name.split("/")[0] for name in shipped} - {"servelab"}
     assert len(top_level) == 1 and top_level.pop().endswith(".dist-info")

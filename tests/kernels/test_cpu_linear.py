@@ -24,11 +24,7 @@ from servelab.errors import ConfigError
 from servelab.kernels import cpu_linear
 from servelab.testing.oracle import restored_num_threads
 
-
-@pytest.fixture(autouse=True)
-def needs_the_kernel():
-    if cpu_linear.kernel() is None:
-        pytest.skip("the CPU matmul kernel does not build here (see the log)")
+KERNEL = cpu_linear  # see conftest.needs_the_kernel
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -1,0 +1,363 @@
+// Paged decode attention for the CPU, and the K/V store that feeds it.
+//
+// Decode attention on a CPU is bound by memory traffic. `paged_decode` reads
+// each key and value exactly once, straight through the block table, with an
+// online softmax (FlashAttention's decode loop). A work item is one KV head of
+// one sequence with the query heads of its group, so each K/V row is read once
+// for all of them; items go to torch's intra-op threads through an atomic
+// counter, and the next keys' scattered pages are prefetched into L2. A thread
+// claims its next item before it runs the current one, so the prefetch runs on
+// from the current item's last keys into the next one's first. In float32 a
+// tile's 16 dot products per query head are summed by one transposing reduction
+// (`reduce_add_16`: the same pairwise sums, in the same order, as 16 separate
+// `reduce_add`s, so results are bit for bit the same) in a quarter of the
+// instructions. Deterministic: a work item runs whole on one thread, in key order.
+#pragma once
+
+#include "simd.h"
+
+#include <atomic>
+
+namespace {
+
+// How far ahead of the key being computed its slots are prefetched, in keys,
+// into L2 (`prefetcht1`): pages are scattered, so the hardware cannot guess the
+// next one, and prefetching into L1 evicts what is being computed (measured on
+// the reference decode shape: L2 at 32 keys streams from DRAM about twice as
+// fast as L1 at 16).
+constexpr int kPrefetchKeys = 32;
+constexpr int kPrefetchLocality = 2;
+
+// The largest lane, halves folded onto each other (see `reduce_add`).
+template <typename T>
+inline T reduce_max(typename Simd<T>::vec v) {
+  using S = Simd<T>;
+  const auto halves = bits_as<std::array<typename S::half, 2>>(v);
+  const typename S::half h = halves[0] > halves[1] ? halves[0] : halves[1];
+  const auto quarters = bits_as<std::array<typename S::quarter, 2>>(h);
+  const typename S::quarter q = quarters[0] > quarters[1] ? quarters[0] : quarters[1];
+  if constexpr (S::kLanes == 16) return std::max(std::max(q[0], q[2]), std::max(q[1], q[3]));
+  else return std::max(q[0], q[1]);
+}
+
+// reduce_add of 16 float32 vectors at once: lane t of the result is exactly
+// reduce_add(d[t]) (the same pairwise sums in the same order), but the four
+// folding steps run on whole vectors holding 2, 4, 8, then 16 keys' partial
+// sums: 15 shuffle-add pairs for a tile instead of 16 separate reductions.
+inline Simd<float>::vec reduce_add_16(const Simd<float>::vec (&d)[16]) {
+  using vec = Simd<float>::vec;
+  vec halves[8], quarters[4], pairs[2];
+  for (int m = 0; m < 8; ++m)  // keys 2m, 2m+1: v[i] + v[i + 8], 8 lanes each
+    halves[m] = __builtin_shufflevector(d[2 * m], d[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                        18, 19, 20, 21, 22, 23) +
+                __builtin_shufflevector(d[2 * m], d[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                        25, 26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 4; ++m)  // keys 4m..4m+3: h[i] + h[i + 4], 4 lanes each
+    quarters[m] = __builtin_shufflevector(halves[2 * m], halves[2 * m + 1], 0, 1, 2, 3, 8, 9, 10,
+                                          11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                  __builtin_shufflevector(halves[2 * m], halves[2 * m + 1], 4, 5, 6, 7, 12, 13, 14,
+                                          15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int m = 0; m < 2; ++m)  // keys 8m..8m+7: (q[0] + q[2]), (q[1] + q[3])
+    pairs[m] = __builtin_shufflevector(quarters[2 * m], quarters[2 * m + 1], 0, 1, 4, 5, 8, 9, 12,
+                                       13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(quarters[2 * m], quarters[2 * m + 1], 2, 3, 6, 7, 10, 11,
+                                       14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(pairs[0], pairs[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                 24, 26, 28, 30) +
+         __builtin_shufflevector(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                 25, 27, 29, 31);
+}
+
+// Where a sequence's keys live, in order, without a division per key.
+struct KeyWalk {
+  const int32_t* table;
+  int64_t block_size, slot_stride;  // slot_stride: elements from one slot to the next
+  int64_t block = 0, offset = 0;
+  void next(int64_t* rows, int n) {  // element offsets of the next n keys' slots
+    for (int t = 0; t < n; ++t) {
+      rows[t] = (static_cast<int64_t>(table[block]) * block_size + offset) * slot_stride;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+  }
+};
+
+// G query heads sharing one KV head, D elements a head: pre-scaled queries,
+// unnormalised outputs, the online softmax's running max and sum. Keys come in
+// tiles of one vector of scores; each K and V row is read once for all G heads.
+template <typename T, int D, int G>
+struct GroupState {
+  using S = Simd<T>;
+  using vec = typename S::vec;
+  static constexpr int kTile = S::kLanes;
+  static constexpr int V = D / S::kLanes;  // vectors per head row
+  vec qs[G][V], acc[G][V];
+  T run_max[G], run_sum[G];
+
+  void start(const T* q, T scale) {  // q: [G][D]
+    for (int g = 0; g < G; ++g) {
+      run_max[g] = -INFINITY;
+      run_sum[g] = 0;
+      for (int j = 0; j < V; ++j) {
+        qs[g][j] = load<vec>(q + g * D + j * S::kLanes) * scale;
+        acc[g][j] = vec{};
+      }
+    }
+  }
+
+  // n <= kTile keys, their K rows at k_head + rows[t], V rows at v_head + rows[t].
+  void update(const T* k_head, const T* v_head, const int64_t* rows, int n) {
+    vec tile_scores[G];  // lane t: key t's score (lanes past n: anything)
+    if constexpr (S::kLanes == 16) {
+      // a tile's 16 dot products per head are summed together (`reduce_add_16`)
+      vec dots[G][kTile];
+      for (int t = 0; t < kTile; ++t) {
+        if (t >= n) {
+          for (int g = 0; g < G; ++g) dots[g][t] = vec{};
+          continue;
+        }
+        vec k[V];
+        for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
+        for (int g = 0; g < G; ++g) {
+          vec dot = qs[g][0] * k[0];
+          for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
+          dots[g][t] = dot;
+        }
+      }
+      for (int g = 0; g < G; ++g) tile_scores[g] = reduce_add_16(dots[g]);
+    } else {  // float64 (the oracle's dtype): one reduction per score
+      T scores[G][kTile];
+      for (int t = 0; t < n; ++t) {
+        vec k[V];
+        for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
+        for (int g = 0; g < G; ++g) {
+          vec dot = qs[g][0] * k[0];
+          for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
+          scores[g][t] = reduce_add<T>(dot);
+        }
+      }
+      for (int g = 0; g < G; ++g) tile_scores[g] = load<vec>(scores[g]);
+    }
+    typename S::mask lane;
+    for (int i = 0; i < S::kLanes; ++i) lane[i] = i;
+    const auto valid = lane < n;  // a sequence's last tile may be short
+    vec probs[G];
+    for (int g = 0; g < G; ++g) {
+      const vec s = valid ? tile_scores[g] : vec{} - INFINITY;
+      const T tile_max = std::max(run_max[g], reduce_max<T>(s));
+      const T correction = exp_nonpositive(vec{} + (run_max[g] - tile_max))[0];
+      run_max[g] = tile_max;
+      probs[g] = valid ? exp_nonpositive(s - tile_max) : vec{};
+      run_sum[g] = run_sum[g] * correction + reduce_add<T>(probs[g]);
+      for (int j = 0; j < V; ++j) acc[g][j] *= correction;
+    }
+    for (int t = 0; t < n; ++t) {
+      vec v[V];
+      for (int j = 0; j < V; ++j) v[j] = load<vec>(v_head + rows[t] + j * S::kLanes);
+      for (int g = 0; g < G; ++g) {
+        const T p = probs[g][t];
+        for (int j = 0; j < V; ++j) acc[g][j] += p * v[j];
+      }
+    }
+  }
+
+  void finish(T* out) const {  // out: [G][D]; no key at all -> zeros
+    for (int g = 0; g < G; ++g) {
+      const T inv = run_sum[g] > 0 ? 1 / run_sum[g] : 0;
+      for (int j = 0; j < V; ++j) store(out + g * D + j * S::kLanes, acc[g][j] * inv);
+    }
+  }
+};
+
+// Where a work item's keys live: its KV head's rows through its sequence's table.
+template <typename T, int D>
+struct ItemKeys {
+  const T* k_head = nullptr;  // the KV head's row in slot 0
+  const T* v_head = nullptr;
+  KeyWalk walk{nullptr, 0, 0};
+  int64_t len = 0;  // 0: no item
+
+  // Prefetches keys [*done, until) into L2, one 64-byte line at a time.
+  void prefetch(int64_t* done, int64_t until) {
+    constexpr int kLineElems = 64 / sizeof(T);
+    for (; *done < until; ++*done) {
+      int64_t row;
+      walk.next(&row, 1);
+      for (int c = 0; c < D; c += kLineElems) {
+        __builtin_prefetch(k_head + row + c, 0, kPrefetchLocality);
+        __builtin_prefetch(v_head + row + c, 0, kPrefetchLocality);
+      }
+    }
+  }
+};
+
+// One work item: G query heads of one sequence over its `len` keys of one KV
+// head. The keys are prefetched kPrefetchKeys ahead; in the item's last tiles,
+// where its own keys run out, the prefetch runs on into `next`'s first keys
+// (the item this thread takes next), so a new item does not start cold.
+template <typename T, int D, int G>
+void attend_group(const T* q, ItemKeys<T, D> keys, ItemKeys<T, D> next, T scale, T* out) {
+  using State = GroupState<T, D, G>;
+  State state;
+  state.start(q, scale);
+  KeyWalk walk = keys.walk;
+  int64_t prefetched = 0, next_prefetched = 0;
+  int64_t rows[State::kTile];
+  for (int64_t start = 0; start < keys.len; start += State::kTile) {
+    const int64_t want = start + State::kTile + kPrefetchKeys;
+    keys.prefetch(&prefetched, std::min<int64_t>(want, keys.len));
+    if (want > keys.len) next.prefetch(&next_prefetched, std::min(want - keys.len, next.len));
+    const int n = static_cast<int>(std::min<int64_t>(State::kTile, keys.len - start));
+    walk.next(rows, n);
+    state.update(keys.k_head, keys.v_head, rows, n);
+  }
+  state.finish(out);
+}
+
+// Every (sequence, KV head, query sub-group) is one work item, handed out by an
+// atomic counter: a thread slowed by a busy neighbour core takes fewer items
+// instead of making the others wait. A group of `group` query heads runs as
+// group / G passes of G heads (G the largest of 8, 4, 2, 1 dividing it).
+template <typename T, int D, int G>
+void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const torch::Tensor& block_tables, const torch::Tensor& seq_lens, T scale,
+                torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(2);
+  const int64_t passes = num_heads / kv_heads / G;
+  const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_stride = q.stride(0);  // a view of a fused QKV projection: heads, then K/V
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t items = num_seqs * kv_heads * passes;
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  auto keys_of = [&](int64_t item) {
+    ItemKeys<T, D> keys;
+    if (item >= items) return keys;
+    const int64_t seq = item / (kv_heads * passes);
+    const int64_t head = item % (kv_heads * passes) / passes;  // the KV head
+    keys.k_head = kp + head * D;
+    keys.v_head = vp + head * D;
+    keys.walk = KeyWalk{tables + seq * width, block_size, kv_heads * D};
+    keys.len = lens[seq];
+    return keys;
+  };
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    // the next item is claimed before this one runs, so its keys can be prefetched
+    int64_t item = next_item.fetch_add(1, std::memory_order_relaxed);
+    while (item < items) {
+      const int64_t upcoming = next_item.fetch_add(1, std::memory_order_relaxed);
+      const int64_t seq = item / (kv_heads * passes);
+      const int64_t head = item % (kv_heads * passes) / passes;
+      const int64_t first_head = head * passes * G + item % passes * G;
+      attend_group<T, D, G>(qp + seq * q_stride + first_head * D, keys_of(item),
+                            keys_of(upcoming), scale, op + (seq * num_heads + first_head) * D);
+      item = upcoming;
+    }
+  });
+}
+
+template <typename T, int D>
+void attend_all_groups(const torch::Tensor& q, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& seq_lens, T scale, torch::Tensor& out) {
+  const int64_t group = q.size(1) / k_cache.size(2);
+  if (group % 8 == 0) attend_all<T, D, 8>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (group % 4 == 0) attend_all<T, D, 4>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (group % 2 == 0) attend_all<T, D, 2>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else attend_all<T, D, 1>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+}
+
+template <typename T>
+void attend_all_dims(const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const T s = static_cast<T>(scale);
+  switch (q.size(2)) {
+    case 16: return attend_all_groups<T, 16>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 32: return attend_all_groups<T, 32>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 64: return attend_all_groups<T, 64>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 128: return attend_all_groups<T, 128>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 256: return attend_all_groups<T, 256>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", q.size(2));
+  }
+}
+
+}  // namespace
+
+// The extension's functions (also called by the decoder loop), in the anonymous
+// namespace like the rest: each translation unit that includes this header gets
+// its own copy, so any number of them can.
+namespace {
+
+// Writes this step's k, v ([num_tokens, kv_heads, D], any stride between tokens)
+// into the caches at slot_mapping (int64), one row copy per token and cache: what
+// two index_copy_ calls do, without their per-call cost (a 64-sequence decode
+// layer's strided K/V: about 15 us for the two calls, under 2 us here).
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong, "store_kv: slot_mapping must be int64");
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const auto& x : {k, v}) {
+    TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+                "store_kv: k, v and the caches must share a dtype");
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == num_tokens && x.size(1) == kv_heads &&
+                x.size(2) == head_dim, "store_kv: k and v must be [num_tokens, kv_heads, head_dim]");
+    TORCH_CHECK(x.stride(2) == 1 && (kv_heads == 1 || x.stride(1) == head_dim),
+                "store_kv: each token's K/V heads must be contiguous");
+  }
+  const int64_t row_bytes = kv_heads * head_dim * k_cache.element_size();
+  const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "store_kv: slot ", slot, " out of range");
+    std::memcpy(kc + slot * row_bytes, kp + t * k_step, row_bytes);
+    std::memcpy(vc + slot * row_bytes, vp + t * v_step, row_bytes);
+  }
+}
+
+// q [num_seqs, num_heads, D], any stride between tokens (each token's heads
+// contiguous); caches [num_blocks, block_size, kv_heads, D], contiguous; all
+// float32 or all float64; block_tables int32 [>= num_seqs, width]; seq_lens
+// int32 [>= num_seqs]. Returns a new contiguous [num_seqs, num_heads, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: the caches must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)),
+              "paged_decode: each token's query heads must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode: block_tables and seq_lens must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && seq_lens.scalar_type() == torch::kInt,
+              "paged_decode: block_tables and seq_lens must be int32");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 4 && q.dim() == 3);
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  TORCH_CHECK(block_tables.size(0) >= q.size(0) && seq_lens.size(0) >= q.size(0));
+  auto out = torch::empty(q.sizes(), q.options());
+  if (q.scalar_type() == torch::kFloat) {
+    attend_all_dims<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kDouble, "paged_decode: float32 or float64 only");
+    attend_all_dims<double>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  }
+  return out;
+}
+
+}  // namespace

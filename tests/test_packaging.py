@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Source folder -> its path inside the wheel (the mapping DESIGN.md states).
+# Source folder -> its path inside the wheel (the mapping setup.py makes).
 ROOTS = {"core": "servelab", "plugins": "servelab/plugins", "conf": "servelab/conf"}
 BUILD_FILES = ("setup.py", "pyproject.toml", "README.md")
 PROBES = {

@@ -111,7 +111,9 @@ def test_a_plugin_registered_config_option_works_on_the_command_line(tmp_path):
 
 def test_the_progress_bar_runs_without_a_terminal():
     engine = build_engine({"model": "tiny", "engine": {"num_threads": 1}})
-    requests = make_workload({"name": "mixed_lengths", "scale": 0.05}, engine.model_config.vocab_size)
+    requests = make_workload(
+        {"name": "mixed_lengths", "scale": 0.05}, engine.model_config.vocab_size
+    )
     assert serve(engine, requests, progress=True)["requests"] == 8
 
 

@@ -14,8 +14,13 @@ import pytest
 from servelab import hookimpl
 from servelab.kernels import cpu_linear, cpu_paged
 from servelab.registry.plugin_manager import get_plugin_manager
-from servelab.testing.oracle import assert_matches_reference, drive
-from servelab.testing.oracle import combinations, combo_id, make_case
+from servelab.testing.oracle import (
+    assert_matches_reference,
+    combinations,
+    combo_id,
+    drive,
+    make_case,
+)
 
 ALL = combinations()
 

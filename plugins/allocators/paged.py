@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
+from servelab.plugins.allocators.paged_invariants import check_paged_invariants
 from servelab.step.plan import BlockCopies
 from servelab.step.sequence import Sequence
 
@@ -366,41 +367,7 @@ class PagedAllocator(KVAllocator):
         }
 
     def check_integrity(self) -> None:
-        refs = [0] * self.num_blocks
-        for table in self.tables.values():
-            for block in table:
-                refs[block] += 1
-        assert refs == self.ref_count, "device ref counts differ from block-table references"
-        free_plain, free_cached = set(self.free_plain), set(self.free_cached)
-        assert len(free_plain) == len(self.free_plain), "a block is twice in the free list"
-        assert not free_plain & free_cached, "a block is both plain-free and cached-free"
-        for block in range(self.num_blocks):
-            is_free = block in free_plain or block in free_cached
-            assert is_free == (self.ref_count[block] == 0), f"block {block}: free xor referenced"
-            if block in free_plain:
-                assert self.block_hash[block] is None and self.fill[block] == 0, f"block {block}"
-            if block in free_cached:
-                assert self.block_hash[block] is not None, f"cached-free block {block} has no hash"
-            assert 0 <= self.fill[block] <= self.block_size
-        for h, block in self.hash_to_block.items():
-            assert self.block_hash[block] == h, f"hash map points to block {block} of another hash"
-            assert self.fill[block] == self.block_size, f"published block {block} is not full"
-        used = sum(self.fill[b] for b in range(self.num_blocks) if self.ref_count[b] > 0)
-        assert used == self.tokens_used, f"tokens_used {self.tokens_used} != {used}"
-        assert not set(self.tables) & set(self.host_tables), "a sequence is on device and host"
-        host_refs = [0] * self.num_host_blocks
-        for table in self.host_tables.values():
-            for block in table:
-                host_refs[block] += 1
-        assert host_refs == self.host_ref_count, "host ref counts differ from host tables"
-        host_free = set(self.host_free)
-        assert len(host_free) == len(self.host_free), "a host block is twice in the free list"
-        for block in range(self.num_host_blocks):
-            assert (block in host_free) == (host_refs[block] == 0), f"host block {block}"
-        for seq_id, table in self.tables.items():
-            assert len(table) <= cdiv(self.max_model_len, self.block_size), (
-                f"sequence {seq_id} holds more blocks than max_model_len needs"
-            )
+        check_paged_invariants(self)
 
 
 @hookimpl

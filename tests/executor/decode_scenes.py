@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from servelab.engine.build import attention_backend
@@ -17,6 +18,12 @@ from servelab.executor.kv_cache import KVCache
 from servelab.model.loader import load_model
 from servelab.model.transformer import Transformer
 from servelab.step.metadata import AttentionMetadata
+
+HAS_CUDA = torch.cuda.is_available()
+# triton_paged runs compiled where CUDA is, interpreted on CPU tensors elsewhere
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+BACKENDS = ("padded", "per_request", "flash_varlen", "triton_paged")
 
 
 @dataclass

@@ -7,7 +7,6 @@ and the device readings."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,14 +28,14 @@ from servelab.executor.device_memory import (
 from servelab.executor.staging import StepStaging
 from servelab.model.config import named_config
 from servelab.step.metadata import AttentionMetadata
-from tests.executor.decode_scenes import assert_same_decode, make_scene, scene_runner
+from tests.executor.decode_scenes import (
+    BACKENDS,
+    assert_same_decode,
+    cuda_only,
+    make_scene,
+    scene_runner,
+)
 
-HAS_CUDA = torch.cuda.is_available()
-# triton_paged runs compiled where CUDA is, interpreted on CPU tensors elsewhere
-TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
-cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-ROOT = Path(__file__).resolve().parents[2]
-BACKENDS = ("padded", "per_request", "flash_varlen", "triton_paged")
 pytestmark = [pytest.mark.cuda, cuda_only]
 
 

@@ -50,14 +50,14 @@ from servelab.model.transformer import Transformer
 from servelab.step.metadata import AttentionMetadata
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
-from tests.executor.decode_scenes import assert_same_decode, make_scene, scene_runner
+from tests.executor.decode_scenes import (
+    TRITON_DEVICE,
+    assert_same_decode,
+    make_scene,
+    scene_runner,
+)
 
-HAS_CUDA = torch.cuda.is_available()
-# triton_paged runs compiled where CUDA is, interpreted on CPU tensors elsewhere
-TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
-cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 ROOT = Path(__file__).resolve().parents[2]
-BACKENDS = ("padded", "per_request", "flash_varlen", "triton_paged")
 
 
 # ---------------------------------------------------------------- buckets

@@ -96,13 +96,9 @@ def test_logits_follow_the_head_weight_without_a_forward(shape):
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     hidden = torch.randn(3, model.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(
-            program.logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
-        )
+        torch.testing.assert_close(program.logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL)
         head.weight.mul_(-2.0)
-        torch.testing.assert_close(
-            program.logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL
-        )
+        torch.testing.assert_close(program.logits(hidden), hidden @ head.weight.T, rtol=0, atol=TOL)
 
 
 # -- the decoder loop (`cpu_decoder`): every layer in one C++ call

@@ -251,7 +251,9 @@ def test_unknown_workload_option_lists_the_accepted_ones():
     assert all(key in message for key in workload_options("synthetic"))
     with pytest.raises(ConfigError, match="accepted: dist, mean, std, min, max"):
         make_workload({"name": "synthetic", "prompt_len": {"dist": "fixed", "meen": 3}}, VOCAB)
-    with pytest.raises(ConfigError, match="accepted: mixed_lengths, synthetic, interference, trace"):
+    with pytest.raises(
+        ConfigError, match="accepted: mixed_lengths, synthetic, interference, trace"
+    ):
         make_workload({"name": "sharegpt"}, VOCAB)
 
 
@@ -347,7 +349,9 @@ def test_static_batcher_waits_for_batch_size_or_timeout():
 
 def test_static_batch_never_exceeds_batch_size():
     engine = tiny_engine(name="static", batch_size=2)
-    requests = make_workload({"name": "mixed_lengths", "scale": 0.05}, engine.model_config.vocab_size)
+    requests = make_workload(
+        {"name": "mixed_lengths", "scale": 0.05}, engine.model_config.vocab_size
+    )
     serve(engine, requests)
     batches: dict[int, int] = {}
     for record in engine.metrics.requests:

@@ -3,7 +3,7 @@
 Between `kernel_forward`'s per-layer kernel calls, Python glue shows at decode
 sizes (and runs cache-cold, after each step's K/V stream). When the backend says
 a step's attention is exactly the C++ paged kernel
-(`AttentionBackend.cpu_paged_kernel_inputs`), `decoder_forward`
+(`kernel_forward.PagedKernelAttention`), `decoder_forward`
 (`csrc/cpu_decoder.cpp`, which includes the three kernels' headers) runs the
 whole loop, embedding lookup to final norm: the same kernel functions in the
 same order on the same tensors, so the result is bit for bit the Python loop's.

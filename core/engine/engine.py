@@ -12,6 +12,7 @@ One step, as data flows (see docs/architecture.md):
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -21,6 +22,8 @@ import torch
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.scheduler import Scheduler
+from servelab.engine import requests
+from servelab.engine.failures import fail_step
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
 from servelab.errors import RequestError
 from servelab.executor.forward import ModelForward, TorchForward
@@ -82,6 +85,11 @@ class Engine:
         self.metrics = MetricsCollector()
         self.eos_token_ids = frozenset(model_config.eos_token_ids or ())
         self._request_ids = itertools.count()
+        # one caller at a time: `generate`, `add_request`, `step` and `abort` may be
+        # called from several threads; each call runs whole (re-entrant: generate steps)
+        self._lock = threading.RLock()
+        self.finished_elsewhere: list[RequestOutput] = []  # see take_finished
+        self.step_failures: dict[tuple[str, str], int] = {}  # (stage, error type) -> count
         self._step_index = 0
         self.clock = time.perf_counter
         self.t0 = self.clock()
@@ -99,66 +107,49 @@ class Engine:
         priority: int = 0,
     ) -> str:
         """Validates and queues one request; a bad request raises RequestError and
-        leaves the engine untouched."""
-        params = params or SamplingParams()
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        if request_id in self.groups:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        token_ids = self._tokenize(prompt, request_id)
-        self._validate(request_id, token_ids, params)
-        seq = Sequence(
-            request_id,
-            token_ids,
-            params,
-            arrival_time=self.now() if arrival_time is None else arrival_time,
-            priority=priority,
-            eos_token_ids=self.eos_token_ids,
-        )
-        group = SequenceGroup(request_id, seq)
-        self.scheduler.add(group)
-        self.groups[request_id] = group
-        return request_id
-
-    def _tokenize(self, prompt: str | list[int], request_id: str) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(
-                    f"request {request_id!r}: a text prompt needs a tokenizer, and this model has "
-                    "none (no tokenizer.json in its folder); pass token ids instead"
-                )
-            return list(self.tokenizer.encode(prompt).ids)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        return list(prompt)
-
-    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise RequestError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"request {request_id!r}: token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
+        leaves the engine untouched (`servelab.engine.requests` lists the checks)."""
+        with self._lock:
+            if request_id is None:
+                request_id = self._free_id("")
+            request_id = requests.check_request_id(request_id)
+            if request_id in self.groups:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            vocab = self.model_config.vocab_size
+            token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
+            requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
+            params = requests.checked_params(params, request_id, vocab)
+            priority = requests.check_priority(priority, request_id)
+            arrival_time = requests.check_arrival_time(arrival_time, request_id)
+            seq = Sequence(
+                request_id,
+                token_ids,
+                params,
+                arrival_time=self.now() if arrival_time is None else arrival_time,
+                priority=priority,
+                eos_token_ids=self.eos_token_ids,
             )
-        if len(token_ids) > self.max_model_len:
-            raise RequestError(
-                f"request {request_id!r}: prompt has {len(token_ids)} tokens, longer than "
-                f"max_model_len={self.max_model_len}"
-            )
-        try:
-            params.validate()
-        except RequestError as err:
-            raise RequestError(f"request {request_id!r}: {err}") from None
+            group = SequenceGroup(request_id, seq)
+            self.scheduler.add(group)
+            self.groups[request_id] = group
+            return request_id
+
+    def _free_id(self, prefix: str) -> str:
+        """An automatic request id no request in the engine holds."""
+        while True:
+            request_id = f"{prefix}{next(self._request_ids)}"
+            if request_id not in self.groups:
+                return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request wherever it is (waiting, running, swapped, forked) and
         frees everything it holds. Returns its final output (finish reason
         "abort"), or None for an unknown or already finished request."""
-        group = self.groups.get(str(request_id))
-        if group is None or group.is_finished:
-            return None
-        self.scheduler.abort(str(request_id))
-        return self._finish_group(group)
+        with self._lock:
+            group = self.groups.get(str(request_id))
+            if group is None or group.is_finished:
+                return None
+            self.scheduler.abort(str(request_id))
+            return self._finish_group(group)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -166,14 +157,25 @@ class Engine:
     # -- one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        start = self.now()
-        plan = self.scheduler.schedule()
-        self.kv_cache.apply(plan.copies)
-        sampled = self._run(plan) if not plan.is_empty else {}
-        finished = self.scheduler.update(plan, sampled, self.now())
-        outputs = [self._finish_group(g) for g in finished]
-        self._record_step(plan, start)
-        return outputs
+        """One scheduled step; the requests that finished in it. A step that raises
+        (a part's bug, a kernel error) fails only the requests it touched
+        (`servelab.engine.failures`); the engine goes on serving the rest."""
+        with self._lock:
+            stage, plan = "scheduler.schedule", None
+            try:
+                start = self.now()
+                plan = self.scheduler.schedule()
+                stage = "kv_cache.apply"
+                self.kv_cache.apply(plan.copies)
+                stage = "the model forward (attention backend, kernels, sampler)"
+                sampled = self._run(plan) if not plan.is_empty else {}
+                stage = "scheduler.update"
+                finished = self.scheduler.update(plan, sampled, self.now())
+            except Exception as exc:
+                return fail_step(self, stage, plan, exc)
+            outputs = [self._finish_group(g) for g in finished]
+            self._record_step(plan, start)
+            return outputs
 
     def _run(self, plan: StepPlan):
         now = None
@@ -308,24 +310,41 @@ class Engine:
         prompts: Seq[str | list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Runs prompts to completion. A request that fails validation comes back
-        with `error` set and finish reason "rejected"; the others still run."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        outputs: dict[str, RequestOutput] = {}
-        order: list[str] = []
-        for prompt, p in zip(prompts, params):
-            request_id = f"gen-{next(self._request_ids)}"
-            order.append(request_id)
-            try:
-                self.add_request(prompt, p, request_id=request_id)
-            except RequestError as err:
-                outputs[request_id] = RequestOutput(
-                    request_id, prompt if isinstance(prompt, list) else [], [], True, error=str(err)
-                )
-        while self.has_unfinished():
-            for out in self.step():
-                outputs[out.request_id] = out
-        return [outputs[r] for r in order]
+        """Runs prompts to completion, one output per prompt, in order. A request
+        that fails validation comes back with `error` set and finish reason
+        "rejected"; the others still run. Requests added otherwise
+        (`add_request`) that finish meanwhile wait in `take_finished()`."""
+        with self._lock:
+            if params is None or isinstance(params, SamplingParams):
+                params = [params] * len(prompts)
+            if len(params) != len(prompts):
+                raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+            outputs: dict[str, RequestOutput] = {}
+            order: list[str] = []
+            for prompt, p in zip(prompts, params):
+                request_id = self._free_id("gen-")
+                order.append(request_id)
+                try:
+                    self.add_request(prompt, p, request_id=request_id)
+                except RequestError as err:
+                    ids = prompt if isinstance(prompt, list) else []
+                    outputs[request_id] = RequestOutput(request_id, ids, [], True, error=str(err))
+            mine = set(order)
+            while any(r not in outputs for r in order):
+                if not self.has_unfinished():  # gone without an output (an observer aborted it)
+                    for r in order:
+                        outputs.setdefault(r, RequestOutput(r, [], [], True, error="aborted"))
+                    break
+                for out in self.step():
+                    if out.request_id in mine:
+                        outputs[out.request_id] = out
+                    else:
+                        self.finished_elsewhere.append(out)
+            return [outputs[r] for r in order]
+
+    def take_finished(self) -> list[RequestOutput]:
+        """Outputs of requests added with `add_request` that finished while a
+        `generate` call was stepping the engine (each returned once)."""
+        with self._lock:
+            taken, self.finished_elsewhere = self.finished_elsewhere, []
+            return taken

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # finish reasons of requests that did not complete (the rest: "stop", "length")
-UNFINISHED_REASONS = ("abort", "rejected", "cache_full")
+UNFINISHED_REASONS = ("abort", "rejected", "cache_full", "error")
 # the per-token fields of a `RequestRecord`: in `csv_row`, not in `row`
 TOKEN_LISTS = ("token_times", "token_steps")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from servelab.errors import RequestError
@@ -32,6 +33,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # Engine.abort
     CACHE_FULL = "cache_full"  # outgrew the whole KV cache (on_demand admission)
     REJECTED = "rejected"  # bad request, never ran
+    ERROR = "error"  # a step that ran it raised (the output's `error` says where)
 
 
 @dataclass
@@ -47,25 +49,65 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
-            raise RequestError(
-                f"temperature must be a finite number >= 0, got {self.temperature!r}"
-            )
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise RequestError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+    def validated(self) -> SamplingParams:
+        """A checked copy with plain Python values (numpy integers become ints,
+        `stop_token_ids` a list); a RequestError naming the field otherwise. A
+        bool is not a number here, and no string is read as one."""
+        return SamplingParams(
+            temperature=_real(
+                "temperature", self.temperature, ">= 0 (0 is greedy)", lambda x: x >= 0
+            ),
+            top_k=_integer("top_k", self.top_k, "-1 or 0 (off) or >= 1", lambda x: x >= -1),
+            top_p=_real("top_p", self.top_p, "in (0, 1]", lambda x: 0 < x <= 1),
+            max_tokens=_integer("max_tokens", self.max_tokens, ">= 1", lambda x: x >= 1),
+            n=_integer("n", self.n, ">= 1", lambda x: x >= 1),
+            seed=None if self.seed is None else _integer("seed", self.seed, "or None", None),
+            stop_token_ids=_token_list("stop_token_ids", self.stop_token_ids),
+            ignore_eos=_flag("ignore_eos", self.ignore_eos),
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _integer(name: str, value, rule: str, ok) -> int:
+    if not _is_integer(value) or (ok is not None and not ok(int(value))):
+        raise RequestError(f"{name} must be an integer {rule}, got {value!r}")
+    return int(value)
+
+
+def _real(name: str, value, rule: str, ok) -> float:
+    number = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int too large for a float
+            number = None
+    if number is None or not math.isfinite(number) or not ok(number):
+        raise RequestError(f"{name} must be a finite number {rule}, got {value!r}")
+    return number
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
+        raise RequestError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _token_list(name: str, value) -> list[int]:
+    """A list of token ids (any iterable of integers but a string or mapping)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise RequestError(f"{name} must be a list of token ids, got {value!r}")
+    items = list(value)
+    bad = [t for t in items if not _is_integer(t)]
+    if bad:
+        raise RequestError(f"{name} must be a list of integer token ids, got {bad[0]!r} in it")
+    return [int(t) for t in items]
 
 
 _seq_ids = itertools.count()

@@ -5,8 +5,10 @@ Rules:
   `SERVELAB_DISABLE_PLUGINS=a,b` (entry-point or module names) keeps plugins unimported;
 - a plugin that fails to import is reported once, with its distribution, and skipped; the
   rest still loads (a failing built-in is logged as an error: it is a servelab bug);
-- a hook implementation matching no specification (a misspelled hook), a name registered
-  twice in one kind or a part breaking its contract is a `PluginError` naming its owners;
+- a broken plugin hurts only itself: a misspelled hook or a raising
+  `servelab_register_configs` disables the plugin, a part breaking its contract or
+  reusing a taken name is left out, each with one warning naming its distribution; a
+  built-in's name is never shadowed (the first owner keeps a name);
 - an event-hook implementation that raises is reported and skipped; the engine goes on.
 """
 
@@ -146,10 +148,11 @@ class ServelabPluginManager(pluggy.PluginManager):
             origin = _distribution_label(entry_point)
             if self.get_plugin(entry_point.name) is not None:
                 other = f"{entry_point.name} ({self.origins.get(entry_point.name)})"
-                raise PluginError(
-                    f"two plugins are named {entry_point.name!r}: {other} and "
-                    f"{entry_point.name} ({origin}); uninstall one or disable it with {DISABLE_ENV}"
-                )
+                self._report_load_error(entry_point.name, origin, PluginError(
+                    f"two plugins are named {entry_point.name!r}: {other} and this one; "
+                    f"uninstall one or disable it with {DISABLE_ENV}"
+                ))  # fmt: skip
+                continue
             try:
                 plugin = entry_point.load()
             except Exception as exc:
@@ -160,15 +163,18 @@ class ServelabPluginManager(pluggy.PluginManager):
             self.register(plugin, name=entry_point.name, origin=origin)
 
     def check_pending(self) -> None:
-        """pluggy's `check_pending`, raising a `PluginError` that names the plugin and the known hooks."""
-        try:
-            super().check_pending()
-        except pluggy.PluginValidationError as exc:
-            name = self.get_name(exc.plugin) or repr(exc.plugin)
-            known = ", ".join(n for n in vars(hookspecs) if n.startswith("servelab_"))
-            raise PluginError(
-                f"plugin {name} ({self.origins.get(name, RUNTIME)}): {exc}; known hooks: {known}"
-            ) from exc
+        """pluggy's `check_pending`; a plugin with a hook that matches no
+        specification (a misspelled hook) is unregistered, with a warning that
+        names it and the known hooks."""
+        while True:
+            try:
+                return super().check_pending()
+            except pluggy.PluginValidationError as exc:
+                name = self.get_name(exc.plugin) or repr(exc.plugin)
+                origin = self.origins.get(name, RUNTIME)
+                known = ", ".join(n for n in vars(hookspecs) if n.startswith("servelab_"))
+                self.unregister(exc.plugin)
+                self._report_load_error(name, origin, PluginError(f"{exc}; known hooks: {known}"))
 
     # -- parts
 
@@ -192,29 +198,41 @@ class ServelabPluginManager(pluggy.PluginManager):
     def _collect_parts(self, kind: str) -> dict[str, PartInfo]:
         hook_name = KINDS[kind].hook
         parts: dict[str, PartInfo] = {}
-        for impl in getattr(self.hook, hook_name).get_hookimpls():
+        impls = getattr(self.hook, hook_name).get_hookimpls()  # in registration order
+        # built-ins first, whatever tryfirst/trylast say: a built-in's name is never shadowed
+        for impl in sorted(impls, key=lambda i: self.origins.get(i.plugin_name) != BUILTIN):
             plugin, origin = impl.plugin_name, self.origins.get(impl.plugin_name, RUNTIME)
             try:
                 provided = impl.function() or {}
             except Exception as exc:
-                if (plugin, hook_name) not in self._reported:
-                    self._reported.add((plugin, hook_name))
-                    self._report_load_error(plugin, origin, exc, hook=hook_name)
+                self._report_once(plugin, origin, exc, hook_name)
                 continue
             if not isinstance(provided, dict):
-                raise PluginError(
-                    f"{hook_name} of plugin {plugin} ({origin}) must return a dict "
-                    f"{{name: class}}, got {type(provided).__name__}"
+                error = PluginError(
+                    f"must return a dict {{name: class}}, got {type(provided).__name__}"
                 )
+                self._report_once(plugin, origin, error, hook_name)
+                continue
             for name, cls in provided.items():
-                info = _part_info(kind, name, cls, plugin, origin)
-                if name in parts:
-                    raise PluginError(
-                        f"{kind} {name!r} is registered twice: by {parts[name].owner} "
-                        f"and by {info.owner}"
-                    )
+                try:
+                    info = _part_info(kind, name, cls, plugin, origin)
+                    if name in parts:
+                        raise PluginError(
+                            f"{kind} {name!r} is registered twice: by {parts[name].owner} "
+                            f"and by {info.owner}; the first keeps the name"
+                        )
+                except PluginError as error:
+                    self._report_once(plugin, origin, error, hook_name)
+                    continue
                 parts[name] = info
         return parts
+
+    def _report_once(self, plugin: str, origin: str, error: Exception, hook: str) -> None:
+        """A registration problem, logged the first time only (parts are collected again
+        whenever a plugin is registered)."""
+        if (plugin, str(error)) not in self._reported:
+            self._reported.add((plugin, str(error)))
+            self._report_load_error(plugin, origin, error, hook=hook)
 
     # -- events
 
@@ -241,8 +259,17 @@ class ServelabPluginManager(pluggy.PluginManager):
                 self._report_hook_failure(hook_name, impl.plugin_name, exc)
 
     def register_configs(self, store: Any) -> None:
-        """Lets every plugin add Hydra config-group options to `store` (a ConfigStore)."""
-        self.hook.servelab_register_configs(store=store)
+        """Lets every plugin add Hydra config-group options to `store` (a ConfigStore);
+        a plugin whose hook raises is disabled, with a warning."""
+        for impl in reversed(self.hook.servelab_register_configs.get_hookimpls()):
+            try:
+                impl.function(*[{"store": store}[arg] for arg in impl.argnames])
+            except Exception as exc:
+                origin = self.origins.get(impl.plugin_name, RUNTIME)
+                self.unregister(name=impl.plugin_name)
+                self._report_load_error(
+                    impl.plugin_name, origin, exc, hook="servelab_register_configs"
+                )
 
     # -- reporting
 
@@ -257,7 +284,9 @@ class ServelabPluginManager(pluggy.PluginManager):
                 f"built-in plugin failed{where}, skipped (a servelab bug): {error}", exc_info=exc
             )
         else:
-            logger.warning(f"servelab plugin failed{where}, skipped: {error}", exc_info=exc)
+            # one line for a user; the traceback is for whoever debugs the plugin
+            logger.warning(f"servelab plugin failed{where}, skipped: {error}")
+            logger.debug("the plugin's error", exc_info=exc)
 
     def _report_hook_failure(self, hook: str, plugin: str, exc: Exception) -> None:
         failure = self.hook_failures.get((hook, plugin))
@@ -333,7 +362,7 @@ def _part_info(kind: str, name: Any, cls: Any, plugin: str, origin: str) -> Part
     if not (isinstance(cls, type) and issubclass(cls, contract)):
         raise PluginError(
             f"{kind} {name!r} of {owner} is {cls!r}, which does not subclass "
-            f"servelab.contracts.attention.{contract.__name__}"
+            f"{contract.__module__}.{contract.__name__}"
         )
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
     if missing:

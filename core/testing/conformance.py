@@ -20,7 +20,7 @@ from typing import Any
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.contracts.kinds import KINDS
-from servelab.errors import ConfigError, PluginError
+from servelab.errors import ConfigError
 from servelab.registry.options import check_options, describe_options
 from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.step.sequence import SamplingParams, Sequence, SequenceGroup
@@ -75,12 +75,12 @@ def temporarily_registered(kind: str, cls: type, name: str | None = None) -> Ite
 
     plugin = type("ConformancePlugin", (), {hook_name: hookimpl(provide)})()
     pm = get_plugin_manager()
-    pm.register(plugin, name=f"servelab.testing:{kind}:{name}")
+    plugin_name = f"servelab.testing:{kind}:{name}"
+    pm.register(plugin, name=plugin_name)
     try:
-        try:
-            pm.registered(kind)  # checks the class against its contract now
-        except PluginError as exc:
-            raise AssertionError(f"{cls.__qualname__} is not a valid {kind}: {exc}") from exc
+        if name not in pm.registered(kind):  # checks the class against its contract now
+            why = [str(e.error) for e in pm.load_errors if e.plugin == plugin_name]
+            raise AssertionError(f"{cls.__qualname__} is not a valid {kind}: {'; '.join(why)}")
         yield name
     finally:
         pm.unregister(plugin)

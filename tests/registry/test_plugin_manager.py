@@ -22,7 +22,7 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.kinds import KINDS
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.scheduler import Scheduler
-from servelab.errors import ConfigError, PluginError
+from servelab.errors import ConfigError
 from servelab.registry import plugin_manager
 from servelab.registry.construct import construct
 from servelab.registry.options import REQUIRED, describe_options, split_component
@@ -185,12 +185,15 @@ def test_raising_registration_hook_is_reported_once_and_the_rest_load(monkeypatc
     assert len(records_mentioning(caplog, "cannot register")) == 1
 
 
-def test_misspelled_hook_fails_loudly(monkeypatch):
-    install(monkeypatch, "typo")
-    with pytest.raises(PluginError) as raised:
-        plugin_manager.get_plugin_manager()
-    message = str(raised.value)
-    assert "servelab_register_schedulerz" in message
+def test_misspelled_hook_disables_only_that_plugin(monkeypatch, caplog):
+    install(monkeypatch, "typo", "sjf")
+    caplog.set_level(logging.WARNING, logger=plugin_manager.__name__)
+    pm = plugin_manager.get_plugin_manager()
+    assert pm.get_plugin(entry_point_name("typo")) is None  # disabled
+    assert "fake_sjf" in plugin_manager.registered("scheduler")  # the rest load
+    (record,) = records_mentioning(caplog, "servelab_register_schedulerz")
+    message = record.getMessage()
+    assert record.levelno == logging.WARNING
     assert entry_point_name("typo") in message and dist_label("typo") in message
     assert "servelab_register_schedulers" in message  # the known hooks are listed
 
@@ -198,14 +201,33 @@ def test_misspelled_hook_fails_loudly(monkeypatch):
 # -- part rules
 
 
-def test_duplicate_name_names_both_owners(monkeypatch):
+def test_duplicate_name_keeps_the_first_owner_and_warns_naming_both(monkeypatch, caplog):
     install(monkeypatch, "sjf", "dup")
-    with pytest.raises(PluginError) as raised:
-        plugin_manager.registered("scheduler")
-    message = str(raised.value)
-    assert "'fake_sjf'" in message
+    caplog.set_level(logging.WARNING, logger=plugin_manager.__name__)
+    first = plugin_manager.registered("scheduler")["fake_sjf"]
+    plugin_manager.registered("scheduler")  # collected again: still one warning
+    (record,) = records_mentioning(caplog, "is registered twice")
+    message = record.getMessage()
+    assert "'fake_sjf'" in message and "the first keeps the name" in message
     for folder in ("sjf", "dup"):
         assert f"{entry_point_name(folder)} ({dist_label(folder)})" in message
+    assert first.plugin in message.split("registered twice: by ", 1)[1].split(" and by")[0]
+
+
+def test_a_third_party_part_never_shadows_a_builtin(monkeypatch, caplog):
+    use_fake_builtins(monkeypatch, "servelab_fake_builtin")
+    caplog.set_level(logging.WARNING, logger=plugin_manager.__name__)
+    builtin = plugin_manager.lookup("preemption", "fake_lifo")
+
+    class Shadow:
+        @hookimpl(trylast=True)  # trylast puts its implementation first in pluggy's list
+        def servelab_register_preemption_policies(self):
+            return {"fake_lifo": ConcretePolicy}
+
+    plugin_manager.get_plugin_manager().register(Shadow(), name="shadow", origin="shadow-dist 1.0")
+    assert plugin_manager.lookup("preemption", "fake_lifo") is builtin
+    (record,) = records_mentioning(caplog, "is registered twice")
+    assert "shadow (shadow-dist 1.0)" in record.getMessage()
 
 
 def test_same_name_in_two_kinds_is_allowed():
@@ -223,31 +245,60 @@ def test_same_name_in_two_kinds_is_allowed():
     assert plugin_manager.lookup("attention", "shared_name") is ConcreteAttention
 
 
-def test_class_missing_abstract_methods_is_named(monkeypatch):
-    install(monkeypatch, "incomplete")
-    with pytest.raises(PluginError) as raised:
-        plugin_manager.registered("scheduler")
+def test_class_missing_abstract_methods_is_left_out_with_a_warning(monkeypatch, caplog):
+    install(monkeypatch, "incomplete", "sjf")
+    caplog.set_level(logging.WARNING, logger=plugin_manager.__name__)
+    schedulers = plugin_manager.registered("scheduler")
+    assert "fake_half" not in schedulers and "fake_sjf" in schedulers
     half = importlib.import_module("servelab_fake_incomplete.plugin").HalfScheduler
     implemented = set(vars(half))
     missing = sorted(m for m in Scheduler.__abstractmethods__ if m not in implemented)
     assert missing  # the fixture really leaves some out
-    message = str(raised.value)
-    assert "HalfScheduler" in message and dist_label("incomplete") in message
-    assert ", ".join(missing) in message
+    (record,) = records_mentioning(caplog, "HalfScheduler")
+    message = record.getMessage()
+    assert dist_label("incomplete") in message and ", ".join(missing) in message
+    with pytest.raises(
+        ConfigError, match="unknown scheduler 'fake_half'.*failed to load.*HalfScheduler"
+    ):
+        plugin_manager.lookup("scheduler", "fake_half")
 
 
-def test_class_outside_the_contract_is_rejected():
+def test_class_outside_the_contract_is_left_out_with_a_warning(caplog):
     class NotAPolicy:
         pass
 
     class Plugin:
         @hookimpl
         def servelab_register_preemption_policies(self):
-            return {"impostor": NotAPolicy}
+            return {"impostor": NotAPolicy, "fine": ConcretePolicy}
 
+    caplog.set_level(logging.WARNING, logger=plugin_manager.__name__)
     plugin_manager.get_plugin_manager().register(Plugin(), name="impostor_plugin")
-    with pytest.raises(PluginError, match="impostor_plugin.*PreemptionPolicy"):
-        plugin_manager.registered("preemption")
+    policies = plugin_manager.registered("preemption")
+    assert "impostor" not in policies and "fine" in policies  # the plugin's other part stays
+    (record,) = records_mentioning(caplog, "impostor_plugin")
+    assert "servelab.contracts.preemption.PreemptionPolicy" in record.getMessage()
+
+
+def test_a_raising_register_configs_disables_its_plugin(caplog):
+    from hydra.core.config_store import ConfigStore
+
+    class Plugin:
+        @hookimpl
+        def servelab_register_configs(self, store):
+            raise ValueError("no such group")
+
+        @hookimpl
+        def servelab_register_preemption_policies(self):
+            return {"configless": ConcretePolicy}
+
+    caplog.set_level(logging.WARNING, logger=plugin_manager.__name__)
+    pm = plugin_manager.get_plugin_manager()
+    pm.register(Plugin(), name="configless_plugin", origin="configless 0.1")
+    pm.register_configs(ConfigStore.instance())
+    assert "configless" not in plugin_manager.registered("preemption")
+    (record,) = records_mentioning(caplog, "no such group")
+    assert "configless_plugin (configless 0.1)" in record.getMessage()
 
 
 def test_unknown_name_lists_registered_names(monkeypatch):

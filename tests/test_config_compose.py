@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from hydra import compose, initialize_config_module
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
@@ -217,3 +217,16 @@ def test_a_misspelt_option_is_an_error_listing_the_accepted_ones():
     config = compose_plain(["+engine.max_num_seq=3"])
     with pytest.raises(ConfigError, match="unknown engine option 'max_num_seq'"):
         build_engine(engine_config(config))
+
+
+def test_a_misspelt_preset_is_an_error_listing_the_presets():
+    """The experiment group is not optional: an unknown preset never runs the default."""
+    with pytest.raises(
+        MissingConfigException, match="Could not find 'experiment/load_curv'"
+    ) as err:
+        compose_plain(["experiment=load_curv"])
+    presets = sorted(
+        p.stem for p in (Path(servelab.conf.__file__).parent / "experiment").glob("*.yaml")
+    )
+    assert presets and all(f"\t{name}\n" in str(err.value) for name in presets)
+    assert "experiment" not in compose_plain([])  # no preset: nothing merged

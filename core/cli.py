@@ -7,31 +7,41 @@ import sys
 from servelab.errors import ServelabError
 
 
-def _hydra_app(cfg) -> dict:
+def _hydra_app(cfg) -> dict | None:
     """One run: build, serve the workload, write results.json / requests.csv /
-    steps.csv into the Hydra output folder, print the summary table."""
+    steps.csv into the Hydra output folder, print the summary table. A run that
+    fails writes results.json with `status: error`; in a sweep (`-m`) the next
+    job still runs, alone it exits 2."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from servelab.contracts.kinds import KINDS
-    from servelab.lab.runner import print_summary, run_config, save_run
+    from servelab.lab.runner import print_summary, run_config, save_failed_run, save_run
 
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
     hydra_cfg = HydraConfig.get()
-    try:
-        result = run_config(config)
-    except ServelabError as err:
-        print(f"servelab: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
     choices = {k: v for k, v in hydra_cfg.runtime.choices.items() if not k.startswith("hydra")}
     meta = {
         "overrides": list(hydra_cfg.overrides.task),
         "choices": choices,
         "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num")},
-        # what the engine made of the device options (graphs captured, or why not)
-        "cuda_graphs": result.engine.runner.graphs_status,
     }
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    try:
+        result = run_config(config)
+    except Exception as err:
+        if not (in_sweep or isinstance(err, ServelabError)):
+            raise  # a servelab bug outside a sweep: the traceback is what helps
+        message = str(err) if isinstance(err, ServelabError) else f"{type(err).__name__}: {err}"
+        save_failed_run(hydra_cfg.runtime.output_dir, config, meta, message)
+        print(f"servelab: error: {message}", file=sys.stderr)
+        if in_sweep:
+            return None  # the sweep goes on; servelab-report lists the failed job
+        raise SystemExit(2) from None
+    # what the engine made of the device options (graphs captured, or why not)
+    meta["cuda_graphs"] = result.engine.runner.graphs_status
     save_run(hydra_cfg.runtime.output_dir, result, config, meta)
     title = ", ".join(f"{k}={_part_name(config[k])}" for k in KINDS if k in config)
     print_summary(result.summary, title=f"{title}\n{hydra_cfg.runtime.output_dir}")

@@ -84,6 +84,35 @@ def test_joblib_launcher_runs_a_sweep_and_the_report_reads_it(tmp_path):
         ]
 
 
+def test_a_failing_job_does_not_end_its_sweep_and_the_report_lists_it(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = servelab("-m", "allocator.block_size=0,16", f"hydra.sweep.dir={sweep}", *SMALL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "servelab: error: allocator block_size must be a positive integer, got 0" in done.stderr
+    failed = json.loads((sweep / "0" / "results.json").read_text())
+    assert (
+        failed["status"] == "error" and "block_size must be a positive integer" in failed["error"]
+    )
+    assert "allocator.block_size=0" in failed["overrides"]
+    assert json.loads((sweep / "1" / "results.json").read_text())["status"] == "ok"  # it ran
+    report = subprocess.run(
+        [str(BIN / "servelab-report"), str(sweep)], capture_output=True, text=True, timeout=120
+    )
+    assert report.returncode == 0, report.stderr[-2000:]
+    with open(sweep / "summary.csv", newline="") as handle:
+        rows = {row["allocator.block_size"]: row for row in csv.DictReader(handle)}
+    assert rows["0"]["status"] == "error" and "block_size" in rows["0"]["error"]
+    assert rows["16"]["status"] == "ok" and float(rows["16"]["output_tok_s"]) > 0
+    summary = (sweep / "summary.md").read_text()
+    assert "## Failed runs (1)" in summary and "block_size must be a positive integer" in summary
+
+
+def test_a_failing_single_run_exits_2_and_still_writes_its_results(tmp_path):
+    done = servelab("allocator.block_size=0", f"hydra.run.dir={tmp_path}", *SMALL)
+    assert done.returncode == 2 and "block_size must be a positive integer" in done.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["status"] == "error"
+
+
 def test_a_plugin_registered_config_option_works_on_the_command_line(tmp_path):
     script = textwrap.dedent(
         """

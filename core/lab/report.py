@@ -100,6 +100,9 @@ def summary_rows(runs: Sequence[Run]) -> list[dict]:
     rows = []
     for run in runs:
         row = {"run": str(run.folder), **{k: run.swept.get(k, "") for k in swept}}
+        row["status"] = "error" if run.error else "ok"
+        if run.error:
+            row["error"] = run.error
         row.update(run.summary)
         rows.append(row)
     return rows
@@ -148,15 +151,16 @@ def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> 
         writer.writeheader()
         writer.writerows(rows)
 
+    finished = [run for run in runs if not run.error]  # a failed job has no records to plot
     plots = {
-        "throughput.png": lambda p: plot_throughput(runs, p),
-        "ttft_cdf.png": lambda p: plot_cdf(runs, "ttft", p),
-        "itl_cdf.png": lambda p: plot_cdf(runs, "itl", p),
-        "kv_util.png": lambda p: plot_kv_util(runs, p),
-        "timeline.png": lambda p: plot_timeline(runs, p),
+        "throughput.png": lambda p: plot_throughput(finished, p),
+        "ttft_cdf.png": lambda p: plot_cdf(finished, "ttft", p),
+        "itl_cdf.png": lambda p: plot_cdf(finished, "itl", p),
+        "kv_util.png": lambda p: plot_kv_util(finished, p),
+        "timeline.png": lambda p: plot_timeline(finished, p),
     }
-    written = [name for name, draw in plots.items() if draw(out / name) is not False]
-    claims = evaluate_claims(runs, settings["claims"])
+    written = [name for name, draw in plots.items() if finished and draw(out / name) is not False]
+    claims = evaluate_claims(finished, settings["claims"])
     figures = list(dict.fromkeys([settings["sort"], *KEY_FIGURES, *settings["figures"]]))
     (out / "summary.md").write_text(markdown(settings, runs, fixed, claims, figures, written))
     return out
@@ -181,8 +185,15 @@ def markdown(settings, runs, fixed, claims, figures, plots) -> str:
     lines.append("|" + "|".join("---" for _ in header) + "|")
     for i, run in enumerate(runs, start=1):
         cells = [str(i), *(run.swept.get(k, "") for k in swept)]
-        cells += [fmt(run.summary.get(name)) for name in figures]
+        if run.error:
+            cells += ["failed"] + [""] * (len(figures) - 1)
+        else:
+            cells += [fmt(run.summary.get(name)) for name in figures]
         lines.append("| " + " | ".join(cells) + " |")
+    failed = [run for run in runs if run.error]
+    if failed:
+        lines += ["", f"## Failed runs ({len(failed)})", ""]
+        lines += [f"- {run.label} (`{run.folder}`): {run.error}" for run in failed]
     lines += ["", "Run folders: " + ", ".join(f"`{run.folder}`" for run in runs), ""]
     lines += ["## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots] + [""]
     return "\n".join(lines)

@@ -188,11 +188,21 @@ def save_run(folder: str | Path, result: RunResult, config: Mapping, meta: Mappi
     results = {
         "config": config,
         **meta,
+        "status": "ok",
         "summary": {k: _jsonable(v) for k, v in result.summary.items()},
     }
     (folder / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     write_csv(folder / "requests.csv", [r.csv_row() for r in result.requests])
     write_csv(folder / "steps.csv", [s.row() for s in result.steps])
+
+
+def save_failed_run(folder: str | Path, config: Mapping, meta: Mapping, error: str) -> None:
+    """Writes `results.json` for a run that failed: its config, `status: error`
+    and the message (no summary, no CSV files)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    results = {"config": config, **meta, "status": "error", "error": error, "summary": {}}
+    (folder / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -32,6 +32,11 @@ class Run:
         return self.results.get("summary", {})
 
     @property
+    def error(self) -> str | None:
+        """The message of a run that failed (`status: error`), else None."""
+        return self.results.get("error") if self.results.get("status") == "error" else None
+
+    @property
     def label(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.swept.items()) or self.folder.name
 

@@ -100,10 +100,10 @@ def summary_rows(runs: Sequence[Run]) -> list[dict]:
     rows = []
     for run in runs:
         row = {"run": str(run.folder), **{k: run.swept.get(k, "") for k in swept}}
-        row["status"] = "error" if run.error else "ok"
+        row.update(run.summary)
+        row["status"] = "error" if run.error else "ok"  # after the figures: swept keys come first
         if run.error:
             row["error"] = run.error
-        row.update(run.summary)
         rows.append(row)
     return rows
 

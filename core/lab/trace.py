@@ -7,6 +7,7 @@ the problem, so a replay is the trace or nothing.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from servelab.errors import ConfigError
@@ -36,32 +37,43 @@ def trace_workload(
     file = Path(str(path)).expanduser()
     if not file.is_file():
         raise ConfigError(f"workload trace: no such file {str(file)!r}")
+    real = isinstance(time_scale, (int, float)) and not isinstance(time_scale, bool)
+    if not real or not math.isfinite(time_scale) or time_scale < 0:
+        raise ConfigError(
+            f"workload trace: time_scale must be a finite number >= 0, got {time_scale!r}"
+        )
     build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
     requests = []
-    with file.open(encoding="utf-8") as lines:
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            prompt, output_len, arrival, priority = parse_trace_line(line, where, vocab_size)
-            if isinstance(prompt, int):
-                prompt = build.random_prompt(prompt)
-            # a trace is replayed as written: too long is an error, never clipped
-            if max_model_len is not None and len(prompt) + output_len > max_model_len:
-                raise ConfigError(
-                    f"{where}: prompt ({len(prompt)} tokens) + output_len ({output_len}) exceeds "
-                    f"max_model_len={max_model_len}"
-                )
-            requests.append(
-                build.request(
-                    lineno,
-                    prompt,
-                    output_len,
-                    arrival_time=arrival * time_scale,
-                    priority=priority,
-                    request_id=f"trace-{lineno}",
-                )
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = file.read_bytes()[: err.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{file}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x})"
+        ) from None
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{file}:{lineno}"
+        prompt, output_len, arrival, priority = parse_trace_line(line, where, vocab_size)
+        if isinstance(prompt, int):
+            prompt = build.random_prompt(prompt)
+        # a trace is replayed as written: too long is an error, never clipped
+        if max_model_len is not None and len(prompt) + output_len > max_model_len:
+            raise ConfigError(
+                f"{where}: prompt ({len(prompt)} tokens) + output_len ({output_len}) exceeds "
+                f"max_model_len={max_model_len}"
             )
+        requests.append(
+            build.request(
+                lineno,
+                prompt,
+                output_len,
+                arrival_time=arrival * time_scale,
+                priority=priority,
+                request_id=f"trace-{lineno}",
+            )
+        )
     if not requests:
         raise ConfigError(f"workload trace: {file} holds no requests")
     requests.sort(key=lambda r: r.arrival_time)  # stable: file order among equal times
@@ -72,8 +84,12 @@ def parse_trace_line(
     line: str, where: str, vocab_size: int
 ) -> tuple[int | list[int], int, float, int]:
     """One trace line -> (prompt length or token ids, output_len, arrival_time, priority)."""
+
+    def no_constant(name: str):  # JSON has no NaN or Infinity; Python's parser accepts them
+        raise ConfigError(f"{where}: {name} is not a number JSON allows")
+
     try:
-        item = json.loads(line)
+        item = json.loads(line, parse_constant=no_constant)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{where}: not valid JSON ({err.msg})") from None
     if not isinstance(item, dict):
@@ -110,8 +126,11 @@ def parse_trace_line(
         raise ConfigError(f"{where}: missing output_len")
     output_len = positive_int("output_len")
     arrival = item.get("arrival_time", 0.0)
-    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not arrival >= 0:
-        raise ConfigError(f"{where}: arrival_time must be a number >= 0 (seconds), got {arrival!r}")
+    real = isinstance(arrival, (int, float)) and not isinstance(arrival, bool)
+    if not real or not math.isfinite(arrival) or arrival < 0:
+        raise ConfigError(
+            f"{where}: arrival_time must be a finite number >= 0 (seconds), got {arrival!r}"
+        )
     priority = item.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ConfigError(f"{where}: priority must be an integer, got {priority!r}")

@@ -12,8 +12,10 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ def load_model(
             f"model {source!r} is neither a named shape ({', '.join(NAMED_SHAPES)}) "
             "nor a checkpoint folder holding config.json"
         )
-    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    config = read_config(folder / "config.json")
     model = Transformer(config, torch_dtype, device)
     load_checkpoint_weights(model, folder)
     return model.eval().requires_grad_(False), config, load_tokenizer(folder)
@@ -77,16 +79,53 @@ def checkpoint_files(folder: Path) -> dict[Path, list[str]]:
     """Shard file -> tensor names it holds, from the index when sharded."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index}: no weight_map object (a sharded checkpoint's index)")
         shards: dict[Path, list[str]] = defaultdict(list)
         for name, shard in weight_map.items():
             shards[folder / shard].append(name)
         return dict(shards)
     single = folder / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single) as f:
             return {single: list(f.keys())}
     raise ConfigError(f"checkpoint folder {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; a ConfigError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The model config of a checkpoint's config.json; every problem names the file."""
+    try:
+        return ModelConfig.from_hf_dict(read_json(path))
+    except ConfigError as err:
+        raise ConfigError(str(err) if str(path) in str(err) else f"{path}: {err}") from None
+    except (KeyError, TypeError, ValueError) as err:  # a missing or mistyped field
+        raise ConfigError(
+            f"{path}: missing or malformed field ({type(err).__name__}: {err})"
+        ) from None
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """`safe_open`, with a file that is not safetensors (truncated, corrupted) a
+    ConfigError naming it."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as err:  # safetensors' SafetensorError, an OSError
+        raise ConfigError(f"{path}: not a readable safetensors file ({err})") from None
+    with handle as f:
+        yield f
 
 
 def _is_ignored(name: str, model: Transformer) -> bool:
@@ -113,11 +152,14 @@ def load_checkpoint_weights(model: Transformer, folder: Path | str) -> None:
     for shard, shard_names in shards.items():
         if not shard.is_file():
             raise ConfigError(f"checkpoint shard {shard} listed in {INDEX_FILE} does not exist")
-        with safe_open(shard, framework="pt") as f:
+        with open_safetensors(shard) as f:
             for name in shard_names:
                 if _is_ignored(name, model):
                     continue
-                tensor = f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as err:  # a truncated or corrupted file
+                    raise ConfigError(f"{shard}: cannot read tensor {name} ({err})") from None
                 param = params[name]
                 if tensor.shape != param.shape:
                     raise ConfigError(
@@ -134,4 +176,7 @@ def load_tokenizer(folder: Path):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises its own Exception type
+        raise ConfigError(f"{path}: not a readable tokenizer ({err})") from None

@@ -11,6 +11,7 @@ test replaces it)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from servelab.contracts.hookspecs import hookimpl
@@ -33,9 +34,11 @@ class StaticScheduler(BaseScheduler):
             raise ConfigError(
                 f"static scheduler: batch_size must be null or an integer >= 1, got {batch_size!r}"
             )
-        if not (isinstance(batch_timeout, (int, float)) and batch_timeout >= 0):
+        real = isinstance(batch_timeout, (int, float)) and not isinstance(batch_timeout, bool)
+        if not (real and math.isfinite(batch_timeout) and batch_timeout >= 0):
             raise ConfigError(
-                f"static scheduler: batch_timeout must be >= 0 seconds, got {batch_timeout!r}"
+                "static scheduler: batch_timeout must be a finite number >= 0 seconds "
+                f"(an infinite one would wait forever), got {batch_timeout!r}"
             )
         self.batch_size = batch_size or self.max_num_seqs
         self.batch_timeout = float(batch_timeout)

@@ -363,7 +363,10 @@ def test_static_batch_never_exceeds_batch_size():
 @pytest.mark.parametrize(
     ("options", "problem"),
     [({"batch_size": 0}, "batch_size must be null or an integer >= 1"),
-     ({"batch_timeout": -1}, "batch_timeout must be >= 0")],
+     ({"batch_timeout": -1}, "batch_timeout must be a finite number >= 0"),
+     ({"batch_timeout": math.inf}, "an infinite one would wait forever"),
+     ({"batch_timeout": "1"}, "batch_timeout must be a finite number"),
+     ({"batch_timeout": True}, "batch_timeout must be a finite number")],
 )  # fmt: skip
 def test_static_batcher_options_are_validated(options, problem):
     with pytest.raises(ConfigError, match=problem):

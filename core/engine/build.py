@@ -30,6 +30,7 @@ from servelab.model.loader import load_model, resolve_dtype
 from servelab.model.sampler import Sampler
 from servelab.registry.construct import construct
 from servelab.registry.plugin_manager import get_plugin_manager, notify
+from servelab.registry.typed import check_value
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,24 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # share of the CUDA device leaves after the weights and an activation estimate
     "gpu_memory_utilization": None,
 }
+
+# what each engine option must be (sizes take bytes or "64MiB"-style strings)
+ENGINE_TYPES: dict[str, Any] = {
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int | None,
+    "max_model_len": int,
+    "kv_cache_memory": int | str,
+    "swap_space": int | str,
+    "dtype": str,
+    "device": str,
+    "seed": int,
+    "num_threads": int | None,
+    "compile": bool,
+    "cpu_kernels": str,
+    "cuda_graphs": bool,
+    "gpu_memory_utilization": float | None,
+}
+POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_threads")
 
 _UNITS = {
     "": 1,
@@ -130,10 +149,11 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
                 f"unknown engine option {key!r}; accepted: {', '.join(sorted(ENGINE_DEFAULTS))}"
             )
         options[key] = value
-    if not isinstance(options["cuda_graphs"], bool):
-        raise ConfigError(
-            f"engine option cuda_graphs must be true or false, got {options['cuda_graphs']!r}"
-        )
+    for key, annotation in ENGINE_TYPES.items():
+        check_value(f"engine option {key}", options[key], annotation)
+    for key in POSITIVE:
+        if options[key] is not None and options[key] < 1:
+            raise ConfigError(f"engine option {key} must be >= 1, got {options[key]!r}")
     if options["gpu_memory_utilization"] is not None:
         check_utilization(options["gpu_memory_utilization"])
     if options["cpu_kernels"] not in CPU_KERNEL_CHOICES:

@@ -6,7 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from servelab.contracts.kinds import kind as get_kind
-from servelab.registry.options import check_options, describe_options, split_component
+from servelab.registry.options import (
+    check_option_types,
+    check_options,
+    describe_options,
+    split_component,
+)
 from servelab.registry.plugin_manager import lookup
 
 
@@ -21,6 +26,7 @@ def construct(kind: str, spec: Any, **context: Any) -> Any:
     cls = lookup(kind, name)
     accepted = describe_options(cls, kind)
     check_options(kind, name, options, accepted)
+    check_option_types(cls, kind, name, options)
     part = cls(**options, **context)
     part.name = name  # the registered name, for error messages and reports
     return part

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from servelab.contracts.kinds import kind as get_kind
 from servelab.errors import ConfigError
+from servelab.registry.typed import annotations_of, check_value
 
 
 class _Required:
@@ -81,6 +82,19 @@ def check_options(
     ]
     if missing:
         raise ConfigError(f"{kind} {name!r} needs option {', '.join(map(repr, missing))}")
+
+
+def check_option_types(cls: type, kind: str, name: str, options: Mapping[str, Any]) -> None:
+    """Raises ConfigError for an option whose value its constructor's annotation
+    refuses (see `servelab.registry.typed`), naming the option and the type."""
+    annotations: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            annotations.update(annotations_of(init))
+    for key, value in options.items():
+        if key in annotations:
+            check_value(f"{kind} {name!r} option {key}", value, annotations[key])
 
 
 def _constructor_chain(cls: type) -> Iterator[list[inspect.Parameter]]:

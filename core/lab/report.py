@@ -28,6 +28,7 @@ from servelab.lab.plots import (
     plot_timeline,
 )
 from servelab.lab.runs import Run, figure, fmt, load_runs, mark_swept
+from servelab.registry.typed import check_value
 
 __all__ = [  # callers import every report name from here, wherever it is defined
     "CLAIM_OPS",
@@ -124,6 +125,11 @@ def report_options(node: Mapping | None) -> dict:
             )
         if value is not None:
             options[key] = value
+    check_value("report option title", options["title"], str | None)
+    check_value("report option sort", options["sort"], str)
+    for key in ("figures", "claims"):
+        if not isinstance(options[key], (list, tuple)):
+            raise ConfigError(f"report option {key} must be a list, got {options[key]!r}")
     options["title"] = options["title"] or "servelab sweep"
     options["figures"], options["claims"] = list(options["figures"]), list(options["claims"])
     return options

@@ -30,6 +30,7 @@ from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.errors import ConfigError
 from servelab.lab.report import report_options
 from servelab.lab.workload import WorkloadRequest, make_workload
+from servelab.registry.typed import check_value
 from servelab.step.sequence import SamplingParams
 
 RUN_DEFAULTS: dict[str, Any] = {
@@ -37,6 +38,7 @@ RUN_DEFAULTS: dict[str, Any] = {
     "warmup": True,  # one short request before the clock starts: first-call costs stay out
     "idle_sleep": 0.0005,  # seconds the runner sleeps when the engine has nothing to run
 }
+RUN_TYPES: dict[str, Any] = {"progress": bool, "warmup": bool, "idle_sleep": float}
 # top-level config nodes the runner consumes; the rest goes to build_engine
 RUNNER_NODES = ("workload", "run", "report")
 
@@ -57,6 +59,12 @@ def run_options(node: Mapping | None) -> dict[str, Any]:
                 f"unknown run option {key!r}; accepted: {', '.join(sorted(RUN_DEFAULTS))}"
             )
         options[key] = value
+    for key, annotation in RUN_TYPES.items():
+        check_value(f"run option {key}", options[key], annotation)
+    if options["idle_sleep"] < 0:
+        raise ConfigError(
+            f"run option idle_sleep must be >= 0 seconds, got {options['idle_sleep']!r}"
+        )
     return options
 
 

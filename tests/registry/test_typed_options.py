@@ -99,3 +99,24 @@ def test_the_command_line_says_which_key_is_wrong(tmp_path):
         "servelab: error: engine option compile must be true or false, got 'maybe'" in done.stderr
     )
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "node,message",
+    [
+        ({"run": {"progress": "no"}}, "run option progress must be true or false, got 'no'"),
+        ({"run": {"warmup": 0}}, "run option warmup must be true or false, got 0"),
+        ({"run": {"idle_sleep": -1}}, "run option idle_sleep must be >= 0 seconds"),
+        ({"run": {"idle_sleep": "fast"}}, "run option idle_sleep must be a finite number"),
+        ({"report": {"title": 3}}, "report option title must be a string or null, got 3"),
+        ({"report": {"sort": 1}}, "report option sort must be a string, got 1"),
+        ({"report": {"claims": "all"}}, "report option claims must be a list, got 'all'"),
+    ],
+)
+def test_run_and_report_options_are_typed(node, message):
+    from servelab.lab.report import report_options
+    from servelab.lab.runner import run_options
+
+    check = run_options if "run" in node else report_options
+    with pytest.raises(ConfigError, match=message):
+        check(next(iter(node.values())))

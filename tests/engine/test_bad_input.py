@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from servelab import LLM, RequestError, SamplingParams
+from tests.engine.engine_checks import assert_engine_clean
 
 GOOD = [5, 6, 7, 8]
 GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -32,14 +33,6 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def clean_tokens(llm) -> list[int]:
     return llm.generate([GOOD], SamplingParams(**GREEDY))[0].token_ids
-
-
-def assert_engine_clean(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished() and not engine.groups
-    engine.allocator.check_integrity()
-    engine.scheduler.check_integrity()
-    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks, "a KV block leaked"
 
 
 def params(**changes) -> SamplingParams:

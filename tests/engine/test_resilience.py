@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servelab import LLM, RequestError, SamplingParams
+from tests.engine.engine_checks import assert_engine_clean
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPTS = [[5 + i, 6, 7 + i, 8] for i in range(16)]
@@ -27,14 +28,6 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def clean(llm) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-
-
-def assert_engine_clean(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished() and not engine.groups
-    engine.allocator.check_integrity()
-    engine.scheduler.check_integrity()
-    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks, "a KV block leaked"
 
 
 # -- a step that raises

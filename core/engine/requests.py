@@ -8,19 +8,17 @@ integers, or a 1-D integer numpy array or torch tensor; a bool is not a token.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import numpy as np
 import torch
 
 from servelab.errors import RequestError
-from servelab.step.sequence import SamplingParams
+from servelab.step.sequence import SamplingParams, finite_number, is_integer
 
 
 def check_request_id(request_id: Any) -> str:
-    if isinstance(request_id, bool) or not isinstance(request_id, (str, numbers.Integral)):
+    if not (isinstance(request_id, str) or is_integer(request_id)):
         raise RequestError(f"request_id must be a string, got {request_id!r}")
     if request_id == "":
         raise RequestError("request_id must not be empty")
@@ -54,7 +52,7 @@ def prompt_token_ids(prompt: Any, tokenizer, request_id: str) -> list[int]:
             f"request {request_id!r}: a prompt is text or a list of token ids, "
             f"got {type(prompt).__name__}: {prompt!r:.80}"
         )
-    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    bad = [t for t in prompt if not is_integer(t)]
     if bad:
         raise RequestError(
             f"request {request_id!r}: token ids must be integers, got {bad[0]!r} "
@@ -101,7 +99,7 @@ def check_tokens(token_ids: list[int], request_id: str, vocab_size: int, max_mod
 
 
 def check_priority(priority: Any, request_id: str) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+    if not is_integer(priority):
         raise RequestError(
             f"request {request_id!r}: priority must be an integer (lower runs first), "
             f"got {priority!r}"
@@ -112,14 +110,10 @@ def check_priority(priority: Any, request_id: str) -> int:
 def check_arrival_time(arrival_time: Any, request_id: str) -> float | None:
     if arrival_time is None:
         return None
-    ok = isinstance(arrival_time, numbers.Real) and not isinstance(arrival_time, bool)
-    try:
-        ok = ok and math.isfinite(float(arrival_time))
-    except OverflowError:
-        ok = False
-    if not ok:
+    number = finite_number(arrival_time)
+    if number is None:
         raise RequestError(
             f"request {request_id!r}: arrival_time must be a finite number of seconds, "
             f"got {arrival_time!r}"
         )
-    return float(arrival_time)
+    return number

@@ -7,11 +7,11 @@ the problem, so a replay is the trace or nothing.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from servelab.errors import ConfigError
 from servelab.lab.request_builder import RequestBuilder, WorkloadRequest
+from servelab.step.sequence import finite_number
 
 TRACE_KEYS = ("prompt_len", "prompt_token_ids", "output_len", "arrival_time", "priority")
 
@@ -37,8 +37,8 @@ def trace_workload(
     file = Path(str(path)).expanduser()
     if not file.is_file():
         raise ConfigError(f"workload trace: no such file {str(file)!r}")
-    real = isinstance(time_scale, (int, float)) and not isinstance(time_scale, bool)
-    if not real or not math.isfinite(time_scale) or time_scale < 0:
+    scale = finite_number(time_scale)
+    if scale is None or scale < 0:
         raise ConfigError(
             f"workload trace: time_scale must be a finite number >= 0, got {time_scale!r}"
         )
@@ -126,12 +126,12 @@ def parse_trace_line(
         raise ConfigError(f"{where}: missing output_len")
     output_len = positive_int("output_len")
     arrival = item.get("arrival_time", 0.0)
-    real = isinstance(arrival, (int, float)) and not isinstance(arrival, bool)
-    if not real or not math.isfinite(arrival) or arrival < 0:
+    number = finite_number(arrival)
+    if number is None or number < 0:
         raise ConfigError(
             f"{where}: arrival_time must be a finite number >= 0 (seconds), got {arrival!r}"
         )
     priority = item.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ConfigError(f"{where}: priority must be an integer, got {priority!r}")
-    return prompt, output_len, float(arrival), priority
+    return prompt, output_len, number, priority

@@ -10,13 +10,12 @@ understand (a class, a mapping of options) are left to the part's own checks.
 
 from __future__ import annotations
 
-import math
-import numbers
 import types
 import typing
 from typing import Any
 
 from servelab.errors import ConfigError
+from servelab.step.sequence import finite_number, is_integer
 
 _NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
 
@@ -63,10 +62,8 @@ def _fits(value: Any, choice: type) -> bool:
         return value is None
     if choice is bool:
         return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
     if choice is int:
-        return isinstance(value, numbers.Integral)
+        return is_integer(value)
     if choice is float:
-        return isinstance(value, numbers.Real) and math.isfinite(value)
+        return finite_number(value) is not None
     return isinstance(value, choice)

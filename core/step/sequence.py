@@ -71,24 +71,32 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def _is_integer(value) -> bool:
+def is_integer(value) -> bool:
+    """An integer (numpy's too), and not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def finite_number(value) -> float | None:
+    """`value` as a float when it is a finite real number (not a bool, not an int
+    too large for a float); None otherwise."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _integer(name: str, value, rule: str, ok) -> int:
-    if not _is_integer(value) or (ok is not None and not ok(int(value))):
+    if not is_integer(value) or (ok is not None and not ok(int(value))):
         raise RequestError(f"{name} must be an integer {rule}, got {value!r}")
     return int(value)
 
 
 def _real(name: str, value, rule: str, ok) -> float:
-    number = None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:  # an int too large for a float
-            number = None
-    if number is None or not math.isfinite(number) or not ok(number):
+    number = finite_number(value)
+    if number is None or not ok(number):
         raise RequestError(f"{name} must be a finite number {rule}, got {value!r}")
     return number
 
@@ -104,7 +112,7 @@ def _token_list(name: str, value) -> list[int]:
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise RequestError(f"{name} must be a list of token ids, got {value!r}")
     items = list(value)
-    bad = [t for t in items if not _is_integer(t)]
+    bad = [t for t in items if not is_integer(t)]
     if bad:
         raise RequestError(f"{name} must be a list of integer token ids, got {bad[0]!r} in it")
     return [int(t) for t in items]

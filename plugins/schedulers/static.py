@@ -11,14 +11,13 @@ test replaces it)."""
 
 from __future__ import annotations
 
-import math
 import time
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
 from servelab.step.plan import StepPlan
-from servelab.step.sequence import Sequence, SequenceGroup
+from servelab.step.sequence import Sequence, SequenceGroup, finite_number
 
 
 class StaticScheduler(BaseScheduler):
@@ -34,8 +33,8 @@ class StaticScheduler(BaseScheduler):
             raise ConfigError(
                 f"static scheduler: batch_size must be null or an integer >= 1, got {batch_size!r}"
             )
-        real = isinstance(batch_timeout, (int, float)) and not isinstance(batch_timeout, bool)
-        if not (real and math.isfinite(batch_timeout) and batch_timeout >= 0):
+        timeout = finite_number(batch_timeout)
+        if timeout is None or timeout < 0:
             raise ConfigError(
                 "static scheduler: batch_timeout must be a finite number >= 0 seconds "
                 f"(an infinite one would wait forever), got {batch_timeout!r}"

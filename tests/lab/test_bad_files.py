@@ -97,3 +97,11 @@ def test_a_damaged_checkpoint_folder_names_the_file(tmp_path, damage, problem):
     with pytest.raises(ConfigError, match=problem) as err:
         load_model(str(folder), "float32", "cpu")
     assert str(folder) in str(err.value)
+
+
+def test_an_arrival_time_too_large_for_a_float_names_the_line(tmp_path):
+    path = write_trace(
+        tmp_path, '{"prompt_len": 3, "output_len": 1, "arrival_time": 1' + "0" * 400 + "}\n"
+    )
+    with pytest.raises(ConfigError, match=rf"{path}:1: arrival_time must be a finite number"):
+        trace_workload(VOCAB, path=str(path))

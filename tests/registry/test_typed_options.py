@@ -120,3 +120,8 @@ def test_run_and_report_options_are_typed(node, message):
     check = run_options if "run" in node else report_options
     with pytest.raises(ConfigError, match=message):
         check(next(iter(node.values())))
+
+
+def test_an_int_too_large_for_a_float_is_a_clear_error():
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be a finite number or null"):
+        LLM(model="/no/such/model", gpu_memory_utilization=10**400)

@@ -53,9 +53,14 @@ def _part_name(node) -> str:
 
 
 def main() -> None:
+    import os
+
     import hydra
     from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
+    from servelab.lab.config_schema import composition_message
     from servelab.registry.plugin_manager import get_plugin_manager
 
     # plugins may add config-group options (`scheduler=sjf`) before Hydra composes
@@ -63,7 +68,14 @@ def main() -> None:
     app = hydra.main(version_base="1.3", config_path="pkg://servelab.conf", config_name="config")(
         _hydra_app
     )
-    app()
+    # Hydra would print a composition error as a multi-line report and exit 1;
+    # letting it through (HYDRA_FULL_ERROR) turns it into one `servelab: error:` line
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        app()
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"servelab: error: {composition_message(err)}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def report_main(argv: list[str] | None = None) -> None:

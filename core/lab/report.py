@@ -113,6 +113,7 @@ def summary_rows(runs: Sequence[Run]) -> list[dict]:
 
 
 REPORT_DEFAULTS = {"title": None, "sort": "output_tok_s", "figures": [], "claims": []}
+REPORT_TYPES = {"title": str | None, "sort": str, "figures": list, "claims": list}
 
 
 def report_options(node: Mapping | None) -> dict:
@@ -125,8 +126,8 @@ def report_options(node: Mapping | None) -> dict:
             )
         if value is not None:
             options[key] = value
-    check_value("report option title", options["title"], str | None)
-    check_value("report option sort", options["sort"], str)
+    for key in ("title", "sort"):
+        check_value(f"report option {key}", options[key], REPORT_TYPES[key])
     for key in ("figures", "claims"):
         if not isinstance(options[key], (list, tuple)):
             raise ConfigError(f"report option {key} must be a list, got {options[key]!r}")

@@ -11,6 +11,7 @@ recompute after preemption are all this one rule.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import math
@@ -49,11 +50,20 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        """Checks every field: a bad value is a RequestError naming the field,
+        here at construction. Values become plain Python ones (numpy integers
+        become ints, `stop_token_ids` a list). A bool is not a number here, and
+        no string is read as one."""
+        for name, value in self._checked().items():
+            setattr(self, name, value)
+
     def validated(self) -> SamplingParams:
-        """A checked copy with plain Python values (numpy integers become ints,
-        `stop_token_ids` a list); a RequestError naming the field otherwise. A
-        bool is not a number here, and no string is read as one."""
-        return SamplingParams(
+        """A checked copy: the fields may have been changed since construction."""
+        return dataclasses.replace(self)
+
+    def _checked(self) -> dict:
+        return dict(
             temperature=_real(
                 "temperature", self.temperature, ">= 0 (0 is greedy)", lambda x: x >= 0
             ),

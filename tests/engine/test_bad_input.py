@@ -39,44 +39,63 @@ def params(**changes) -> SamplingParams:
     return SamplingParams(**{**GREEDY, **changes})
 
 
-# (case id, the bad SamplingParams, what the message must say)
+class Changes(dict):
+    """The bad fields of a SamplingParams: the constructor refuses them, so the
+    engine's own check is reached by changing a valid one afterwards."""
+
+
+def changed(**changes) -> Changes:
+    return Changes(changes)
+
+
+def changed_after_construction(changes: dict) -> SamplingParams:
+    made = params()
+    for name, value in changes.items():
+        setattr(made, name, value)
+    return made
+
+
+# only the engine knows its vocabulary: these pass the constructor
+VOCABULARY_CASES = {"stop-outside", "stop-negative"}
+
+# (case id, the bad fields (or a bad params argument), what the message must say)
 BAD_PARAMS = [
-    ("seed-str", params(seed="abc"), "seed must be an integer"),
-    ("seed-float", params(seed=1.5), "seed must be an integer"),
-    ("seed-bool", params(seed=True), "seed must be an integer"),
-    ("seed-list", params(seed=[1]), "seed must be an integer"),
-    ("stop-None", params(stop_token_ids=None), "stop_token_ids must be a list"),
-    ("stop-int", params(stop_token_ids=7), "stop_token_ids must be a list"),
-    ("stop-str", params(stop_token_ids="1,2"), "stop_token_ids must be a list"),
-    ("stop-float", params(stop_token_ids=[1.5]), "integer token ids, got 1.5"),
-    ("stop-bool", params(stop_token_ids=[True]), "integer token ids, got True"),
-    ("stop-nested", params(stop_token_ids=[[1]]), "integer token ids"),
-    ("stop-outside", params(stop_token_ids=[VOCAB]), f"stop token id {VOCAB} is outside"),
-    ("stop-negative", params(stop_token_ids=[-1]), "stop token id -1 is outside"),
-    ("top_p-str", params(top_p="0.5"), "top_p must be a finite number in (0, 1]"),
-    ("top_p-zero", params(top_p=0), "top_p must be a finite number in (0, 1]"),
-    ("top_p-big", params(top_p=1.5), "top_p"),
-    ("top_p-nan", params(top_p=math.nan), "top_p"),
-    ("temperature-negative", params(temperature=-1), "temperature must be a finite number >= 0"),
-    ("temperature-inf", params(temperature=math.inf), "temperature"),
-    ("temperature-nan", params(temperature=math.nan), "temperature"),
-    ("temperature-str", params(temperature="0"), "temperature"),
-    ("temperature-bool", params(temperature=True), "temperature"),
-    ("temperature-huge-int", params(temperature=10**400), "temperature"),
-    ("top_k-below", params(top_k=-2), "top_k must be an integer"),
-    ("top_k-float", params(top_k=1.5), "top_k"),
-    ("top_k-str", params(top_k="3"), "top_k"),
-    ("max_tokens-zero", params(max_tokens=0), "max_tokens must be an integer >= 1"),
-    ("max_tokens-float", params(max_tokens=2.5), "max_tokens"),
-    ("max_tokens-str", params(max_tokens="4"), "max_tokens"),
-    ("max_tokens-bool", params(max_tokens=True), "max_tokens"),
-    ("max_tokens-None", params(max_tokens=None), "max_tokens"),
-    ("n-zero", params(n=0), "n must be an integer >= 1"),
-    ("n-float", params(n=1.5), "n must be an integer"),
-    ("n-str", params(n="2"), "n must be an integer"),
-    ("ignore_eos-str", params(ignore_eos="no"), "ignore_eos must be true or false"),
-    ("ignore_eos-int", params(ignore_eos=2), "ignore_eos must be true or false"),
-    ("ignore_eos-None", params(ignore_eos=None), "ignore_eos must be true or false"),
+    ("seed-str", changed(seed="abc"), "seed must be an integer"),
+    ("seed-float", changed(seed=1.5), "seed must be an integer"),
+    ("seed-bool", changed(seed=True), "seed must be an integer"),
+    ("seed-list", changed(seed=[1]), "seed must be an integer"),
+    ("stop-None", changed(stop_token_ids=None), "stop_token_ids must be a list"),
+    ("stop-int", changed(stop_token_ids=7), "stop_token_ids must be a list"),
+    ("stop-str", changed(stop_token_ids="1,2"), "stop_token_ids must be a list"),
+    ("stop-float", changed(stop_token_ids=[1.5]), "integer token ids, got 1.5"),
+    ("stop-bool", changed(stop_token_ids=[True]), "integer token ids, got True"),
+    ("stop-nested", changed(stop_token_ids=[[1]]), "integer token ids"),
+    ("stop-outside", changed(stop_token_ids=[VOCAB]), f"stop token id {VOCAB} is outside"),
+    ("stop-negative", changed(stop_token_ids=[-1]), "stop token id -1 is outside"),
+    ("top_p-str", changed(top_p="0.5"), "top_p must be a finite number in (0, 1]"),
+    ("top_p-zero", changed(top_p=0), "top_p must be a finite number in (0, 1]"),
+    ("top_p-big", changed(top_p=1.5), "top_p"),
+    ("top_p-nan", changed(top_p=math.nan), "top_p"),
+    ("temperature-negative", changed(temperature=-1), "temperature must be a finite number >= 0"),
+    ("temperature-inf", changed(temperature=math.inf), "temperature"),
+    ("temperature-nan", changed(temperature=math.nan), "temperature"),
+    ("temperature-str", changed(temperature="0"), "temperature"),
+    ("temperature-bool", changed(temperature=True), "temperature"),
+    ("temperature-huge-int", changed(temperature=10**400), "temperature"),
+    ("top_k-below", changed(top_k=-2), "top_k must be an integer"),
+    ("top_k-float", changed(top_k=1.5), "top_k"),
+    ("top_k-str", changed(top_k="3"), "top_k"),
+    ("max_tokens-zero", changed(max_tokens=0), "max_tokens must be an integer >= 1"),
+    ("max_tokens-float", changed(max_tokens=2.5), "max_tokens"),
+    ("max_tokens-str", changed(max_tokens="4"), "max_tokens"),
+    ("max_tokens-bool", changed(max_tokens=True), "max_tokens"),
+    ("max_tokens-None", changed(max_tokens=None), "max_tokens"),
+    ("n-zero", changed(n=0), "n must be an integer >= 1"),
+    ("n-float", changed(n=1.5), "n must be an integer"),
+    ("n-str", changed(n="2"), "n must be an integer"),
+    ("ignore_eos-str", changed(ignore_eos="no"), "ignore_eos must be true or false"),
+    ("ignore_eos-int", changed(ignore_eos=2), "ignore_eos must be true or false"),
+    ("ignore_eos-None", changed(ignore_eos=None), "ignore_eos must be true or false"),
     ("params-dict", dict(max_tokens=2), "params must be a SamplingParams, got dict"),
     ("params-str", "greedy", "params must be a SamplingParams, got str"),
     ("params-int", 3, "params must be a SamplingParams, got int"),
@@ -112,10 +131,25 @@ BAD_PROMPTS = [
 
 @pytest.mark.parametrize("case,bad,message", BAD_PARAMS, ids=[c[0] for c in BAD_PARAMS])
 def test_bad_sampling_params_reject_only_their_request(llm, clean_tokens, case, bad, message):
+    if isinstance(bad, Changes):
+        bad = changed_after_construction(bad)
     good, rejected, good_again = llm.generate([GOOD, GOOD, GOOD], [params(), bad, params()])
     assert rejected.finish_reason == "rejected" and message in rejected.error, rejected.error
     assert good.token_ids == clean_tokens and good_again.token_ids == clean_tokens
     assert_engine_clean(llm)
+
+
+FIELD_CASES = [c for c in BAD_PARAMS if isinstance(c[1], Changes)]
+
+
+@pytest.mark.parametrize("case,bad,message", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
+def test_sampling_params_refuse_a_bad_field_at_construction(case, bad, message):
+    if case in VOCABULARY_CASES:
+        assert params(**bad).stop_token_ids == bad["stop_token_ids"]
+        return
+    with pytest.raises(RequestError) as refused:
+        params(**bad)
+    assert message in str(refused.value)
 
 
 @pytest.mark.parametrize("case,bad,message", BAD_PROMPTS, ids=[c[0] for c in BAD_PROMPTS])
@@ -187,7 +221,8 @@ def test_numpy_values_in_sampling_params_are_accepted(llm, clean_tokens):
         out.error is None
         and out.token_ids[: len(clean_tokens)] == clean_tokens[: len(out.token_ids)]
     )
-    assert isinstance(numpy_params.max_tokens, np.integer)  # the caller's object is not changed
+    # plain Python values from construction on
+    assert type(numpy_params.max_tokens) is int and numpy_params.stop_token_ids == [VOCAB - 1]
 
 
 # -- generate() touches only its own requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from servelab.errors import ServelabError
 
@@ -16,9 +17,6 @@ def _hydra_app(cfg) -> dict | None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from servelab.contracts.kinds import KINDS
-    from servelab.lab.runner import print_summary, run_config, save_failed_run, save_run
-
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
     hydra_cfg = HydraConfig.get()
@@ -29,22 +27,41 @@ def _hydra_app(cfg) -> dict | None:
         "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num")},
     }
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    folder = Path(hydra_cfg.runtime.output_dir)
+    repeats = (config.get("run") or {}).get("repeats", 1)
+    if in_sweep or not isinstance(repeats, int) or repeats <= 1:
+        return _one_run(config, meta, folder, in_sweep)
+    # one configuration run `repeats` times (a sweep interleaves them across configurations)
+    summary = None
+    for repeat in range(repeats):
+        config["run"]["repeat"] = repeat
+        again = {**meta, "overrides": [*meta["overrides"], f"run.repeat={repeat}"]}
+        summary = _one_run(config, again, folder / f"repeat-{repeat}", in_sweep)
+    print(f"servelab: {repeats} runs in {folder}; compare them with: servelab-report {folder}")
+    return summary
+
+
+def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | None:
+    from servelab.contracts.kinds import KINDS
+    from servelab.lab.runner import model_name, print_summary, run_config, save_failed_run, save_run
+
+    meta = {**meta, "choices": {**meta["choices"], "model": model_name(config)}}
     try:
         result = run_config(config)
     except Exception as err:
         if not (in_sweep or isinstance(err, ServelabError)):
             raise  # a servelab bug outside a sweep: the traceback is what helps
         message = str(err) if isinstance(err, ServelabError) else f"{type(err).__name__}: {err}"
-        save_failed_run(hydra_cfg.runtime.output_dir, config, meta, message)
+        save_failed_run(folder, config, meta, message)
         print(f"servelab: error: {message}", file=sys.stderr)
         if in_sweep:
             return None  # the sweep goes on; servelab-report lists the failed job
         raise SystemExit(2) from None
     # what the engine made of the device options (graphs captured, or why not)
     meta["cuda_graphs"] = result.engine.runner.graphs_status
-    save_run(hydra_cfg.runtime.output_dir, result, config, meta)
+    save_run(folder, result, config, meta)
     title = ", ".join(f"{k}={_part_name(config[k])}" for k in KINDS if k in config)
-    print_summary(result.summary, title=f"{title}\n{hydra_cfg.runtime.output_dir}")
+    print_summary(result.summary, title=f"{title}\n{folder}")
     return result.summary
 
 

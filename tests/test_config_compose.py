@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
@@ -152,10 +153,13 @@ def sweep_jobs(preset: str) -> list[list[str]]:
         config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True
     )
     params = cfg.hydra.sweeper.params
-    params = OmegaConf.to_container(params) if params is not None else {}
+    params = OmegaConf.to_container(params, resolve=True) if params is not None else {}
+    parser = OverridesParser.create()
     axes = [
-        [f"{key}={value.strip()}" for value in str(values).split(",")]
+        [f"{key}={value}" for value in override.sweep_string_iterator()]
         for key, values in params.items()
+        if key != "run.repeat"  # every configuration's repeats: run.repeats, 1 unless set
+        for override in parser.parse_overrides([f"{key}={values}"])
     ]
     return [list(job) for job in itertools.product(*axes)]
 
@@ -210,7 +214,7 @@ def test_a_misspelt_option_is_an_error_listing_the_accepted_ones():
     config = compose_plain(["+workload.num_request=3"])
     with pytest.raises(ConfigError, match="accepted: seed, repeat, scale"):
         make_workload(config["workload"], vocab_size=512)
-    with pytest.raises(ConfigError, match="accepted: idle_sleep, progress, warmup"):
+    with pytest.raises(ConfigError, match="accepted: idle_sleep, progress, repeat, repeats, warmup"):
         run_options({"progres": False})
     with pytest.raises(ConfigError, match="accepted: title, sort, figures, claims"):
         report_options({"claim": []})

@@ -192,7 +192,7 @@ class Engine:
         for seq in group.seqs:
             if seq.finished_time is None:
                 seq.finished_time = now
-        first_step, token_steps = self.metrics.pop_sequence(
+        first_step, token_steps, events = self.metrics.pop_sequence(
             first.seq_id,
             self._step_index,
             len(first.token_times),
@@ -215,6 +215,7 @@ class Engine:
             first_scheduled_step=first_step,
             finished_step=self._step_index,
             recomputed_tokens=sum(s.num_recomputed_tokens for s in group.seqs),
+            preemption_events=events,
         )
         self.metrics.requests.append(record)
         row = record.row()  # built once (it copies the record): the output and the hook share it
@@ -248,7 +249,7 @@ class Engine:
         if plan.is_empty and not plan.preempted:
             return
         step = self._step_index
-        self.metrics.note_step(step, plan.items, plan.decode_seq_ids)
+        self.metrics.note_step(step, plan.items, plan.decode_seq_ids, plan.preempted)
         usage = self.allocator.usage()
         stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
         delta = self.metrics.deltas(self._metric_counters(usage, stats))

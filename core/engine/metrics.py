@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from servelab.step.sequence import SequenceStatus
+
 # finish reasons of requests that did not complete (the rest: "stop", "length")
 UNFINISHED_REASONS = ("abort", "rejected", "cache_full", "error")
 # the per-token fields of a `RequestRecord`: in `csv_row`, not in `row`
-TOKEN_LISTS = ("token_times", "token_steps")
+TOKEN_LISTS = ("token_times", "token_steps", "preemption_events")
 
 
 @dataclass
@@ -40,6 +42,8 @@ class RequestRecord:
     first_scheduled_step: int | None = None
     finished_step: int | None = None  # the step that returned it (static: its batch's end)
     recomputed_tokens: int = 0
+    # [step, "swap" | "recompute"] per preemption of the request's first sample
+    preemption_events: list[list] = field(default_factory=list)
 
     @property
     def queue_time(self) -> float | None:
@@ -83,6 +87,7 @@ class RequestRecord:
             **self.row(),
             "token_times": json.dumps([round(t, 6) for t in self.token_times]),
             "token_steps": json.dumps(self.token_steps),
+            "preemption_events": json.dumps(self.preemption_events),
         }
 
 
@@ -263,6 +268,7 @@ class MetricsCollector:
         self._first_step: dict[int, int] = {}
         self._token_steps: dict[int, list[int]] = {}
         self._closed: set[int] = set()  # finished since the last note_step
+        self._events: dict[int, list[list]] = {}  # seq id -> its preemptions so far
 
     def start_run(self) -> None:
         """Forgets the records so far (e.g. a warm-up); counters keep their baseline."""
@@ -275,13 +281,23 @@ class MetricsCollector:
         self._last_counters.update(counters)
         return out
 
-    def note_step(self, step: int, scheduled: Iterable, decoded_ids: Iterable[int] = ()) -> None:
+    def note_step(
+        self,
+        step: int,
+        scheduled: Iterable,
+        decoded_ids: Iterable[int] = (),
+        preempted: Iterable = (),
+    ) -> None:
         """Remembers, per sequence id, its first scheduled step and its sampling
         steps: `scheduled` are the step's `ScheduledSeq`s, `decoded_ids` the
         sequences of its decode batch (scheduled before, one token each). Runs
         after the step's finished requests were recorded: their sequences
-        (closed by `pop_sequence`) are skipped."""
+        (closed by `pop_sequence`) are skipped. `preempted`: the sequences the
+        step preempted (swapped out, or sent back to recompute)."""
         closed = self._closed
+        for seq in preempted:
+            kind = "swap" if seq.status == SequenceStatus.SWAPPED else "recompute"
+            self._events.setdefault(seq.seq_id, []).append([step, kind])
         token_steps = self._token_steps
         for seq_id in decoded_ids:
             if seq_id not in closed:
@@ -297,14 +313,15 @@ class MetricsCollector:
 
     def pop_sequence(
         self, seq_id: int, current_step: int, num_tokens: int, scheduled: bool
-    ) -> tuple[int | None, list[int]]:
-        """(first scheduled step, step of each of its `num_tokens` tokens) of a
-        finishing sequence. Tokens not noted yet were sampled in `current_step`
+    ) -> tuple[int | None, list[int], list[list]]:
+        """(first scheduled step, step of each of its `num_tokens` tokens, its
+        preemptions) of a finishing sequence. Tokens not noted yet were sampled in `current_step`
         (a request finishes inside the step, before that step is noted)."""
         self._closed.add(seq_id)
         first = self._first_step.pop(seq_id, current_step if scheduled else None)
         steps = self._token_steps.pop(seq_id, [])
-        return first, steps + [current_step] * (num_tokens - len(steps))
+        events = self._events.pop(seq_id, [])
+        return first, steps + [current_step] * (num_tokens - len(steps)), events
 
     def summary(self) -> dict[str, float]:
         return summarize(self.requests, self.steps)

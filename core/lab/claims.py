@@ -1,35 +1,63 @@
-"""A preset's claims, evaluated against its runs. A claim names a figure, the
-runs it is about and a bound, absolute or relative to other runs; a claim over
-a sweep with more keys than it names is stated once per matching pair, so
-every comparison the sweep holds is checked, not only the first.
+"""A preset's claims, decided on its configurations' intervals. A claim names a
+figure, the runs it is about (`run`: space-separated `key=value`s) and a bound,
+absolute (`at_least`, `at_most`) or relative to other runs (`vs` with
+`ratio_at_least`, `ratio_at_most`, `ratio_below`). Where a sweep has more keys
+than a claim names, it is stated once per matching pair, so every comparison
+the sweep holds is decided, not only the first. The verdict (lab/stats.py) is
+`holds` when the whole 95% interval clears the bound, `fails` when it misses
+it, `inconclusive` otherwise; `None` when the runs it names are missing.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from servelab.errors import ConfigError
-from servelab.lab.runs import Run, figure, fmt, normalize
+from servelab.lab.estimates import estimate, ratio
+from servelab.lab.runs import Configuration, normalize
+from servelab.lab.stats import (
+    FAILS,
+    HOLDS,
+    NO_ESTIMATE,
+    VERDICT_RULES,
+    Estimate,
+    interval_text,
+    is_counted,
+    rounded,
+    verdict,
+)
 
-CLAIM_OPS = {
-    "ratio_at_least": (True, lambda r, x: r >= x, "≥ {x:g}×"),
-    "ratio_at_most": (True, lambda r, x: r <= x, "≤ {x:g}×"),
-    "ratio_below": (True, lambda r, x: r < x, "< {x:g}×"),
-    "at_least": (False, lambda v, x: v >= x, "≥ {x:g}"),
-    "at_most": (False, lambda v, x: v <= x, "≤ {x:g}"),
+CLAIM_OPS = {op: is_ratio for op, (is_ratio, _) in VERDICT_RULES.items()}
+SHOWN = {
+    "ratio_at_least": "≥ {x:g}×",
+    "ratio_at_most": "≤ {x:g}×",
+    "ratio_below": "< {x:g}×",
+    "at_least": "≥ {x:g}",
+    "at_most": "≤ {x:g}",
 }
 
 
 @dataclass
 class ClaimResult:
     text: str
-    holds: bool | None  # None: the runs it names are missing
+    verdict: str | None  # holds | fails | inconclusive; None: the runs it names are missing
+    figure: str = ""
+    op: str = ""
+    bound: float = float("nan")
+    estimate: Estimate = NO_ESTIMATE
+    # what the claim's plot draws: (label, estimate) per configuration it names
+    bars: list[tuple[str, Estimate]] = field(default_factory=list)
+
+    @property
+    def holds(self) -> bool | None:
+        return None if self.verdict is None else self.verdict == HOLDS
 
 
-def evaluate_claims(runs: Sequence[Run], claims: Iterable[Mapping]) -> list[ClaimResult]:
-    return [result for claim in claims for result in evaluate_claim(runs, claim)]
+def evaluate_claims(
+    configs: Sequence[Configuration], claims: Iterable[Mapping]
+) -> list[ClaimResult]:
+    return [result for claim in claims for result in evaluate_claim(configs, claim)]
 
 
 def parse_selector(selector: str) -> dict[str, str]:
@@ -45,27 +73,16 @@ def parse_selector(selector: str) -> dict[str, str]:
     return pairs
 
 
-def matches(run: Run, selector: dict[str, str]) -> bool:
-    return all(run.params.get(k) == v for k, v in selector.items())
+def matches(config: Configuration, selector: dict[str, str]) -> bool:
+    return all(config.params.get(k) == v for k, v in selector.items())
 
 
-def evaluate_claim(runs: Sequence[Run], claim: Mapping) -> list[ClaimResult]:
-    """A claim names a figure, the runs it is about (`run`: space-separated
-    `key=value`s), optionally the runs to compare with (`vs`), and one of
-    CLAIM_OPS; or a figure and `same_in_every_run: true`. Where several runs
-    match (a sweep over more keys), each is paired with the `vs` run that has
-    the same values of the other swept keys, and each pair is stated."""
+def evaluate_claim(configs: Sequence[Configuration], claim: Mapping) -> list[ClaimResult]:
+    """One claim, stated for every configuration (pair) it matches."""
     claim = dict(claim)
     name, text = claim.pop("figure", None), claim.pop("text", None)
     if claim.pop("same_in_every_run", False):
-        values = {str(run.summary.get(name)) for run in runs}
-        shown = ", ".join(sorted(values))
-        return [
-            ClaimResult(
-                f"{text or name + ' is the same in every run'} — {name}: {shown}",
-                len(values) == 1 and "None" not in values,
-            )
-        ]
+        return [_same_everywhere(configs, name, text)]
     run_sel, vs_sel = claim.pop("run", None), claim.pop("vs", None)
     ops = [op for op in claim if op in CLAIM_OPS]
     unknown = [k for k in claim if k not in CLAIM_OPS]
@@ -75,41 +92,71 @@ def evaluate_claim(runs: Sequence[Run], claim: Mapping) -> list[ClaimResult]:
             f"and exactly one of {', '.join(CLAIM_OPS)} (or figure + same_in_every_run: true)"
         )
     op = ops[0]
-    is_ratio, test, shown = CLAIM_OPS[op]
-    if is_ratio and not vs_sel:
+    if CLAIM_OPS[op] and not vs_sel:
         raise ConfigError(f"report claim on {name}: {op} compares two runs; give `vs`")
     bound = float(claim[op])
     run_pairs = parse_selector(run_sel)
-    picked = [r for r in runs if matches(r, run_pairs)]
+    picked = [c for c in configs if matches(c, run_pairs) and c.finished]
     heading = text or f"{name} of {run_sel}"
     if not picked:
-        return [ClaimResult(f"{heading} — no run with {run_sel}", None)]
+        return [ClaimResult(f"{heading} — no run with {run_sel}", None, name, op, bound)]
+    stated = SHOWN[op].format(x=bound)
     results = []
-    for run in picked:
-        value = figure(run, name)
-        if not is_ratio:
-            holds = test(value, bound) if not math.isnan(value) else False
-            detail = f"{name} = {fmt(value)} ({run.label}) [claim {shown.format(x=bound)}]"
-            results.append(ClaimResult(f"{heading} — {detail}", holds))
+    for config in picked:
+        value = estimate(config, name)
+        if not CLAIM_OPS[op]:
+            detail = f"{name} = {rounded(value)} {interval_text(value)} ({config.label})"
+            results.append(
+                ClaimResult(
+                    f"{heading} — {detail} [claim {stated}]",
+                    verdict(value, op, bound),
+                    name, op, bound, value, [(config.label, value)],
+                )  # fmt: skip
+            )
             continue
         vs_pairs = parse_selector(vs_sel)
-        # pair with the run that differs only in what the two selectors name
-        others = {k: v for k, v in run.swept.items() if k not in run_pairs and k not in vs_pairs}
-        partners = [
-            r
-            for r in runs
-            if matches(r, vs_pairs) and all(r.swept.get(k) == v for k, v in others.items())
-        ]
-        if not partners:
-            results.append(ClaimResult(f"{heading} — no run with {vs_sel} to compare", None))
+        partner, where = _partner(configs, config, run_pairs, vs_pairs)
+        if partner is None:
+            results.append(
+                ClaimResult(f"{heading} — no run with {vs_sel} to compare", None, name, op, bound)
+            )
             continue
-        base = figure(partners[0], name)
-        ratio = value / base if base else math.inf if value > 0 else math.nan
-        holds = test(ratio, bound) if not math.isnan(ratio) else False
-        where = f" at {', '.join(f'{k}={v}' for k, v in others.items())}" if others else ""
+        base = estimate(partner, name)
+        quotient = ratio(config, partner, name)
         detail = (
-            f"{name}: {fmt(value)} ({run_sel}) vs {fmt(base)} ({vs_sel}){where} = "
-            f"{fmt(ratio)}× [claim {shown.format(x=bound)}]"
+            f"{name}: {rounded(value)} ({run_sel}) vs {rounded(base)} ({vs_sel}){where} = "
+            f"{rounded(quotient)}× {interval_text(quotient)}"
         )
-        results.append(ClaimResult(f"{heading} — {detail}", holds))
+        results.append(
+            ClaimResult(
+                f"{heading} — {detail} [claim {stated}]",
+                verdict(quotient, op, bound),
+                name, op, bound, quotient,
+                [(f"{run_sel}{where}", quotient)],
+            )  # fmt: skip
+        )
     return results
+
+
+def _partner(configs, config, run_pairs, vs_pairs) -> tuple[Configuration | None, str]:
+    """The `vs` configuration that differs from `config` only in what the two
+    selectors name, and the shared choices that locate the pair."""
+    others = {k: v for k, v in config.swept.items() if k not in run_pairs and k not in vs_pairs}
+    for candidate in configs:
+        if candidate.finished and matches(candidate, vs_pairs):
+            if all(candidate.swept.get(k) == v for k, v in others.items()):
+                where = f" at {', '.join(f'{k}={v}' for k, v in others.items())}" if others else ""
+                return candidate, where
+    return None, ""
+
+
+def _same_everywhere(configs: Sequence[Configuration], name: str, text: str | None):
+    values = {str(run.summary.get(name)) for config in configs for run in config.finished}
+    shown = ", ".join(sorted(values))
+    same = len(values) == 1 and "None" not in values
+    kind = "" if is_counted(name) else " (a timed figure: equal only by chance)"
+    return ClaimResult(
+        f"{text or name + ' is the same in every run'} — {name}: {shown}{kind}",
+        HOLDS if same else FAILS,
+        name,
+    )

@@ -37,6 +37,8 @@ def omegaconf_type(annotation: Any) -> Any:
         return Any
     if annotation is list:
         return list[Any]
+    if annotation is dict:
+        return dict[str, Any]
     return annotation
 
 
@@ -115,6 +117,6 @@ def _accepted(full_key: str) -> str | None:
     annotation = tables.get(node, {}).get(key)
     if annotation is None:
         return None
-    if annotation is list:
-        return "a list"
+    if annotation in (list, dict):
+        return "a list" if annotation is list else "a mapping"
     return type_problem(object(), annotation)

@@ -1,13 +1,16 @@
-"""`servelab-report PATH...`: run folders -> one table and a few plots.
+"""`servelab-report PATH...`: run folders -> tables with intervals, decided
+claims and plots.
 
 A PATH is a run folder (it holds `results.json`) or any folder above run
-folders (a multirun). Writes into `--out` (default: the only PATH, else
-`./servelab-report`):
-- `summary.csv`: one row per run, best first: the swept choices, then every figure;
-- `summary.md`: the preset's claims, evaluated, then the key figures per run;
-- `throughput.png`, `ttft_cdf.png`, `itl_cdf.png`, `kv_util.png` and, for small
-  workloads, `timeline.png` (drawn by `servelab.lab.plots`).
-Runs are read by `servelab.lab.runs`, claims evaluated by `servelab.lab.claims`.
+folders (a multirun). Runs with the same swept choices are repeats of one
+configuration (lab/runs.py); each figure is an estimate over them with a 95%
+interval (lab/estimates.py, lab/stats.py). Writes into `--out` (default: the
+only PATH, else `./servelab-report`):
+- `summary.csv`: one row per configuration, best first: swept choices, then per
+  figure its mean, std and interval; `runs.csv`: one row per run;
+- `summary.md`: provenance warnings, the claims and their verdicts, capacity
+  under the SLO, the key figures per configuration, failed runs, the plots;
+- the PNG plots of lab/plots.py and lab/plots_load.py.
 """
 
 from __future__ import annotations
@@ -20,14 +23,12 @@ from pathlib import Path
 
 from servelab.errors import ConfigError
 from servelab.lab.claims import CLAIM_OPS, ClaimResult, evaluate_claim, evaluate_claims
-from servelab.lab.plots import (
-    assign_slots,
-    plot_cdf,
-    plot_kv_util,
-    plot_throughput,
-    plot_timeline,
-)
-from servelab.lab.runs import Run, figure, fmt, load_runs, mark_swept
+from servelab.lab.estimates import estimate
+from servelab.lab.plots_load import draw_plots
+from servelab.lab.provenance import mixed_provenance
+from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
+from servelab.lab.slo import add_slo_figures, capacity, slo_options
+from servelab.lab.stats import mean_estimate, rounded
 from servelab.registry.typed import check_value
 
 __all__ = [  # callers import every report name from here, wherever it is defined
@@ -37,17 +38,17 @@ __all__ = [  # callers import every report name from here, wherever it is define
     "REPORT_DEFAULTS",
     "ClaimResult",
     "Run",
-    "assign_slots",
     "evaluate_claim",
     "evaluate_claims",
     "figure",
     "fmt",
+    "group_runs",
     "load_runs",
     "main",
     "mark_swept",
     "markdown",
     "report_options",
-    "sort_runs",
+    "sort_configs",
     "summary_rows",
     "write_report",
 ]
@@ -85,24 +86,49 @@ HIGHER_IS_BETTER = frozenset(
 )
 
 
-def sort_runs(runs: Sequence[Run], by: str) -> list[Run]:
-    """Best first by `by`; a run without the figure goes last."""
+def sort_configs(configs: Sequence[Configuration], by: str) -> list[Configuration]:
+    """Best mean `by` first; a configuration without the figure goes last."""
     sign = -1.0 if by in HIGHER_IS_BETTER else 1.0
 
-    def key(run: Run) -> tuple[bool, float]:
-        value = figure(run, by)
+    def key(config: Configuration) -> tuple[bool, float]:
+        value = mean_estimate(config.values(by)).mean
         return (math.isnan(value), sign * value if not math.isnan(value) else 0.0)
 
-    return sorted(runs, key=key)
+    return sorted(configs, key=key)
 
 
-def summary_rows(runs: Sequence[Run]) -> list[dict]:
+def summary_rows(configs: Sequence[Configuration], figures: Sequence[str]) -> list[dict]:
+    """One row per configuration: its swept choices, runs, status, then per
+    figure its mean, standard deviation and 95% interval."""
+    swept = list(configs[0].swept) if configs else []
+    rows = []
+    for config in configs:
+        row: dict = {k: config.swept.get(k, "") for k in swept}
+        row["runs"] = len(config.finished)
+        for name in figures:
+            value = estimate(config, name)
+            row.update(
+                {name: value.mean, f"{name}_std": value.std, f"{name}_ci_low": value.low,
+                 f"{name}_ci_high": value.high, f"{name}_exact": value.exact}
+            )  # fmt: skip
+        for name in _text_keys(config.finished):  # e.g. output_digest: one value, or each
+            row[name] = "|".join(dict.fromkeys(str(r.summary.get(name)) for r in config.finished))
+        row["status"] = "error" if config.error else "ok"  # after the figures: choices first
+        if config.error:
+            row["error"] = config.error
+        rows.append(row)
+    return rows
+
+
+def run_rows(runs: Sequence[Run]) -> list[dict]:
+    """One row per run (repeats apart), with every figure of its summary."""
     swept = list(runs[0].swept) if runs else []
     rows = []
     for run in runs:
         row = {"run": str(run.folder), **{k: run.swept.get(k, "") for k in swept}}
+        row["repeat"] = run.repeat
         row.update(run.summary)
-        row["status"] = "error" if run.error else "ok"  # after the figures: swept keys come first
+        row["status"] = "error" if run.error else "ok"
         if run.error:
             row["error"] = run.error
         rows.append(row)
@@ -112,8 +138,23 @@ def summary_rows(runs: Sequence[Run]) -> list[dict]:
 # -- the report
 
 
-REPORT_DEFAULTS = {"title": None, "sort": "output_tok_s", "figures": [], "claims": []}
-REPORT_TYPES = {"title": str | None, "sort": str, "figures": list, "claims": list}
+REPORT_DEFAULTS = {
+    "title": None,
+    "sort": "output_tok_s",
+    "figures": [],
+    "claims": [],
+    "slo": None,
+    "time_axis": "steps",  # the x axis of the timeline, KV and batch plots: steps | seconds
+}
+REPORT_TYPES = {
+    "title": str | None,
+    "sort": str,
+    "figures": list,
+    "claims": list,
+    "slo": dict | None,  # {ttft_ms, tpot_ms, itl_ms, percentile}: see lab/slo.py
+    "time_axis": str,
+}
+TIME_AXES = ("steps", "seconds")
 
 
 def report_options(node: Mapping | None) -> dict:
@@ -126,11 +167,17 @@ def report_options(node: Mapping | None) -> dict:
             )
         if value is not None:
             options[key] = value
-    for key in ("title", "sort"):
+    for key in ("title", "sort", "time_axis"):
         check_value(f"report option {key}", options[key], REPORT_TYPES[key])
     for key in ("figures", "claims"):
         if not isinstance(options[key], (list, tuple)):
             raise ConfigError(f"report option {key} must be a list, got {options[key]!r}")
+    options["slo"] = slo_options(options["slo"])
+    if options["time_axis"] not in TIME_AXES:
+        raise ConfigError(
+            f"report option time_axis must be one of {', '.join(TIME_AXES)}, "
+            f"got {options['time_axis']!r}"
+        )
     options["title"] = options["title"] or "servelab sweep"
     options["figures"], options["claims"] = list(options["figures"]), list(options["claims"])
     return options
@@ -141,69 +188,120 @@ def report_settings(runs: Sequence[Run]) -> dict:
 
 
 def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> Path:
-    """Loads the runs under `paths` and writes the table, the claims and the plots."""
+    """Loads the runs under `paths`; writes the tables, the claims and the plots."""
     runs = load_runs(paths)
     fixed = mark_swept(runs)
     settings = report_settings(runs)
-    runs = sort_runs(runs, settings["sort"])
+    add_slo_figures(runs, settings["slo"])
+    configs = sort_configs(group_runs(runs), settings["sort"])
     out = Path(out) if out else (Path(paths[0]) if len(paths) == 1 else Path("servelab-report"))
     out.mkdir(parents=True, exist_ok=True)
 
-    rows = summary_rows(runs)
+    slo_figures = ["slo_attainment_pct", "goodput_rps"] if settings["slo"] else []
+    shown = list(dict.fromkeys([settings["sort"], *KEY_FIGURES, *slo_figures, *settings["figures"]]))
+    every = list(dict.fromkeys([*shown, *_summary_keys(runs)]))
+    write_csv(out / "summary.csv", summary_rows(configs, every))
+    write_csv(out / "runs.csv", run_rows(runs))
+
+    claims = evaluate_claims(configs, settings["claims"])
+    capacities = capacity(configs, settings["slo"]) if settings["slo"] else []
+    written = draw_plots(configs, claims, settings, out)
+    warnings = mixed_provenance([run.provenance for run in runs])
+    text = markdown(settings, configs, fixed, claims, shown, written, warnings, capacities)
+    (out / "summary.md").write_text(text)
+    return out
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
-    with (out / "summary.csv").open("w", newline="") as handle:
+    with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
 
-    finished = [run for run in runs if not run.error]  # a failed job has no records to plot
-    plots = {
-        "throughput.png": lambda p: plot_throughput(finished, p),
-        "ttft_cdf.png": lambda p: plot_cdf(finished, "ttft", p),
-        "itl_cdf.png": lambda p: plot_cdf(finished, "itl", p),
-        "kv_util.png": lambda p: plot_kv_util(finished, p),
-        "timeline.png": lambda p: plot_timeline(finished, p),
-    }
-    written = [name for name, draw in plots.items() if finished and draw(out / name) is not False]
-    claims = evaluate_claims(finished, settings["claims"])
-    figures = list(dict.fromkeys([settings["sort"], *KEY_FIGURES, *settings["figures"]]))
-    (out / "summary.md").write_text(markdown(settings, runs, fixed, claims, figures, written))
-    return out
+
+def _text_keys(runs: Sequence[Run]) -> list[str]:
+    keys: list[str] = []
+    for run in runs:
+        keys += [k for k, v in run.summary.items() if k not in keys and isinstance(v, str)]
+    return keys
 
 
-def markdown(settings, runs, fixed, claims, figures, plots) -> str:
+def _summary_keys(runs: Sequence[Run]) -> list[str]:
+    keys: list[str] = []
+    for run in runs:
+        keys += [k for k, v in run.summary.items() if k not in keys and isinstance(v, (int, float))]
+    return keys
+
+
+VERDICT_MARKS = {
+    "holds": "✅ holds",
+    "fails": "❌ fails",
+    "inconclusive": "❔ inconclusive",
+    None: "⚠️ cannot check",
+}
+
+
+def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacities) -> str:
     lines = [f"# {settings['title']}", ""]
+    lines += [f"> ⚠️ Warning: {w}; their figures may not be comparable." for w in warnings]
+    lines += [""] if warnings else []
     if claims:
-        lines += ["## Claims", ""]
-        for claim in claims:
-            mark = {True: "✅ holds", False: "❌ does not hold", None: "⚠️ cannot check"}[
-                claim.holds
-            ]
-            lines.append(f"- {mark}: {claim.text}")
-        lines.append("")
-    lines += [f"## Runs ({len(runs)}), best {settings['sort']} first", ""]
+        lines += ["## Claims", "", "Decided on 95% confidence intervals over the repeats.", ""]
+        lines += [f"- {VERDICT_MARKS[claim.verdict]}: {claim.text}" for claim in claims] + [""]
+    if capacities:
+        lines += capacity_lines(settings["slo"], capacities)
+    runs = sum(len(c.runs) for c in configs)
+    lines += [f"## Configurations ({len(configs)}, {runs} runs), best {settings['sort']} first", ""]
+    lines.append(
+        "Each figure: mean ± half-width of its 95% interval over the repeats "
+        "(t for means, bootstrap for percentiles); *exact*: a counted figure every repeat agrees on."
+    )
+    lines.append("")
     if fixed:
         lines += ["Same in every run: " + ", ".join(f"`{k}={v}`" for k, v in fixed.items()), ""]
-    swept = list(runs[0].swept) if runs else []
-    header = ["#", *swept, *figures]
+    swept = list(configs[0].swept) if configs else []
+    header = ["#", *swept, "runs", *figures]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" for _ in header) + "|")
-    for i, run in enumerate(runs, start=1):
-        cells = [str(i), *(run.swept.get(k, "") for k in swept)]
-        if run.error:
+    for i, config in enumerate(configs, start=1):
+        cells = [str(i), *(config.swept.get(k, "") for k in swept), str(len(config.finished))]
+        if not config.finished:
             cells += ["failed"] + [""] * (len(figures) - 1)
         else:
-            cells += [fmt(run.summary.get(name)) for name in figures]
+            cells += [_cell(estimate(config, name)) for name in figures]
         lines.append("| " + " | ".join(cells) + " |")
-    failed = [run for run in runs if run.error]
+    failed = [(config, run) for config in configs for run in config.runs if run.error]
     if failed:
         lines += ["", f"## Failed runs ({len(failed)})", ""]
-        lines += [f"- {run.label} (`{run.folder}`): {run.error}" for run in failed]
-    lines += ["", "Run folders: " + ", ".join(f"`{run.folder}`" for run in runs), ""]
-    lines += ["## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots] + [""]
+        lines += [f"- {c.label} (`{run.folder}`): {run.error}" for c, run in failed]
+    lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots] + [""]
     return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    text = rounded(value)
+    return f"{text} *exact*" if value.exact else text
+
+
+def capacity_lines(slo: Mapping, capacities: Sequence[dict]) -> list[str]:
+    targets = ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items() if k != "percentile")
+    lines = [
+        "## Capacity under the SLO",
+        "",
+        f"SLO: {targets} for {slo['percentile']:g}% of requests. Capacity: the highest "
+        "request rate whose mean attainment over the repeats reaches that share.",
+        "",
+        "| configuration | capacity (req/s) | attainment % by rate |",
+        "|---|---|---|",
+    ]
+    for row in capacities:
+        by_rate = ", ".join(f"{r:g}: {p:.0f}" for r, p in row["attainment_by_rate"].items())
+        best = row["capacity_rps"]
+        lines.append(f"| {row['configuration']} | {'below the lowest rate' if best is None else f'{best:g}'} | {by_rate} |")
+    return lines + [""]
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

@@ -16,7 +16,7 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from servelab.engine.build import build_engine
 from servelab.engine.engine import Engine
 from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.errors import ConfigError
+from servelab.lab.provenance import provenance
 from servelab.lab.report import report_options
 from servelab.lab.workload import WorkloadRequest, make_workload
 from servelab.registry.typed import check_value
@@ -37,8 +38,16 @@ RUN_DEFAULTS: dict[str, Any] = {
     "progress": True,  # a live progress bar (requests done, tok/s)
     "warmup": True,  # one short request before the clock starts: first-call costs stay out
     "idle_sleep": 0.0005,  # seconds the runner sleeps when the engine has nothing to run
+    "repeats": 1,  # how many times each configuration runs, each with a fresh engine
+    "repeat": 0,  # which of those runs this is (a sweep sets it: see conf/config.yaml)
 }
-RUN_TYPES: dict[str, Any] = {"progress": bool, "warmup": bool, "idle_sleep": float}
+RUN_TYPES: dict[str, Any] = {
+    "progress": bool,
+    "warmup": bool,
+    "idle_sleep": float,
+    "repeats": int,
+    "repeat": int,
+}
 # top-level config nodes the runner consumes; the rest goes to build_engine
 RUNNER_NODES = ("workload", "run", "report")
 
@@ -49,6 +58,7 @@ class RunResult:
     summary: dict[str, float]
     requests: list[RequestRecord]
     steps: list[StepRecord]
+    provenance: dict[str, Any] = field(default_factory=dict)
 
 
 def run_options(node: Mapping | None) -> dict[str, Any]:
@@ -61,6 +71,11 @@ def run_options(node: Mapping | None) -> dict[str, Any]:
         options[key] = value
     for key, annotation in RUN_TYPES.items():
         check_value(f"run option {key}", options[key], annotation)
+    if options["repeats"] < 1 or options["repeat"] < 0:
+        raise ConfigError(
+            f"run option repeats must be >= 1 and repeat >= 0, got repeats={options['repeats']!r}"
+            f" repeat={options['repeat']!r}"
+        )
     if options["idle_sleep"] < 0:
         raise ConfigError(
             f"run option idle_sleep must be >= 0 seconds, got {options['idle_sleep']!r}"
@@ -172,12 +187,23 @@ def run_config(config: Mapping) -> RunResult:
         raise ConfigError("the config has no workload node; pick one with workload=NAME")
     options = run_options(config.pop("run", None))
     report_options(config.pop("report", None))  # checked now, used by servelab-report
+    started = provenance({**config, "workload": workload, "run": options}, model_name(config))
     engine = build_engine(config)
     requests = make_workload(workload, engine.model_config.vocab_size, engine.max_model_len)
     if options["warmup"]:
         warm_up(engine)
     summary = serve(engine, requests, bool(options["progress"]), float(options["idle_sleep"]))
-    return RunResult(engine, summary, list(engine.metrics.requests), list(engine.metrics.steps))
+    records = list(engine.metrics.requests), list(engine.metrics.steps)
+    return RunResult(engine, summary, *records, provenance=started)
+
+
+def model_name(config: Mapping) -> str:
+    """The model as loaded: a checkpoint folder's name, else the named shape."""
+    node = config.get("model") or {}
+    if isinstance(node, str):
+        return node
+    path = node.get("path")
+    return Path(str(path)).name if path else str(node.get("name", "?"))
 
 
 # -- outputs
@@ -197,6 +223,7 @@ def save_run(folder: str | Path, result: RunResult, config: Mapping, meta: Mappi
         "config": config,
         **meta,
         "status": "ok",
+        "provenance": result.provenance,
         "summary": {k: _jsonable(v) for k, v in result.summary.items()},
     }
     (folder / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
@@ -209,7 +236,14 @@ def save_failed_run(folder: str | Path, config: Mapping, meta: Mapping, error: s
     and the message (no summary, no CSV files)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    results = {"config": config, **meta, "status": "error", "error": error, "summary": {}}
+    results = {
+        "config": config,
+        **meta,
+        "status": "error",
+        "error": error,
+        "provenance": provenance(config, model_name(config)),
+        "summary": {},
+    }
     (folder / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from servelab.errors import ConfigError
 
-IGNORED_PARAMS = ("experiment",)  # the preset itself is the same in every run of it
+# the preset is the same in every run of it; a repeat is the same configuration again
+IGNORED_PARAMS = ("experiment", "run.repeat")
 
 
 @dataclass
@@ -40,11 +41,62 @@ class Run:
     def label(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.swept.items()) or self.folder.name
 
+    @property
+    def repeat(self) -> int:
+        """Which repeat of its configuration this run is (0 when not repeated)."""
+        run_node = (self.results.get("config") or {}).get("run") or {}
+        return int(run_node.get("repeat", 0) or 0)
+
+    @property
+    def provenance(self) -> dict:
+        return self.results.get("provenance") or {}
+
     def requests(self) -> list[dict]:
         return read_csv(self.folder / "requests.csv")
 
     def steps(self) -> list[dict]:
         return read_csv(self.folder / "steps.csv")
+
+
+@dataclass
+class Configuration:
+    """The runs of one configuration: the repeats of the same swept choices."""
+
+    swept: dict[str, str]
+    runs: list[Run]
+    # figure name -> its estimate (lab/estimates.py): a bootstrap is worth computing once
+    estimates: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.swept.items()) or "every run"
+
+    @property
+    def params(self) -> dict[str, str]:
+        return self.runs[0].params
+
+    @property
+    def error(self) -> str | None:
+        """The first failed repeat's message (its figures come from the others)."""
+        return next((run.error for run in self.runs if run.error), None)
+
+    @property
+    def finished(self) -> list[Run]:
+        return [run for run in self.runs if not run.error]
+
+    def values(self, name: str) -> list[float]:
+        """The figure of every finished repeat."""
+        return [figure(run, name) for run in self.finished]
+
+
+def group_runs(runs: Sequence[Run]) -> list[Configuration]:
+    """Runs with equal swept choices (repeats) as one Configuration each, in
+    the order their first run comes."""
+    groups: dict[tuple, Configuration] = {}
+    for run in runs:
+        key = tuple(sorted(run.swept.items()))
+        groups.setdefault(key, Configuration(dict(run.swept), [])).runs.append(run)
+    return list(groups.values())
 
 
 def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
@@ -95,7 +147,8 @@ def mark_swept(runs: Sequence[Run]) -> dict[str, str]:
     for run in runs:
         keys += [k for k in run.params if k not in keys]
     varying = [k for k in keys if len({run.params.get(k, "") for run in runs}) > 1]
-    if len(runs) == 1:  # one run: what the user chose is what it shows
+    if len({tuple(sorted(run.params.items())) for run in runs}) == 1:
+        # one configuration (perhaps repeated): what the user chose is what it shows
         overrides = run_params({"overrides": runs[0].results.get("overrides")})
         varying = [k for k in overrides if k not in IGNORED_PARAMS]
     for run in runs:

@@ -31,6 +31,7 @@ def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
         f"experiment={preset}",
         f"hydra.sweep.dir={out}",
         "run.progress=false",
+        "run.repeats=1",  # a claim's direction, not its interval: one run per configuration
         *overrides,
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -39,11 +40,11 @@ def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
     with open(out / "summary.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     columns = list(rows[0])
-    swept = columns[1 : columns.index("requests")]  # after the run folder, before the figures
+    swept = columns[: columns.index("runs")]  # one row per configuration: its choices first
     markdown = (out / "summary.md").read_text()
     keys = ["/".join(row[k] for k in swept) for row in rows]
-    for row in rows:  # summary.md lists every run
-        assert "| " + " | ".join(row[k] for k in swept) + " |" in markdown
+    for row in rows:  # summary.md lists every configuration
+        assert "| " + " | ".join(row[k] for k in swept) + f" | {row['runs']} |" in markdown
     return {key: {k: number(v) for k, v in row.items()} for key, row in zip(keys, rows)}
 
 
@@ -101,7 +102,7 @@ def test_continuous_vs_static(tmp_path):
     assert markdown.count("continuous batching needs less than half the steps") == len(
         backends
     )  # one per backend
-    for plot in ("throughput", "ttft_cdf", "itl_cdf", "kv_util", "timeline"):
+    for plot in ("claims", "throughput", "latency_cdf", "kv_util", "batch", "timeline"):
         with Image.open(tmp_path / "continuous_vs_static" / f"{plot}.png") as image:
             low, high = image.convert("L").getextrema()
             assert image.width > 100 and low < high

@@ -1,5 +1,6 @@
-"""`servelab-report`: run folders -> summary.csv (best first), summary.md (every
-run, the claims evaluated) and PNG plots that open and are not blank."""
+"""`servelab-report`: run folders -> summary.csv (one row per configuration,
+best first, with intervals), runs.csv, summary.md (every configuration, the
+claims decided) and PNG plots that open and are not blank."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from PIL import Image
 from servelab.cli import report_main
 from servelab.engine.metrics import RequestRecord, StepRecord, summarize
 from servelab.errors import ConfigError
-from servelab.lab.report import assign_slots, evaluate_claims, load_runs, write_report
+from servelab.lab.report import evaluate_claims, group_runs, load_runs, write_report
 from servelab.lab.runner import RunResult, save_run
 
-PLOTS = ("throughput.png", "ttft_cdf.png", "itl_cdf.png", "kv_util.png", "timeline.png")
+PLOTS = ("claims.png", "throughput.png", "latency_cdf.png", "kv_util.png", "batch.png",
+         "timeline.png")  # fmt: skip
 
 
-def fake_records(num_requests: int, step_time: float, idle: int = 0):
+def fake_records(num_requests: int, step_time: float, idle: int = 0, preempt: bool = False):
     """`num_requests` requests of 3 tokens each, one step per token, all decoding together."""
     steps = [
         StepRecord(i, i * step_time, step_time, num_requests, 0 if i else 4 * num_requests,
@@ -25,19 +27,20 @@ def fake_records(num_requests: int, step_time: float, idle: int = 0):
         for i in range(3)
     ]  # fmt: skip
     requests = [
-        RequestRecord(f"r{k}", 0.0, 4, 3, 0.0, step_time, 3 * step_time, "length", 0,
+        RequestRecord(f"r{k}", 0.0, 4, 3, 0.0, step_time, 3 * step_time, "length", int(preempt),
                       token_times=[(i + 1) * step_time for i in range(3)],
-                      token_steps=[0, 1, 2], first_scheduled_step=0, finished_step=2)
+                      token_steps=[0, 1, 2], first_scheduled_step=0, finished_step=2,
+                      preemption_events=[[1, "swap"]] if preempt else [])
         for k in range(num_requests)
     ]  # fmt: skip
     return requests, steps
 
 
-def write_run(folder, overrides, step_time, claims=(), num_requests=3, idle=0):
-    requests, steps = fake_records(num_requests, step_time, idle)
+def write_run(folder, overrides, step_time, claims=(), num_requests=3, idle=0, repeat=0):
+    requests, steps = fake_records(num_requests, step_time, idle, preempt=idle > 0)
     summary = summarize(requests, steps)
     config = {"report": {"title": "A fake sweep", "sort": "output_tok_s", "figures": ["steps"],
-                         "claims": list(claims)}}  # fmt: skip
+                         "claims": list(claims)}, "run": {"repeat": repeat}}  # fmt: skip
     meta = {"overrides": overrides, "choices": {"scheduler": "continuous", "model": "tiny"}}
     save_run(folder, RunResult(None, summary, requests, steps), config, meta)
     return summary
@@ -45,7 +48,7 @@ def write_run(folder, overrides, step_time, claims=(), num_requests=3, idle=0):
 
 CLAIMS = [
     {"text": "fast beats slow", "figure": "output_tok_s", "run": "scheduler=fast",
-     "vs": "scheduler=slow", "ratio_at_least": 2.0},
+     "vs": "scheduler=slow", "ratio_at_least": 1.8},
     {"text": "slow is not that slow", "figure": "output_tok_s", "run": "scheduler=slow",
      "at_least": 1e9},
     {"text": "a missing run", "figure": "output_tok_s", "run": "scheduler=absent", "at_least": 1},
@@ -54,11 +57,16 @@ CLAIMS = [
 
 @pytest.fixture
 def multirun(tmp_path):
+    """Three configurations, two repeats each; the repeats' step times differ by
+    2% so each figure has a spread. Step times 0.1, 0.05, 0.2 s: output tok/s
+    3 x 3 / (3 x step)."""
     root = tmp_path / "multirun"
-    # step times 0.1, 0.05 and 0.2 s: output tok/s 3 x 3 / (3 x step)
-    write_run(root / "0", ["scheduler=slow", "workload.scale=0.5"], 0.1, CLAIMS)
-    write_run(root / "1", ["scheduler=fast", "workload.scale=0.5"], 0.05, CLAIMS)
-    write_run(root / "2", ["scheduler=slowest", "workload.scale=0.5"], 0.2, CLAIMS, idle=2)
+    job = 0
+    for repeat, jitter in enumerate((1.0, 1.02)):
+        for name, step, idle in (("slow", 0.1, 0), ("fast", 0.05, 0), ("slowest", 0.2, 2)):
+            overrides = [f"run.repeat={repeat}", f"scheduler={name}", "workload.scale=0.5"]
+            write_run(root / str(job), overrides, step * jitter, CLAIMS, idle=idle, repeat=repeat)
+            job += 1
     return root
 
 
@@ -67,25 +75,38 @@ def read_summary(path):
         return list(csv.DictReader(handle))
 
 
-def test_summary_csv_has_one_row_per_run_best_first(multirun):
+def test_summary_csv_has_one_row_per_configuration_best_first(multirun):
     out = write_report([multirun])
     rows = read_summary(out / "summary.csv")
     assert [row["scheduler"] for row in rows] == ["fast", "slow", "slowest"]
-    # swept choices come first; what every run shares is not a column
-    assert list(rows[0])[:2] == ["run", "scheduler"] and "workload.scale" not in rows[0]
-    assert float(rows[0]["output_tok_s"]) == pytest.approx(9 / 0.15)
+    # swept choices come first; what every configuration shares is not a column
+    assert list(rows[0])[:2] == ["scheduler", "runs"] and "workload.scale" not in rows[0]
+    assert "run.repeat" not in rows[0] and rows[0]["runs"] == "2"
+    # the mean of 9 / 0.15 and 9 / (0.15 x 1.02), and its interval from scipy's t
+    from scipy import stats
+
+    values = [9 / 0.15, 9 / (0.15 * 1.02)]
+    low, high = stats.t.interval(0.95, 1, loc=sum(values) / 2, scale=stats.sem(values))
+    assert float(rows[0]["output_tok_s"]) == pytest.approx(sum(values) / 2)
+    assert float(rows[0]["output_tok_s_ci_low"]) == pytest.approx(low)
+    assert float(rows[0]["output_tok_s_ci_high"]) == pytest.approx(high)
+    # a counted figure every repeat agrees on is exact
     assert float(rows[2]["idle_slot_pct"]) == pytest.approx(100 * 6 / 15)
+    assert rows[2]["idle_slot_pct_exact"] == "True"
+    assert rows[2]["idle_slot_pct_ci_low"] == rows[2]["idle_slot_pct_ci_high"]
+    assert len(read_summary(out / "runs.csv")) == 6
 
 
-def test_markdown_lists_every_run_and_states_the_claims(multirun):
+def test_markdown_lists_every_configuration_and_decides_the_claims(multirun):
     text = (write_report([multirun]) / "summary.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(table) == 1 + 3  # header + one row per run
+    assert len(table) == 1 + 3  # header + one row per configuration
     for name in ("fast", "slow", "slowest"):
-        assert any(f"| {name} |" in row for row in table)
+        assert any(f"| {name} | 2 |" in row for row in table)
     assert "# A fake sweep" in text and "`workload.scale=0.5`" in text
-    assert "✅ holds: fast beats slow" in text and "2× [claim ≥ 2×]" in text
-    assert "❌ does not hold: slow is not that slow" in text
+    # fast / slow: 2x, and the 2% jitter of the repeats keeps the interval within [1.9, 2.1]
+    assert "✅ holds: fast beats slow" in text and "[claim ≥ 1.8×]" in text
+    assert "❌ fails: slow is not that slow" in text
     assert "⚠️ cannot check: a missing run" in text
     for plot in PLOTS:
         assert f"({plot})" in text
@@ -113,14 +134,18 @@ def test_ratio_claims_pair_runs_that_share_the_other_swept_values(tmp_path):
         [("fast", "a", 0.05), ("slow", "a", 0.1), ("fast", "b", 0.1), ("slow", "b", 0.1)]
     ):
         write_run(tmp_path / str(i), [f"scheduler={sched}", f"allocator={alloc}"], step)
-    runs = load_runs([tmp_path])
-    results = evaluate_claims(runs, [CLAIMS[0]])
-    assert [r.holds for r in results] == [True, False]
+    configs = group_runs(load_runs([tmp_path]))
+    results = evaluate_claims(configs, [CLAIMS[0]])
+    # one run a side: no interval, so a timed ratio is never decided
+    assert [r.verdict for r in results] == ["inconclusive", "inconclusive"]
     assert "at allocator=a" in results[0].text and "at allocator=b" in results[1].text
+    assert results[0].estimate.mean == pytest.approx(2.0)
+    steps = {"figure": "steps", "run": "scheduler=fast", "vs": "scheduler=slow", "ratio_at_most": 1}
+    assert [r.verdict for r in evaluate_claims(configs, [steps])] == ["holds", "holds"]
 
 
 def test_bad_claims_and_paths_are_config_errors(tmp_path, multirun):
-    runs = load_runs([multirun])
+    runs = group_runs(load_runs([multirun]))
     with pytest.raises(ConfigError, match="exactly one of"):
         evaluate_claims(runs, [{"figure": "output_tok_s", "run": "scheduler=fast"}])
     with pytest.raises(ConfigError, match="give `vs`"):
@@ -140,9 +165,3 @@ def test_cli_writes_into_out_from_several_folders(tmp_path, capsys):
     out = tmp_path / "rep"
     assert [r["scheduler"] for r in read_summary(out / "summary.csv")] == ["one", "two"]
     assert "summary.md" in capsys.readouterr().out
-
-
-def test_slots_are_assigned_greedily_by_start():
-    # (0, 1) takes slot 0, (0, 4) slot 1, (2, 5) reuses slot 0, (5, 6) reuses slot 1
-    assert assign_slots([(0, 4), (0, 1), (2, 5), (5, 6)]) == [1, 0, 0, 1]
-    assert assign_slots([(0, 3), (3, 4)]) == [0, 1]  # step 3 is still held by the first

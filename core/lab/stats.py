@@ -1,0 +1,216 @@
+"""The statistics behind a report: a figure over repeated runs is an estimate
+with a 95% confidence interval, and a claim is decided on the interval.
+
+- a mean over runs: Student's t interval (scipy.stats.t);
+- a percentile over requests (`ttft_p99_ms`): a two-level bootstrap that
+  resamples the runs, then the requests within each, so the spread between runs
+  (a busy machine) counts as well as the spread between requests;
+- a ratio of two configurations' means: a bootstrap that resamples each side's
+  runs (scipy.stats.bootstrap, percentile method).
+
+Counted figures (steps, tokens, bytes, preemptions, prefix hits) do not depend
+on the machine: where every run agrees the estimate is exact, [v, v].
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+CONFIDENCE = 0.95
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0  # a report is reproducible: the same runs give the same intervals
+# figures measured on a clock; every other figure counts something the engine decided
+TIMED_UNITS = re.compile(r"(_ms|_s|_throughput|_rps)(_|$)")  # ttft_p99_ms, step_ms_mean, tok_s
+TIMED_NAMES = frozenset({"slo_attainment_pct"})
+
+
+def is_counted(name: str) -> bool:
+    """Whether a figure counts decisions (machine-independent) rather than time."""
+    return not (TIMED_UNITS.search(name) or name in TIMED_NAMES)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A figure over `n` runs: its mean, standard deviation and 95% interval.
+    `exact`: counted, and every run gave the same value."""
+
+    mean: float
+    std: float
+    low: float
+    high: float
+    n: int
+    exact: bool = False
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+
+NO_ESTIMATE = Estimate(math.nan, math.nan, math.nan, math.nan, 0)
+
+
+def _finite(values: Sequence[float]) -> np.ndarray:
+    array = np.asarray([v for v in values if v is not None], dtype=float)
+    return array[np.isfinite(array)]
+
+
+def mean_estimate(values: Sequence[float], counted: bool = False) -> Estimate:
+    """The mean of per-run values with Student's t interval; one run has no
+    interval (-inf, inf) unless the figure is counted."""
+    x = _finite(values)
+    if x.size == 0:
+        return NO_ESTIMATE
+    mean = float(x.mean())
+    if np.all(x == x[0]) and (counted or x.size > 1):
+        # no spread: t's interval would be [v, v] too, but scipy returns NaN for scale 0
+        return Estimate(mean, 0.0, mean, mean, int(x.size), exact=counted)
+    if x.size == 1:
+        return Estimate(mean, math.nan, -math.inf, math.inf, 1)
+    std = float(x.std(ddof=1))
+    low, high = stats.t.interval(CONFIDENCE, x.size - 1, loc=mean, scale=std / math.sqrt(x.size))
+    return Estimate(mean, std, float(low), float(high), int(x.size))
+
+
+def percentile_estimate(
+    per_run: Sequence[Sequence[float]], q: float, seed: int = BOOTSTRAP_SEED
+) -> Estimate:
+    """The q-th percentile of the requests of all runs, with a two-level
+    bootstrap interval: resample runs, then requests within each run."""
+    runs = [_finite(values) for values in per_run]
+    runs = [r for r in runs if r.size]
+    if not runs:
+        return NO_ESTIMATE
+    point = float(np.percentile(np.concatenate(runs), q))
+    per_run_points = [float(np.percentile(r, q)) for r in runs]
+    std = float(np.std(per_run_points, ddof=1)) if len(runs) > 1 else math.nan
+    draws = _two_level_draws(runs, q, np.random.default_rng(seed))
+    alpha = (1 - CONFIDENCE) / 2
+    low, high = np.quantile(draws, [alpha, 1 - alpha])
+    return Estimate(point, std, float(low), float(high), len(runs))
+
+
+def _two_level_draws(runs: list[np.ndarray], q: float, rng: np.random.Generator) -> np.ndarray:
+    """BOOTSTRAP_RESAMPLES percentiles of two-level resamples (runs with
+    replacement, then each picked run's values with replacement)."""
+    sizes = {r.size for r in runs}
+    if len(sizes) > 1:  # runs of different sizes: one resample at a time
+        draws = np.empty(BOOTSTRAP_RESAMPLES)
+        for b in range(BOOTSTRAP_RESAMPLES):
+            picked = rng.integers(0, len(runs), size=len(runs))
+            pooled = [runs[i][rng.integers(0, runs[i].size, size=runs[i].size)] for i in picked]
+            draws[b] = np.percentile(np.concatenate(pooled), q)
+        return draws
+    # equal sizes (the usual case: one workload): whole blocks of resamples at once
+    values, size, count = np.stack(runs), sizes.pop(), len(runs)
+    chunk = max(1, min(BOOTSTRAP_RESAMPLES, 4_000_000 // (count * size)))
+    out = []
+    for start in range(0, BOOTSTRAP_RESAMPLES, chunk):
+        n = min(chunk, BOOTSTRAP_RESAMPLES - start)
+        picked = rng.integers(0, count, size=(n, count, 1))
+        within = rng.integers(0, size, size=(n, count, size))
+        out.append(np.percentile(values[picked, within].reshape(n, -1), q, axis=1))
+    return np.concatenate(out)
+
+
+def ratio_estimate(
+    values: Sequence[float],
+    baseline: Sequence[float],
+    counted: bool = False,
+    seed: int = BOOTSTRAP_SEED,
+) -> Estimate:
+    """mean(values) / mean(baseline), with a bootstrap interval that resamples
+    each side's runs independently. Fewer than two runs a side: no interval,
+    unless both sides are exact."""
+    a, b = _finite(values), _finite(baseline)
+    if a.size == 0 or b.size == 0 or b.mean() == 0:
+        return NO_ESTIMATE
+    ratio = float(a.mean() / b.mean())
+    if counted and np.all(a == a[0]) and np.all(b == b[0]):
+        return Estimate(ratio, 0.0, ratio, ratio, min(a.size, b.size), exact=True)
+    if min(a.size, b.size) < 2:
+        return Estimate(ratio, math.nan, -math.inf, math.inf, min(a.size, b.size))
+    result = stats.bootstrap(
+        (a, b),
+        _ratio_of_means,
+        vectorized=True,
+        paired=False,
+        confidence_level=CONFIDENCE,
+        n_resamples=BOOTSTRAP_RESAMPLES,
+        method="percentile",
+        random_state=np.random.default_rng(seed),
+    )
+    low, high = result.confidence_interval
+    return Estimate(ratio, float(result.standard_error), float(low), float(high), a.size)
+
+
+def _ratio_of_means(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.mean(a, axis=axis) / np.mean(b, axis=axis)
+
+
+# -- verdicts
+
+HOLDS, FAILS, INCONCLUSIVE = "holds", "fails", "inconclusive"
+
+# op -> (compares two configurations, bound test on a whole interval)
+VERDICT_RULES: dict[str, tuple[bool, Callable[[float, float, float], str]]] = {}
+
+
+def _rule(is_ratio: bool, clears: Callable, misses: Callable):
+    def decide(low: float, high: float, bound: float) -> str:
+        if clears(low, high, bound):
+            return HOLDS
+        if misses(low, high, bound):
+            return FAILS
+        return INCONCLUSIVE
+
+    return is_ratio, decide
+
+
+for _name, _ratio in (("ratio_at_least", True), ("at_least", False)):
+    VERDICT_RULES[_name] = _rule(_ratio, lambda lo, hi, x: lo >= x, lambda lo, hi, x: hi < x)
+for _name, _ratio in (("ratio_at_most", True), ("at_most", False)):
+    VERDICT_RULES[_name] = _rule(_ratio, lambda lo, hi, x: hi <= x, lambda lo, hi, x: lo > x)
+VERDICT_RULES["ratio_below"] = _rule(True, lambda lo, hi, x: hi < x, lambda lo, hi, x: lo >= x)
+
+
+def verdict(estimate: Estimate, op: str, bound: float) -> str:
+    """`holds` when the whole interval clears the bound, `fails` when the whole
+    interval misses it, `inconclusive` when it straddles (or is missing)."""
+    if math.isnan(estimate.low) or math.isnan(estimate.high):
+        return INCONCLUSIVE
+    return VERDICT_RULES[op][1](estimate.low, estimate.high, bound)
+
+
+def rounded(estimate: Estimate) -> str:
+    """`mean ± half-width`, each rounded to what the interval supports (two
+    significant digits of the half-width); an exact value as it is."""
+    if math.isnan(estimate.mean):
+        return "–"
+    if estimate.exact or estimate.half_width == 0:
+        return _plain(estimate.mean)
+    if not math.isfinite(estimate.half_width):
+        return f"{_plain(estimate.mean)} (1 run)"
+    digits = max(0, 1 - math.floor(math.log10(estimate.half_width)))
+    return f"{estimate.mean:,.{digits}f} ± {estimate.half_width:,.{digits}f}"
+
+
+def interval_text(estimate: Estimate) -> str:
+    """`[low, high]` at the precision `rounded` uses."""
+    if estimate.exact or estimate.half_width == 0:
+        return f"[{_plain(estimate.low)}, {_plain(estimate.high)}] (exact)"
+    if not math.isfinite(estimate.half_width):
+        return "(no interval: one run)"
+    digits = max(0, 1 - math.floor(math.log10(estimate.half_width)))
+    return f"[{estimate.low:,.{digits}f}, {estimate.high:,.{digits}f}]"
+
+
+def _plain(value: float) -> str:
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"

@@ -113,7 +113,8 @@ def plot_latency_vs_load(
         ttft99 = [estimate(config, "ttft_p99_ms").mean for _, config in points]
         axes[2].plot(throughput, ttft99, "-o", color=color, ms=3, label=f"{label} p99")
     for ax, (kind, title) in zip(axes[:2], LOAD_FIGURES):
-        ax.set_xlabel("request rate (req/s)")
+        log_axis(ax, "x")  # swept rates usually double
+        ax.set_xlabel("request rate (req/s, log)")
         ax.set_ylabel(f"{title} (ms, log)")
         log_axis(ax, "y")
         target = (slo or {}).get(f"{kind}_ms") or ((slo or {}).get("tpot_ms") if kind == "itl" else None)
@@ -126,7 +127,8 @@ def plot_latency_vs_load(
     log_axis(axes[2], "y")
     axes[2].set_title("throughput against latency", fontsize=9)
     axes[2].grid(True, alpha=0.3)
-    fig.suptitle("Latency against load" + (" (dashed: the SLO target)" if slo else ""))
+    dashed = " (dashed: the SLO's TTFT target; its TPOT target on the inter-token panel)"
+    fig.suptitle("Latency against load" + (dashed if slo else ""))
     fig.tight_layout()
     legend_below(fig, axes[:1], columns=4)
     save(fig, path)

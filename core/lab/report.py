@@ -82,6 +82,8 @@ HIGHER_IS_BETTER = frozenset(
         "mean_seqs",
         "finished_pct",
         "requests",
+        "goodput_rps",
+        "slo_attainment_pct",
     }
 )
 

@@ -40,6 +40,7 @@ class RequestRecord:
     first_scheduled_step: int | None = None
     finished_step: int | None = None  # the step that returned it (static: its batch's end)
     recomputed_tokens: int = 0
+    client: str | None = None  # who sent it (add_request's client)
 
     @property
     def queue_time(self) -> float | None:

@@ -36,6 +36,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.schedulers.static",
     "servelab.plugins.schedulers.continuous",
     "servelab.plugins.schedulers.chunked",
+    "servelab.plugins.schedulers.vtc",
+    "servelab.plugins.schedulers.mlfq",
     "servelab.plugins.allocators.paged",
     "servelab.plugins.allocators.contiguous",
     "servelab.plugins.preemption.recompute",

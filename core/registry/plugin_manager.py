@@ -42,6 +42,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.allocators.contiguous",
     "servelab.plugins.preemption.recompute",
     "servelab.plugins.preemption.swap",
+    "servelab.plugins.preemption.hybrid",
     "servelab.plugins.attention.padded",
     "servelab.plugins.attention.per_request",
     "servelab.plugins.attention.flash_varlen",

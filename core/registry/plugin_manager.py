@@ -40,6 +40,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.schedulers.mlfq",
     "servelab.plugins.allocators.paged",
     "servelab.plugins.allocators.contiguous",
+    "servelab.plugins.allocators.radix",
     "servelab.plugins.preemption.recompute",
     "servelab.plugins.preemption.swap",
     "servelab.plugins.preemption.hybrid",

@@ -33,6 +33,7 @@ class RadixAllocator(KVAllocator):
     description = (
         "radix-tree prefix cache over paged KV: any-page matches, LRU leaves (RadixAttention)"
     )
+    prefix_caching = True  # always: the tree is the cache (figures and benchmarks read this)
 
     def __init__(
         self, token_capacity: int, host_token_capacity: int, max_model_len: int, page_size: int = 1

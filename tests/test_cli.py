@@ -38,6 +38,7 @@ def test_one_run_writes_its_results_and_prints_the_summary(tmp_path):
     assert results["config"]["scheduler"] == {
         "name": "chunked",
         "admission": "on_demand",
+        "order": "fcfs",
         "chunk_size": 4,
     }
     assert "scheduler.chunk_size=4" in results["overrides"]

@@ -24,7 +24,7 @@ from servelab.engine.build import build_engine
 from servelab.errors import ConfigError
 from servelab.lab.report import report_options
 from servelab.lab.runner import RUNNER_NODES, run_options
-from servelab.lab.workload import make_workload
+from servelab.lab.workload import WORKLOADS, make_workload
 from servelab.model.config import ModelConfig, named_config
 from servelab.model.transformer import Transformer
 from servelab.registry.options import describe_options
@@ -76,7 +76,7 @@ def test_every_option_composes(group, option):
     elif group in COMPONENTS or group == "model":
         assert config[group]["name"] == option
     else:
-        assert config["workload"]["name"] in ("mixed_lengths", "synthetic", "interference", "trace")
+        assert config["workload"]["name"] in WORKLOADS
 
 
 @pytest.mark.parametrize("combo", list(itertools.product(*(options(c) for c in COMPONENTS))))

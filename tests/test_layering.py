@@ -260,6 +260,7 @@ def test_allocators_import_without_torch(tmp_path):
     """Run time, for what the static check cannot see (a package __init__ importing torch)."""
     code = (
         "import sys, servelab.plugins.allocators.paged, servelab.plugins.allocators.contiguous\n"
+        "import servelab.plugins.allocators.radix\n"
         "print('torch' in sys.modules)\n"
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'servelab')))\n"
     )

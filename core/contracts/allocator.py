@@ -74,7 +74,8 @@ class KVAllocator(abc.ABC):
 
     def match_prefix(self, seq: Sequence) -> int:
         """Leading tokens of `seq` whose K/V the prefix cache already holds
-        (whole blocks, always leaving at least one token to compute). Pure query."""
+        (whole blocks, always leaving at least one token to compute). Pure query;
+        `order=lpm` schedulers rank waiting requests by it."""
         return 0
 
     def commit(self, seq: Sequence) -> None:

@@ -8,6 +8,10 @@ Admission modes: `reserve` admits a group only when its worst case (prompt + max
 each of its n samples) fits next to every admitted group's, so it never preempts (blocks are
 still handed out as tokens arrive); `on_demand` needs room for what runs now, and when blocks
 run out the preemption policy frees a victim (lowest priority, latest arrival).
+
+Order (every scheduler): `fcfs` admits by (priority, arrival); `lpm` by (priority, longest
+prefix the allocator already caches, arrival), SGLang's cache-aware order: under memory
+pressure it runs requests sharing a cached prefix together, before that prefix is evicted.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from servelab.step.plan import ScheduledSeq, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 ADMISSION_MODES = ("reserve", "on_demand")
+ORDERS = ("fcfs", "lpm")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,7 +56,13 @@ class BaseScheduler(AfterTheForward, Scheduler):
         max_num_batched_tokens: int,
         max_model_len: int,
         admission: str = "on_demand",
+        order: str = "fcfs",
     ) -> None:
+        if order not in ORDERS:
+            raise ConfigError(
+                f"unknown order {order!r} for scheduler {type(self).__name__}; "
+                f"accepted: {', '.join(ORDERS)}"
+            )
         if admission not in ADMISSION_MODES:
             raise ConfigError(
                 f"unknown admission {admission!r} for scheduler {type(self).__name__}; "
@@ -69,6 +80,7 @@ class BaseScheduler(AfterTheForward, Scheduler):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.admission = admission
+        self.order = order
         self.waiting: list[SequenceGroup] = []  # sorted by queue_key
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -128,18 +140,40 @@ class BaseScheduler(AfterTheForward, Scheduler):
         """Admits waiting groups in queue order while limits allow; returns the budget left."""
         return self.admit_in_order(plan, budget)
 
+    def order_key(self, group: SequenceGroup) -> tuple:
+        """A waiting group's place in admission order (`order`): lower first."""
+        if self.order == "lpm":
+            cached = self.allocator.match_prefix(group.seqs[0])
+            return (group.priority, -cached, group.arrival_time, group.seqs[0].seq_id)
+        return queue_key(group)
+
+    def admission_order(self) -> list[SequenceGroup]:
+        """The waiting groups in `order_key` order (fcfs: the queue as it is)."""
+        if self.order == "fcfs":
+            return list(self.waiting)
+        return sorted(self.waiting, key=self.order_key)
+
     def admit_in_order(self, plan: StepPlan, budget: int, max_groups: int | None = None) -> int:
-        """Admits from the head of the waiting queue until a group does not fit
-        (first come, first served: no overtaking) or `max_groups` were admitted."""
-        admitted = 0
-        while self.waiting and (max_groups is None or admitted < max_groups):
-            group = self.waiting[0]
+        """Admits waiting groups in `order_key` order until one does not fit (no
+        overtaking) or `max_groups` were admitted."""
+        return self.admit_each(self.admission_order(), plan, budget, max_groups)
+
+    def admit_each(
+        self,
+        groups: list[SequenceGroup],
+        plan: StepPlan,
+        budget: int,
+        max_groups: int | None = None,
+    ) -> int:
+        """Admits `groups` (waiting ones) in the order given until one does not fit."""
+        for admitted, group in enumerate(groups):
+            if max_groups is not None and admitted >= max_groups:
+                break
             used = self.try_admit(group, plan, budget)
             if used is None:
                 break
-            if self.waiting and self.waiting[0] is group:
-                self.waiting.pop(0)
-            admitted += 1
+            if group in self.waiting:  # try_admit removes a group it drops itself
+                self.waiting.remove(group)
             budget -= used
         return budget
 

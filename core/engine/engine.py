@@ -105,8 +105,10 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        client: str | None = None,
     ) -> str:
-        """Validates and queues one request; a bad request raises RequestError and
+        """Validates and queues one request (`client`: who sent it, for fair
+        schedulers; None is anonymous); a bad request raises RequestError and
         leaves the engine untouched (`servelab.engine.requests` lists the checks)."""
         with self._lock:
             if request_id is None:
@@ -120,6 +122,7 @@ class Engine:
             params = requests.checked_params(params, request_id, vocab)
             priority = requests.check_priority(priority, request_id)
             arrival_time = requests.check_arrival_time(arrival_time, request_id)
+            client = requests.check_client(client, request_id)
             seq = Sequence(
                 request_id,
                 token_ids,
@@ -127,6 +130,7 @@ class Engine:
                 arrival_time=self.now() if arrival_time is None else arrival_time,
                 priority=priority,
                 eos_token_ids=self.eos_token_ids,
+                client=client,
             )
             group = SequenceGroup(request_id, seq)
             self.scheduler.add(group)
@@ -215,6 +219,7 @@ class Engine:
             first_scheduled_step=first_step,
             finished_step=self._step_index,
             recomputed_tokens=sum(s.num_recomputed_tokens for s in group.seqs),
+            client=first.client,
             preemption_events=events,
         )
         self.metrics.requests.append(record)

@@ -42,6 +42,7 @@ class RequestRecord:
     first_scheduled_step: int | None = None
     finished_step: int | None = None  # the step that returned it (static: its batch's end)
     recomputed_tokens: int = 0
+    client: str | None = None  # who sent it (add_request's client)
     # [step, "swap" | "recompute"] per preemption of the request's first sample
     preemption_events: list[list] = field(default_factory=list)
 

@@ -117,3 +117,14 @@ def check_arrival_time(arrival_time: Any, request_id: str) -> float | None:
             f"got {arrival_time!r}"
         )
     return number
+
+
+def check_client(client: Any, request_id: str) -> str | None:
+    """A client id is a non-empty string, or None (an anonymous request)."""
+    if client is None:
+        return None
+    if not isinstance(client, str) or client == "":
+        raise RequestError(
+            f"request {request_id!r}: client must be a non-empty string or None, got {client!r}"
+        )
+    return client

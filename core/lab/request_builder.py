@@ -25,6 +25,7 @@ class WorkloadRequest:
     arrival_time: float = 0.0
     priority: int = 0
     request_id: str | None = None
+    client: str | None = None  # who sent it (fair schedulers count service per client)
     meta: dict = field(default_factory=dict)
 
 

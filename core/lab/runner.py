@@ -120,6 +120,7 @@ def serve(
                     request_id=req.request_id or f"req-{next_index}",
                     arrival_time=start + req.arrival_time,
                     priority=req.priority,
+                    client=req.client,
                 )
                 next_index += 1
             if engine.has_unfinished():

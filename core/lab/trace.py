@@ -13,7 +13,14 @@ from servelab.errors import ConfigError
 from servelab.lab.request_builder import RequestBuilder, WorkloadRequest
 from servelab.step.sequence import finite_number
 
-TRACE_KEYS = ("prompt_len", "prompt_token_ids", "output_len", "arrival_time", "priority")
+TRACE_KEYS = (
+    "prompt_len",
+    "prompt_token_ids",
+    "output_len",
+    "arrival_time",
+    "priority",
+    "client",
+)
 
 
 def trace_workload(
@@ -27,7 +34,8 @@ def trace_workload(
 ) -> list[WorkloadRequest]:
     """Replays a JSONL trace: one JSON object per line with `prompt_len` or
     `prompt_token_ids`, `output_len`, optional `arrival_time` (seconds, default
-    0; multiplied by `time_scale`) and `priority` (default 0). Blank lines are
+    0; multiplied by `time_scale`), `priority` (default 0) and `client` (a
+    string, default null: anonymous). Blank lines are
     skipped; a bad line is a `ConfigError` naming the file, the line and the
     problem. Random prompt tokens for `prompt_len` come from `seed`."""
     if not path:
@@ -56,6 +64,7 @@ def trace_workload(
             continue
         where = f"{file}:{lineno}"
         prompt, output_len, arrival, priority = parse_trace_line(line, where, vocab_size)
+        client = trace_client(line, where)
         if isinstance(prompt, int):
             prompt = build.random_prompt(prompt)
         # a trace is replayed as written: too long is an error, never clipped
@@ -72,6 +81,7 @@ def trace_workload(
                 arrival_time=arrival * time_scale,
                 priority=priority,
                 request_id=f"trace-{lineno}",
+                client=client,
             )
         )
     if not requests:
@@ -135,3 +145,11 @@ def parse_trace_line(
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ConfigError(f"{where}: priority must be an integer, got {priority!r}")
     return prompt, output_len, number, priority
+
+
+def trace_client(line: str, where: str) -> str | None:
+    """The `client` of a line `parse_trace_line` accepted: a non-empty string or null."""
+    client = json.loads(line).get("client")
+    if client is not None and (not isinstance(client, str) or client == ""):
+        raise ConfigError(f"{where}: client must be a non-empty string or null, got {client!r}")
+    return client

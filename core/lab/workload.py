@@ -17,6 +17,8 @@ from typing import Any
 
 from servelab.errors import ConfigError
 from servelab.lab.distributions import ARRIVALS, LENGTH_DISTS, LengthDist, arrival_times
+from servelab.lab.multi_client import multi_client_workload
+from servelab.lab.multi_turn import multi_turn_workload
 from servelab.lab.request_builder import (
     FIRST_TOKEN_ID,
     RequestBuilder,
@@ -45,6 +47,8 @@ __all__ = [  # callers import every workload name from here, wherever it is defi
     "interference_workload",
     "make_workload",
     "mixed_lengths_workload",
+    "multi_client_workload",
+    "multi_turn_workload",
     "parse_trace_line",
     "random_prompt",
     "synthetic_workload",
@@ -206,6 +210,8 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "synthetic": synthetic_workload,
     "interference": interference_workload,
     "trace": trace_workload,
+    "multi_client": multi_client_workload,
+    "multi_turn": multi_turn_workload,
 }
 _CONTEXT = ("vocab_size", "max_model_len")  # supplied by the runner, never by the user
 

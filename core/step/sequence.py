@@ -143,6 +143,7 @@ class Sequence:
         priority: int = 0,
         sample_index: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        client: str | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -153,6 +154,7 @@ class Sequence:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time
         self.priority = priority
+        self.client = client  # who sent it (fair schedulers count service per client)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
@@ -208,6 +210,7 @@ class Sequence:
             self.priority,
             sample_index,
             self.eos_token_ids,
+            self.client,
         )
         child.token_ids = list(self.token_ids)
         child.status = self.status
@@ -251,6 +254,10 @@ class SequenceGroup:
     @property
     def arrival_time(self) -> float:
         return self.seqs[0].arrival_time
+
+    @property
+    def client(self) -> str | None:
+        return self.seqs[0].client
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -165,14 +165,19 @@ def cached_case(arch: str = "qwen3", seed: int = 0) -> OracleCase:
 VARIANTS: dict[str, dict[str, list[dict]]] = {
     "scheduler": {
         "static": [{"admission": "reserve"}],
-        "continuous": [{"admission": "on_demand"}],
+        # order=lpm (every scheduler has it, from the base class) on one of them
+        "continuous": [{"admission": "on_demand"}, {"admission": "on_demand", "order": "lpm"}],
         "chunked": [{"admission": "on_demand", "chunk_size": 8}],
+        # quanta 2, 4, 8, ...; the prompts' first steps span queues 0 to 2 (skip-join)
+        "mlfq": [{"base_quantum": 2, "prompt_tokens_per_step": 8, "starvation_steps": 16}],
     },
     "allocator": {
         "contiguous": [{}],
         "paged": [{"block_size": 4}, {"block_size": 4, "prefix_caching": True}],
+        "radix": [{"page_size": 1}, {"page_size": 4}],
     },
-    "preemption": {},
+    # victims of 16 computed tokens or more swap, shorter ones recompute: both paths run
+    "preemption": {"hybrid": [{"break_even_tokens": 16}]},
     # flash_varlen's CPU impls: `cpu` runs its C++ kernel for the decodes (float64
     # too), `sdpa` gathers pages for one batched call; both plan prefills per sequence
     "attention": {"flash_varlen": [{"impl": "reference"}, {"impl": "sdpa"}, {"impl": "cpu"}]},
@@ -268,7 +273,11 @@ def _drive(
     llm = LLM(model=str(case.folder), **combo, **engine_options(combo, **engine))
     eng = llm.engine
     params = [_with_n(p, n) for p in case.params]
-    ids = [eng.add_request(p, sp) for p, sp in zip(case.prompts, params)]
+    # three clients in turn, so a fair scheduler has several to share between
+    ids = [
+        eng.add_request(p, sp, client=f"client-{i % 3}")
+        for i, (p, sp) in enumerate(zip(case.prompts, params))
+    ]
     # every step computes at least one token unless it preempts; recompute
     # repeats work, so allow several times the total work
     work = sum(len(p) + sp.max_tokens * n for p, sp in zip(case.prompts, params))

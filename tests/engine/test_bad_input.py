@@ -172,6 +172,9 @@ BAD_ARGUMENTS = [
     ("id-empty", dict(request_id=""), "request_id must not be empty"),
     ("id-float", dict(request_id=1.5), "request_id must be a string"),
     ("id-list", dict(request_id=["a"]), "request_id must be a string"),
+    ("client-int", dict(client=3), "client must be a non-empty string or None"),
+    ("client-empty", dict(client=""), "client must be a non-empty string or None"),
+    ("client-list", dict(client=["a"]), "client must be a non-empty string or None"),
 ]
 
 

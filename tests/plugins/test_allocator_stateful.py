@@ -21,6 +21,9 @@ ALLOCATOR_CASES = [
     ("paged", {"block_size": 4, "prefix_caching": True}),
     ("paged", {"block_size": 3, "prefix_caching": True}),
     ("contiguous", {}),
+    ("radix", {"page_size": 1}),
+    ("radix", {"page_size": 2}),
+    ("radix", {"page_size": 3}),
 ]
 
 

@@ -136,6 +136,7 @@ def test_plugins_cli_lists_sjf_options_and_observer(installed, version, sjf_regi
         "predictor": own["predictor"].default,
         "ageing": own["ageing"].default,
         "admission": base["admission"].default,
+        "order": base["order"].default,
     }
     (hooks,) = [h for h in listing["hooks"] if h["origin"] == f"{DIST_NAME} {version}"]
     assert {"servelab_step_end", "servelab_register_configs"} <= set(hooks["hooks"])

@@ -81,6 +81,7 @@ def test_scheduler_sjf_is_a_hydra_config_option(sjf_plugin):
         "predictor": own["predictor"].default,
         "ageing": 0.25,
         "admission": base["admission"].default,
+        "order": base["order"].default,
     }
     engine = build_engine(
         {"model": cfg.model, "scheduler": cfg.scheduler, "engine": {"num_threads": 1}}

@@ -1,0 +1,204 @@
+"""`mlfq`: skip-join multi-level feedback queue with token-level preemption
+(Wu et al., "Fast Distributed Inference Serving for Large Language Models",
+FastServe).
+
+Queue i (0 is the highest) has a quantum of `base_quantum * 2**i` output
+tokens. Skip-join: a request enters the highest queue whose quantum covers its
+first step, whose time is its prompt length over `prompt_tokens_per_step` (the
+prompt tokens that cost one decode step), so a long prompt skips the queues a
+short job would finish in. A request is demoted one queue each time it spends
+its quantum. Work runs in queue order (then the base order): a waiting or
+swapped request of a higher queue that lacks a slot or KV room preempts
+running work of lower queues, lowest queue and latest arrival first, through
+the configured preemption policy (swap or recompute). A request that has waited
+`starvation_steps` steps is promoted to queue 0 (null: never).
+"""
+
+from __future__ import annotations
+
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.scheduler_base import BaseScheduler, cdiv, queue_key
+from servelab.errors import ConfigError
+from servelab.step.plan import StepPlan
+from servelab.step.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class MultiLevelFeedbackQueue(BaseScheduler):
+    description = "skip-join multi-level feedback queue, preempting lower queues (FastServe)"
+
+    def __init__(
+        self,
+        *args,
+        num_queues: int = 4,
+        base_quantum: int = 4,
+        prompt_tokens_per_step: int = 64,
+        starvation_steps: int | None = 256,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        for name, value in (
+            ("num_queues", num_queues),
+            ("base_quantum", base_quantum),
+            ("prompt_tokens_per_step", prompt_tokens_per_step),
+            ("starvation_steps", 1 if starvation_steps is None else starvation_steps),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"mlfq scheduler: {name} must be an integer >= 1, got {value!r}")
+        self.num_queues = num_queues
+        self.base_quantum = base_quantum
+        self.prompt_tokens_per_step = prompt_tokens_per_step
+        self.starvation_steps = starvation_steps
+        self.level: dict[str, int] = {}  # request id -> its queue
+        self.level_start: dict[str, int] = {}  # request id -> output tokens when it entered it
+        self.wait_since: dict[str, int] = {}  # request id -> step it began waiting
+        self.steps = 0
+
+    # -- the queues
+    def quantum(self, level: int) -> int:
+        return self.base_quantum * 2**level
+
+    def join_level(self, group: SequenceGroup) -> int:
+        """Skip-join: the highest queue whose quantum covers the first step."""
+        first_step = group.seqs[0].num_prompt_tokens / self.prompt_tokens_per_step
+        for level in range(self.num_queues):
+            if self.quantum(level) >= first_step:
+                return level
+        return self.num_queues - 1
+
+    def rank(self, group: SequenceGroup) -> tuple:
+        return (self.level[group.request_id], queue_key(group))
+
+    def add(self, group: SequenceGroup) -> None:
+        super().add(group)
+        self.level[group.request_id] = self.join_level(group)
+        self.level_start[group.request_id] = 0
+
+    # -- one step
+    def schedule(self) -> StepPlan:
+        self.steps += 1
+        self.promote_starved()
+        victims = self.level_victims()
+        if not victims and not self.swapped:
+            return super().schedule()  # admission in queue order (`admit`)
+        self.decode_batch = None
+        plan = StepPlan()
+        for group in victims:
+            self.running.remove(group)
+            self.preempt(group, plan)
+        budget = self.schedule_running(plan, self.max_num_batched_tokens)
+        self.admit(plan, budget)
+        plan.sort_decodes_first()
+        plan.copies = self.allocator.take_copies()
+        return plan
+
+    def promote_starved(self) -> None:
+        waiting = self.waiting + self.swapped
+        self.wait_since = {
+            g.request_id: self.wait_since.get(g.request_id, self.steps) for g in waiting
+        }
+        if self.starvation_steps is None:
+            return
+        for group in waiting:
+            rid = group.request_id
+            if self.level[rid] and self.steps - self.wait_since[rid] >= self.starvation_steps:
+                self.level[rid] = 0
+                self.level_start[rid] = max(s.num_output_tokens for s in group.seqs)
+                self.wait_since[rid] = self.steps
+
+    def level_victims(self) -> list[SequenceGroup]:
+        """Running groups of lower queues to preempt so that waiting and swapped
+        groups of higher queues get a slot and KV room, best candidate first."""
+        running = sorted((g for g in self.running if not g.is_finished), key=self.rank)
+        if not running:
+            return []
+        free_slots = self.max_num_seqs - self.num_running_seqs
+        free_blocks = self.allocator.num_free_blocks
+        victims: list[SequenceGroup] = []
+        for group in sorted(self.waiting + self.swapped, key=self.rank):
+            seqs, level = group.unfinished(), self.level[group.request_id]
+            blocks = self.blocks_to_start(group, seqs)
+            while (len(seqs) > free_slots or blocks > free_blocks) and running:
+                if self.level[running[-1].request_id] <= level:
+                    break
+                victim = running.pop()
+                victims.append(victim)
+                free_slots += victim.num_unfinished
+                free_blocks += self.held_blocks(victim)
+            if len(seqs) > free_slots or blocks > free_blocks:
+                break
+            free_slots -= len(seqs)
+            free_blocks -= blocks
+        return victims
+
+    def blocks_to_start(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
+        if seqs[0].status is SequenceStatus.SWAPPED:
+            return sum(cdiv(s.num_tokens, self.allocator.block_size) for s in seqs)
+        return sum(self.allocator.blocks_needed(s, s.num_tokens) for s in seqs)
+
+    def held_blocks(self, group: SequenceGroup) -> int:
+        # an estimate: blocks shared with another group (a cached prefix) stay held
+        return len({b for s in group.unfinished() for b in self.allocator.block_table(s)})
+
+    def admit(self, plan: StepPlan, budget: int) -> int:
+        """Waiting and swapped groups in queue order (then the base order) until one does not fit."""
+        just_preempted = {s.group for s in plan.preempted}
+        candidates = [g for g in self.waiting + self.swapped if g not in just_preempted]
+        level = self.level
+        candidates.sort(key=lambda g: (level[g.request_id], *self.order_key(g)))
+        for group in candidates:
+            if group in self.swapped:
+                used = self.resume_one(group, plan, budget)
+            else:
+                used = self.try_admit(group, plan, budget)
+                if used is not None and group in self.waiting:
+                    self.waiting.remove(group)
+            if used is None:
+                break
+            budget -= used
+        return budget
+
+    def resume_one(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
+        """Brings one swapped group back and plans its tokens; None when it cannot."""
+        seqs = group.unfinished()
+        if self.num_running_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
+            return None
+        if not self.preemption.resume(seqs, self.allocator):
+            return None
+        self.swapped.remove(group)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        self.running.append(group)
+        counts = [self.tokens_for(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
+        if sum(counts) and self.can_allocate_all(seqs, counts):
+            self.allocate_and_plan(seqs, counts, plan)
+            return sum(counts)
+        return 0
+
+    # -- after the forward: demotion
+    def update(self, plan, sampled, now) -> list[SequenceGroup]:
+        finished = super().update(plan, sampled, now)
+        for group in self.running:
+            rid = group.request_id
+            produced = max(s.num_output_tokens for s in group.seqs)
+            while self.level[rid] < self.num_queues - 1 and produced - self.level_start[
+                rid
+            ] >= self.quantum(self.level[rid]):
+                self.level_start[rid] += self.quantum(self.level[rid])
+                self.level[rid] += 1
+        for group in finished:
+            self.forget(group.request_id)
+        return finished
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        aborted = super().abort(request_id)
+        self.forget(request_id)
+        return aborted
+
+    def forget(self, request_id: str) -> None:
+        for table in (self.level, self.level_start, self.wait_since):
+            table.pop(request_id, None)
+
+
+@hookimpl
+def servelab_register_schedulers():
+    return {"mlfq": MultiLevelFeedbackQueue}

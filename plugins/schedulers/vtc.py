@@ -1,0 +1,116 @@
+"""`vtc`: fair sharing across clients by a Virtual Token Counter (Sheng et al.,
+"Fairness in Serving Large Language Models", OSDI 2024).
+
+Every client (a request's `client`; None is one anonymous client) has a counter
+of the weighted tokens it was served: `w_prompt` per prompt token when a
+request is first admitted, `w_output` per output token as it is generated.
+Admission takes the backlogged client (one with a request waiting) whose
+counter is smallest, and that client's first request in the base order
+(`order`); it stops at the first request that does not fit, like FCFS. A client
+that becomes backlogged again after being idle is lifted to the smallest
+counter of the backlogged clients (or, with none, to the counter of the last
+client that left the backlog), so idle time earns no credit to burst with.
+`served` keeps the weighted tokens without the lifts, for fairness figures.
+"""
+
+from __future__ import annotations
+
+from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.scheduler_base import BaseScheduler
+from servelab.errors import ConfigError
+from servelab.step.plan import StepPlan
+from servelab.step.sequence import Sequence, SequenceGroup, finite_number
+
+
+class VirtualTokenCounter(BaseScheduler):
+    description = "fair share: admit the backlogged client with the least weighted service (VTC)"
+
+    def __init__(self, *args, w_prompt: float = 1.0, w_output: float = 2.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for name, value in (("w_prompt", w_prompt), ("w_output", w_output)):
+            number = finite_number(value)
+            if number is None or number < 0:
+                raise ConfigError(
+                    f"vtc scheduler: {name} must be a finite number >= 0, got {value!r}"
+                )
+        if w_prompt == 0 and w_output == 0:
+            raise ConfigError("vtc scheduler: w_prompt and w_output cannot both be 0")
+        self.w_prompt = float(w_prompt)
+        self.w_output = float(w_output)
+        self.counters: dict[str | None, float] = {}  # client -> virtual counter (with lifts)
+        self.served: dict[str | None, float] = {}  # client -> weighted tokens served
+        self.charged_output: dict[str, int] = {}  # request id -> output tokens counted
+        self.charged_prompt: set[str] = set()  # request ids whose prompt is counted
+        self.last_left = 0.0  # counter of the last client whose backlog emptied
+
+    # -- arrivals: the counter lift
+    def add(self, group: SequenceGroup) -> None:
+        client = group.client
+        backlogged = {g.client for g in self.waiting}
+        super().add(group)  # raises, changing nothing, for a request that can never run
+        if client in backlogged:
+            return
+        floor = min((self.counter(c) for c in backlogged), default=self.last_left)
+        self.counters[client] = max(self.counter(client), floor)
+
+    def counter(self, client: str | None) -> float:
+        return self.counters.get(client, 0.0)
+
+    # -- admission: the least-served backlogged client first
+    def admit(self, plan: StepPlan, budget: int) -> int:
+        queues: dict[str | None, list[SequenceGroup]] = {}
+        for group in self.admission_order():  # each client's queue in base order
+            queues.setdefault(group.client, []).append(group)
+        while queues:
+            client = min(queues, key=lambda c: (self.counter(c), self.order_key(queues[c][0])))
+            group = queues[client][0]
+            used = self.try_admit(group, plan, budget)
+            if used is None:
+                break
+            if group in self.waiting:  # try_admit removes a group it drops itself
+                self.waiting.remove(group)
+            budget -= used
+            queues[client].pop(0)
+            if not group.is_finished:
+                self.charge_prompt(group)
+            if not queues[client]:
+                del queues[client]
+                self.last_left = self.counter(client)
+        return budget
+
+    def charge_prompt(self, group: SequenceGroup) -> None:
+        # once per request: a preempted request admitted again was served its prompt already
+        if group.request_id not in self.charged_prompt:
+            self.charged_prompt.add(group.request_id)
+            self.charge(group.client, self.w_prompt * group.seqs[0].num_prompt_tokens)
+
+    def charge(self, client: str | None, amount: float) -> None:
+        self.counters[client] = self.counter(client) + amount
+        self.served[client] = self.served.get(client, 0.0) + amount
+
+    # -- output tokens, counted as they are generated
+    def update(self, plan, sampled, now) -> list[SequenceGroup]:
+        finished = super().update(plan, sampled, now)
+        for group in self.running + finished:
+            produced = sum(s.num_output_tokens for s in group.seqs)
+            new = produced - self.charged_output.get(group.request_id, 0)
+            if new:
+                self.charged_output[group.request_id] = produced
+                self.charge(group.client, self.w_output * new)
+        for group in finished:
+            self.forget(group.request_id)
+        return finished
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        aborted = super().abort(request_id)
+        self.forget(request_id)
+        return aborted
+
+    def forget(self, request_id: str) -> None:
+        self.charged_output.pop(request_id, None)
+        self.charged_prompt.discard(request_id)
+
+
+@hookimpl
+def servelab_register_schedulers():
+    return {"vtc": VirtualTokenCounter}

@@ -80,7 +80,7 @@ def test_the_composed_defaults_equal_the_python_defaults():
         ("run.bogus=1", "unknown run option 'bogus'; accepted: idle_sleep, progress, repeat, repeats, warmup"),
         ("report.colour=red", "unknown report option 'colour'; accepted: claims, figures"),
         ("experiment=load_curv", "Could not find 'experiment/load_curv'"),
-        ("scheduler=nope", "Available options in 'scheduler': chunked continuous static"),
+        ("scheduler=nope", "Available options in 'scheduler': chunked continuous"),
     ],
 )
 def test_a_wrong_type_or_key_is_refused_while_composing(override, message):

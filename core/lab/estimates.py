@@ -8,7 +8,7 @@ import json
 import re
 from functools import lru_cache
 
-from servelab.lab.runs import Configuration, Run
+from servelab.lab.runs import Configuration, Run, figure
 from servelab.lab.stats import (
     Estimate,
     is_counted,
@@ -61,5 +61,13 @@ def _estimate(config: Configuration, name: str) -> Estimate:
 
 
 def ratio(config: Configuration, baseline: Configuration, name: str) -> Estimate:
-    """config's figure over baseline's, resampling each side's repeats."""
-    return ratio_estimate(config.values(name), baseline.values(name), counted=is_counted(name))
+    """config's figure over baseline's. Where both ran the same repeats (an
+    interleaved sweep), repeat i of one is paired with repeat i of the other."""
+    mine = {run.repeat: figure(run, name) for run in config.finished}
+    theirs = {run.repeat: figure(run, name) for run in baseline.finished}
+    counted = is_counted(name)
+    if len(mine) == len(config.finished) and set(mine) == set(theirs) and len(mine) > 1:
+        order = sorted(mine)
+        return ratio_estimate([mine[i] for i in order], [theirs[i] for i in order],
+                              counted=counted, paired=True)  # fmt: skip
+    return ratio_estimate(config.values(name), baseline.values(name), counted=counted)

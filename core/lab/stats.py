@@ -123,10 +123,16 @@ def ratio_estimate(
     baseline: Sequence[float],
     counted: bool = False,
     seed: int = BOOTSTRAP_SEED,
+    paired: bool = False,
 ) -> Estimate:
-    """mean(values) / mean(baseline), with a bootstrap interval that resamples
-    each side's runs independently. Fewer than two runs a side: no interval,
-    unless both sides are exact."""
+    """mean(values) / mean(baseline), with a bootstrap interval. `paired`: the
+    i-th values ran beside each other (the same repeat of an interleaved sweep),
+    so the repeats are resampled together and a busy spell that slowed both
+    cancels out; otherwise each side's runs are resampled independently.
+    Fewer than two runs a side: no interval, unless both sides are exact."""
+    if paired:
+        pairs = [(x, y) for x, y in zip(values, baseline) if _finite([x, y]).size == 2]
+        values, baseline = [x for x, _ in pairs], [y for _, y in pairs]
     a, b = _finite(values), _finite(baseline)
     if a.size == 0 or b.size == 0 or b.mean() == 0:
         return NO_ESTIMATE
@@ -139,7 +145,7 @@ def ratio_estimate(
         (a, b),
         _ratio_of_means,
         vectorized=True,
-        paired=False,
+        paired=paired,
         confidence_level=CONFIDENCE,
         n_resamples=BOOTSTRAP_RESAMPLES,
         method="percentile",

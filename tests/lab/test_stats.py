@@ -150,3 +150,22 @@ def test_numbers_are_rounded_to_their_interval():
     assert rounded(Estimate(512, 0, 512, 512, 3, exact=True)) == "512"
     assert interval_text(Estimate(2.0, 0.1, 1.9, 2.1, 3)) == "[1.90, 2.10]"
     assert "one run" in interval_text(Estimate(2.0, math.nan, -math.inf, math.inf, 1))
+
+
+def test_a_paired_ratio_resamples_the_repeats_together():
+    # a busy spell slows both sides of a repeat alike: pairing cancels it
+    rng = np.random.default_rng(7)
+    load = rng.uniform(0.5, 1.5, 10)  # each repeat's machine speed
+    a, b = 300 * load * rng.normal(1, 0.01, 10), 100 * load * rng.normal(1, 0.01, 10)
+    paired, independent = ratio_estimate(a, b, paired=True), ratio_estimate(a, b)
+    assert paired.mean == independent.mean == pytest.approx(a.mean() / b.mean())
+    assert paired.low < 3.0 < paired.high
+    assert paired.half_width < independent.half_width / 5
+    # against a hand-written paired bootstrap: resample repeat indices, both sides at once
+    draws = []
+    hand = np.random.default_rng(8)
+    for _ in range(20_000):
+        pick = hand.integers(0, 10, 10)
+        draws.append(a[pick].mean() / b[pick].mean())
+    low, high = np.quantile(draws, [0.025, 0.975])
+    assert paired.low == pytest.approx(low, rel=0.002) and paired.high == pytest.approx(high, rel=0.002)

@@ -166,7 +166,8 @@ def plot_batches(configs: Sequence[Configuration], path: Path, axis: str = "step
 def plot_timeline(configs: Sequence[Configuration], path: Path, axis: str = "steps") -> bool:
     """One panel per configuration (first repeat): a row per request, waiting
     (thin grey) then running (bar) until its last token, hatched while it holds
-    a finished slot; marks at each preemption (swap: red v, recompute: black x)."""
+    a finished slot; each preemption a mark (swap: red v, recompute: black x)
+    and a pale band until the request's next token."""
     small = [
         c for c in configs if first_run(c) and 0 < len(first_run(c).requests()) <= TIMELINE_MAX_REQUESTS
     ][:MAX_PANELS]  # fmt: skip
@@ -218,6 +219,10 @@ def draw_requests(ax, run: Run, axis: str) -> None:
             ax.barh(y, at(release) - at(last), left=at(last), color="white", edgecolor="tab:blue",
                     hatch="///", height=0.7, linewidth=0.4, label=once("finished, holding its slot"))  # fmt: skip
         for step, kind in json.loads(row.get("preemption_events") or "[]"):
+            # out of the batch from its preemption until its next token
+            resumed = next((t for t in token_steps if t > step), release)
+            ax.barh(y, at(resumed) - at(step), left=at(step), color="mistyrose", height=0.7,
+                    label=once("preempted, until its next token"))  # fmt: skip
             marker, color = ("v", "red") if kind == "swap" else ("x", "black")
             ax.plot(at(step), y, marker, color=color, ms=6, label=once(f"preempted: {kind}"))
     ax.set_ylim(len(rows) - 0.5, -0.5)

@@ -174,7 +174,10 @@ def plot_timeline(configs: Sequence[Configuration], path: Path, axis: str = "ste
     if not small:
         return False
     plt = pyplot()
-    fig, axes = plt.subplots(len(small), 1, figsize=(10, 1.2 + 2.2 * len(small)), squeeze=False)
+    # one x axis for every panel: how long each configuration took is part of the picture
+    fig, axes = plt.subplots(
+        len(small), 1, figsize=(10, 1.2 + 2.2 * len(small)), squeeze=False, sharex=True
+    )
     for ax, config in zip(axes[:, 0], small):
         draw_requests(ax, first_run(config), axis)
         ax.set_title(config.label, fontsize=9)
@@ -196,7 +199,7 @@ def draw_requests(ax, run: Run, axis: str) -> None:
 
     rows = sorted(
         (r for r in run.requests() if r.get("first_scheduled_step") is not None),
-        key=lambda r: (r["arrival_time"], str(r["request_id"])),
+        key=lambda r: (r["arrival_time"], r["first_scheduled_step"]),
     )
     first_step = steps[0]["step"] if steps else 0
     labelled: set[str] = set()
@@ -226,7 +229,7 @@ def draw_requests(ax, run: Run, axis: str) -> None:
             marker, color = ("v", "red") if kind == "swap" else ("x", "black")
             ax.plot(at(step), y, marker, color=color, ms=6, label=once(f"preempted: {kind}"))
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_ylabel("request (by arrival)", fontsize=8)
+    ax.set_ylabel("request (by arrival,\nthen admission)", fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
 
 

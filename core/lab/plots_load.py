@@ -54,31 +54,44 @@ def draw_plots(
 
 
 def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
-    """One panel per decided claim: its figure (or ratio) per configuration with
-    95% error bars, the bound as a dashed line, the verdict in the title."""
-    drawn = [c for c in claims if c.bars and c.op][:MAX_CLAIM_PANELS]
-    if not drawn:
+    """One panel per claim: its figure (or ratio) for every configuration (pair)
+    it was stated for, with 95% error bars, the bound as a dashed line, each bar
+    coloured by its verdict."""
+    panels: dict[tuple, list[ClaimResult]] = {}
+    for claim in claims:
+        if claim.bars and claim.op:
+            key = (claim.text.split(" — ")[0], claim.figure, claim.op, claim.bound)
+            panels.setdefault(key, []).append(claim)
+    if not panels:
         return False
+    panels = dict(list(panels.items())[:MAX_CLAIM_PANELS])
     plt = pyplot()
-    columns = min(2, len(drawn))
-    rows = math.ceil(len(drawn) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 2.6 * rows), squeeze=False)
-    for ax in axes.flat[len(drawn):]:
+    columns = min(2, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    heights = [max(len(group) for group in list(panels.values())[r * columns:(r + 1) * columns])
+               for r in range(rows)]  # fmt: skip
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(7 * columns, sum(0.45 * h + 1.3 for h in heights)),
+        squeeze=False, gridspec_kw={"height_ratios": heights},
+    )  # fmt: skip
+    for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, claim in zip(axes.flat, drawn):
-        labels = [label for label, _ in claim.bars]
-        for y, (_, value) in enumerate(claim.bars):
+    for ax, ((heading, figure, op, bound), group) in zip(axes.flat, panels.items()):
+        for y, claim in enumerate(group):
+            _, value = claim.bars[0]
             finite = math.isfinite(value.low) and math.isfinite(value.high)
             err = [[value.mean - value.low], [value.high - value.mean]] if finite else None
             color = {"holds": "tab:green", "fails": "tab:red"}.get(claim.verdict, "tab:gray")
-            ax.barh(y, value.mean, xerr=err, capsize=4, color=color, alpha=0.75)
-        ax.axvline(claim.bound, color="black", linestyle="--", linewidth=1)
-        ax.set_yticks(range(len(labels)), [_short(label) for label in labels], fontsize=7)
-        ratio = claim.op.startswith("ratio")
-        ax.set_xlabel(f"{claim.figure}{' ratio' if ratio else ''} (dashed: the bound)", fontsize=8)
-        ax.set_title(f"{claim.verdict}: {_short(claim.text.split(' — ')[0], 60)}", fontsize=9)
+            ax.barh(y, value.mean, xerr=err, capsize=4, color=color, alpha=0.75, height=0.6)
+        ax.axvline(bound, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks(range(len(group)), [_short(c.bars[0][0], 48) for c in group], fontsize=7)
+        ax.invert_yaxis()
+        ratio = op.startswith("ratio")
+        ax.set_xlabel(f"{figure}{' ratio' if ratio else ''} (dashed: the bound)", fontsize=8)
+        ax.set_title(_short(heading, 70), fontsize=9)
         ax.set_xlim(left=0)
-    fig.suptitle("Claims: estimate with 95% interval against the bound")
+    fig.suptitle("Claims: estimate with 95% interval against the bound "
+                 "(green: holds, red: fails, grey: inconclusive)")  # fmt: skip
     fig.tight_layout()
     save(fig, path)
     return True

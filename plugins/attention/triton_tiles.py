@@ -38,12 +38,19 @@ def attention_tiles(
     if interpreted:
         return AttentionTiles(block_m=max(16, group_pad, min(rows_needed, 128)), block_n=256)
     wide = dtype.itemsize >= 4 or head_dim > 128
+    if rows_needed <= 16 and dtype.itemsize <= 4:
+        # Decode: bandwidth-bound, so occupancy first. 16 keys a tile keeps a
+        # [16, 128] tile's addresses in registers: sm_90, Qwen3-0.6B heads,
+        # 127 registers in bf16 / 124 in fp32, no spills, 4 blocks per SM
+        # (BLOCK_N=32: 167 registers, 3 blocks; 64: 255 and spills).
+        return AttentionTiles(block_m=max(16, group_pad), block_n=16, num_warps=4, num_stages=2)
     block_m = 16 if rows_needed <= 16 else (32 if wide else 64)
     block_n = 32 if wide else 64
     return AttentionTiles(
         block_m=max(block_m, group_pad),
         block_n=block_n,
-        # float64 tiles need 8 warps to spill less (ptxas, sm_90); float32 spills with 8, not 4.
-        num_warps=8 if dtype.itemsize == 8 else 4,
+        # 16-bit prefill tiles spill with 4 warps (255 registers, sm_90), not with 8 (188);
+        # float64 tiles need 8 warps to spill less; float32 spills with 8, not 4.
+        num_warps=8 if dtype.itemsize in (2, 8) else 4,
         num_stages=1 if dtype.itemsize >= 4 else 2,
     )

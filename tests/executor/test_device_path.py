@@ -55,6 +55,7 @@ from tests.executor.decode_scenes import (
     assert_same_decode,
     make_scene,
     scene_runner,
+    skip_unless_triton_interpreted,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -429,6 +430,7 @@ def test_decode_steps_replay_through_the_model_runner(monkeypatch):
     graphs stood in for by `ForwardReplay`): every one-token-per-sequence step
     replays a bucket without planning, every other step plans and runs eagerly,
     and the tokens are still transformers' greedy tokens."""
+    skip_unless_triton_interpreted()  # the CUDA twin: test_engine_replays_decode_graphs_on_cuda
     monkeypatch.setattr(servelab.executor.model_runner, "DecodeGraphRunner", CpuReplayRunner)
     case, llm = oracle_llm("triton_paged", cuda_graphs=True)
     runner = llm.engine.runner

@@ -13,7 +13,12 @@ from servelab.executor.forward import TorchForward, choose_forward
 from servelab.executor.fused_forward import FusedForward
 from servelab.kernels import triton_fused
 from servelab.plugins.attention import triton_kernels
-from tests.executor.decode_scenes import TRITON_DEVICE, assert_same_decode, make_scene
+from tests.executor.decode_scenes import (
+    TRITON_DEVICE,
+    assert_same_decode,
+    make_scene,
+    skip_unless_triton_interpreted,
+)
 from tests.executor.launch_count import count_launches
 from tests.executor.test_device_path import oracle_llm, oracle_tokens
 
@@ -34,6 +39,7 @@ def test_fused_decode_equals_the_torch_forward(dtype, tol):
 
 
 def test_fused_forward_tokens_equal_transformers():
+    skip_unless_triton_interpreted()  # a CPU engine with triton_paged
     case, llm = oracle_llm("triton_paged")
     llm.engine.runner.model_forward = FusedForward(llm.engine.model)
     count = 4

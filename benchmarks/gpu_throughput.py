@@ -222,11 +222,16 @@ def timed_run(llm: LLM, workload: Workload, max_seconds: float) -> tuple[int, fl
 def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
     result = RunResult(backend, "on" if graphs else "off")
     config = named_config(args.model)
+    llm = None
     try:
         kv_bytes = None if args.device == "cuda" else workload_kv_bytes(args, config, workload)
         llm = build_llm(args, backend, graphs, kv_bytes)
     except ConfigError as err:
         result.status = f"config error: {err}"
+        return result
+    except Exception as err:  # e.g. a graph capture failing while the engine is built
+        traceback.print_exc()
+        result.status = f"error building: {type(err).__name__}: {err}"
         return result
     try:
         warm_up(llm, args, config.vocab_size)
@@ -246,23 +251,32 @@ def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
             result.roofline_fraction = floor / bandwidth / decode_wall
         if done < len(workload.prompts):
             result.status = f"partial: stopped at {args.max_seconds:.0f} s"
-        runner = llm.engine.runner
         if graphs:
-            result.notes.append(f"graphs {runner.graphs_status}")
-            if runner.graphs is not None and runner.graphs.enabled:
-                result.notes.append(
-                    f"{runner.graphs.num_replays} decode replays, "
-                    f"{runner.graphs.num_eager} eager forwards"
-                )
+            result.notes += graph_notes(llm.engine.runner)
     except Exception as err:  # one backend's failure is a row of the table, not the end
         traceback.print_exc()
         result.status = f"error: {type(err).__name__}: {err}"
     finally:
-        del llm
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        del llm  # no other reference may keep the engine (its KV cache) alive past here
+        free_device_memory(args.device)
     return result
+
+
+def graph_notes(runner) -> list[str]:
+    notes = [f"graphs {runner.graphs_status}"]
+    if runner.graphs is not None and runner.graphs.enabled:
+        notes.append(
+            f"{runner.graphs.num_replays} decode replays, {runner.graphs.num_eager} eager forwards"
+        )
+    return notes
+
+
+def free_device_memory(device: str) -> None:
+    """Returns a finished run's memory, so the next engine sizes its KV cache from
+    the whole device (it reads what is free)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 # -- report

@@ -69,7 +69,9 @@ class KVCache:
         """`blocks` copied into host memory (pinned on CUDA), asynchronously there."""
         if self.device.type == "cpu":
             return blocks  # the gather made it already
-        staged = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=self.device.type == "cuda")
+        staged = torch.empty(
+            blocks.shape, dtype=blocks.dtype, pin_memory=self.device.type == "cuda"
+        )
         staged.copy_(blocks, non_blocking=True)
         return staged
 

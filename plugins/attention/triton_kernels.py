@@ -236,7 +236,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    o_ptrs = o_tile + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    o_ptrs = (
+        o_tile
+        + q_row[:, None] * stride_ot
+        + head[:, None] * stride_oh
+        + offs_d[None, :] * stride_od
+    )
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 

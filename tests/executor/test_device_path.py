@@ -494,3 +494,46 @@ def test_throughput_benchmark_tiny_smoke(tmp_path):
     assert (tmp_path / "gpu_throughput.md").is_file() and (
         tmp_path / "gpu_throughput.json"
     ).is_file()
+
+
+def tiny_args(bench, tmp_path):
+    return bench.parse_args(
+        ["--tiny", "--backends", "padded", "--requests", "2", "--out", str(tmp_path)]
+    )
+
+
+def test_throughput_run_frees_its_engine_before_the_next(tmp_path, monkeypatch):
+    """The engine (its KV cache) is gone when the benchmark returns memory to the
+    device: the next run then sizes its cache at equal memory."""
+    import weakref
+
+    bench = load_benchmark()
+    args = tiny_args(bench, tmp_path)
+    workload = bench.make_workload(2, 4, 32, named_config("tiny").vocab_size, seed=0)
+    built, alive_at_free = [], []
+    build = bench.build_llm
+    monkeypatch.setattr(
+        bench,
+        "build_llm",
+        lambda *a: built.append(weakref.ref((llm := build(*a)).engine.kv_cache)) or llm,
+    )
+    free = bench.free_device_memory
+    monkeypatch.setattr(
+        bench,
+        "free_device_memory",
+        lambda device: (free(device), alive_at_free.append(built[-1]() is not None)),
+    )
+    result = bench.run_one(args, "padded", False, workload, bandwidth=1e9)
+    assert result.status == "ok" and alive_at_free == [False]
+
+
+def test_a_failure_while_building_is_a_row(tmp_path, monkeypatch):
+    bench = load_benchmark()
+    args = tiny_args(bench, tmp_path)
+
+    def fail(*_):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bench, "build_llm", fail)
+    result = bench.run_one(args, "padded", True, bench.make_workload(2, 4, 8, 64, 0), 1e9)
+    assert result.status.startswith("error building: RuntimeError") and result.wall_s == 0

@@ -44,7 +44,9 @@ def test_add_rms_norm_matches_torch(dtype, with_residual):
     residual = randn(5, 96, dtype=dtype, seed=2)
     weight = randn(96, dtype=dtype, seed=3, scale=0.1, offset=1.0)
     total = x + residual if with_residual else x
-    out, new_residual = tf.add_rms_norm(x, residual.clone() if with_residual else None, weight, 1e-6)
+    out, new_residual = tf.add_rms_norm(
+        x, residual.clone() if with_residual else None, weight, 1e-6
+    )
     if dtype == torch.bfloat16 and tf.INTERPRETED:  # truncated, not rounded (module doc)
         assert_close(new_residual, total)
     else:

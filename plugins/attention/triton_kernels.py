@@ -11,10 +11,8 @@ helper of Triton's library (see `_MAX`), so they interpret even when torch impor
 
 from __future__ import annotations
 
-import functools
 import os
 
-import numpy as np
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
@@ -23,7 +21,13 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision)
 import triton.language as tl  # noqa: E402
 
-from servelab.plugins.attention.triton_tiles import AttentionTiles, attention_tiles  # noqa: E402
+from servelab.plugins.attention.triton_tiles import (  # noqa: E402
+    AttentionTiles,
+    attention_tiles,
+    float32_scale,
+    needs_64bit_offsets,
+    store_tokens_per_program,
+)
 
 # tl.max and tl.sum are @triton.jit functions themselves. When triton.language
 # was imported before TRITON_INTERPRET was set (torch imports it lazily, so an
@@ -128,7 +132,8 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# the batch size and the block table's width vary step to step: one variant serves all
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -252,28 +257,6 @@ INTERPRETED: bool = type(_paged_attention_kernel).__name__ == "InterpretedFuncti
 # ---------------------------------------------------------------- launch parameters
 
 
-@functools.lru_cache(maxsize=64)
-def _float32(value: float) -> float:
-    """`value` rounded to float32, on the host, once per distinct value."""
-    return float(np.float32(value))
-
-
-def needs_64bit_offsets(*tensors: torch.Tensor) -> bool:
-    """Whether an element offset into one of these tensors (a layer's cache: the
-    largest offset is its last element's) may not fit int32. Below 2**31 elements
-    every offset the kernels form inside a layer is smaller, so int32 cannot overflow."""
-    limit = 2**31 - 1
-    return any(
-        sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) >= limit for t in tensors
-    )
-
-
-def store_tokens_per_program(block_c: int, interpreted: bool) -> int:
-    """Tokens one KV-store program copies: 2048 elements a program compiles
-    without spills on sm_90 (4096 spilled 56 bytes in bf16 at 8 x 128 columns)."""
-    return 64 if interpreted else max(1, min(64, 2048 // block_c))
-
-
 def _require_runnable(*tensors: torch.Tensor) -> None:
     """Compiled kernels need CUDA tensors; interpreted ones run anywhere."""
     if INTERPRETED:
@@ -375,7 +358,7 @@ def paged_attention(
     fp64 = q.dtype == torch.float64
     # Scalar float arguments reach a kernel as float32; float64 runs add the
     # rounding residual back so their scale stays exact to ~1e-15.
-    scale_hi = _float32(scale)
+    scale_hi = float32_scale(scale)
     acc_dtype = tl.float64 if fp64 else tl.float32
     # The interpreter's dot is wrong on raw 16-bit floats, so it always gets the
     # accumulation type; a GPU keeps 16-bit operands for the tensor cores.

@@ -19,28 +19,34 @@ CUDA graphs are the engine option `cuda_graphs` (the status column adds the
 engine's `graphs_status` and its replay count). On CUDA the engine sizes its KV
 cache itself from `gpu_memory_utilization`; on the CPU (`--tiny`) it gets
 `kv_cache_memory` = what the workload can hold at once. Every run is warmed up
-first (kernels compile; with graphs, the capture happens when the engine is built).
+first with every kernel variant the timed run can launch (see `warm_up`; with graphs,
+the capture happens when the engine is built); `--variants` checks it launch by launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import json
-import math
 import os
 import random
 import statistics
+import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from servelab import LLM, ConfigError, SamplingParams
-from servelab.engine.build import attention_backend
-from servelab.executor.cuda_graphs import backend_is_graph_safe
-from servelab.model.config import named_config
+# the benchmark's own modules sit beside it (also when a test loads this file by path)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_variants  # noqa: E402
+from gpu_report import RunResult, merge, table, write_report  # noqa: E402
+
+from servelab import LLM, ConfigError, SamplingParams  # noqa: E402
+from servelab.engine.build import attention_backend  # noqa: E402
+from servelab.executor.cuda_graphs import backend_is_graph_safe  # noqa: E402
+from servelab.model.config import named_config  # noqa: E402
 
 CUDA_BACKENDS = ("triton_paged", "flash_varlen", "padded", "per_request")
 TINY_BACKENDS = ("per_request", "padded", "flash_varlen")
@@ -136,22 +142,6 @@ class StepShapes:
         scheduler.schedule = recording_schedule
 
 
-@dataclass
-class RunResult:
-    backend: str
-    graphs: str
-    status: str = "ok"
-    requests_done: int = 0
-    output_tokens: int = 0
-    wall_s: float = 0.0
-    output_tok_s: float = 0.0
-    decode_steps: int = 0
-    decode_tok_s: float = 0.0
-    roofline_fraction: float = float("nan")
-    kv_cache_bytes: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
 def workload_kv_bytes(args, config, workload: Workload) -> int:
     """KV bytes for every sequence the workload can run at once (the CPU run's
     `kv_cache_memory`; on CUDA the engine sizes its cache from the device)."""
@@ -186,16 +176,35 @@ def build_llm(args, backend: str, graphs: bool, kv_bytes: int | None) -> LLM:
 
 
 def warm_up(llm: LLM, args, vocab_size: int) -> None:
-    """Requests of varied lengths, up to 32 at once and finishing one by one, so
-    kernels compile their variants for many batch shapes and allocators warm up
-    before the clock starts."""
+    """Runs, before the clock starts, every kernel variant the timed run can launch:
+    - one prompt alone per power-of-two length up to `max_len`, and `max_len`: a step's
+      attention tiles follow its longest query rounded up to a power of two, and its
+      decode steps give the one-token tiles;
+    - with graphs captured, a decode batch at every bucket size (each graph replays);
+    - up to 32 requests of varied lengths finishing one by one (mixed prefill and
+      decode steps, many batch sizes; the allocator warms up)."""
+    rng = random.Random(1)
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+    def short(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    lengths = {1 << k for k in range(args.max_len.bit_length()) if 1 << k <= args.max_len}
+    for length in sorted(lengths | {args.max_len}):
+        llm.generate(prompts(1, length), short(2))
+    for bucket in captured_buckets(llm):
+        llm.generate(prompts(bucket, 4), short(3))
     count = min(32, args.max_num_seqs)
     warm = make_workload(count, args.min_len // 4 + 1, args.max_len // 4 + 1, vocab_size, seed=1)
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=min(n, 64), ignore_eos=True)
-        for n in warm.output_lens
-    ]
-    llm.generate(warm.prompts, params)
+    llm.generate(warm.prompts, [short(min(n, 64)) for n in warm.output_lens])
+
+
+def captured_buckets(llm: LLM) -> tuple[int, ...]:
+    """The decode batch sizes the engine captured graphs for (none when eager)."""
+    graphs = llm.engine.runner.graphs
+    return tuple(graphs.buckets) if graphs is not None and graphs.enabled else ()
 
 
 def timed_run(llm: LLM, workload: Workload, max_seconds: float) -> tuple[int, float, list]:
@@ -222,15 +231,25 @@ def timed_run(llm: LLM, workload: Workload, max_seconds: float) -> tuple[int, fl
 def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
     result = RunResult(backend, "on" if graphs else "off")
     config = named_config(args.model)
+    llm = None
     try:
         kv_bytes = None if args.device == "cuda" else workload_kv_bytes(args, config, workload)
         llm = build_llm(args, backend, graphs, kv_bytes)
     except ConfigError as err:
         result.status = f"config error: {err}"
         return result
+    except Exception as err:  # e.g. a graph capture failing while the engine is built
+        traceback.print_exc()
+        result.status = f"error building: {type(err).__name__}: {err}"
+        return result
     try:
-        warm_up(llm, args, config.vocab_size)
-        done, wall, paired = timed_run(llm, workload, args.max_seconds)
+        recorder = kernel_variants.VariantRecorder() if args.variants else None
+        with recorder or contextlib.nullcontext():
+            warm_up(llm, args, config.vocab_size)
+            warm_keys = recorder.take() if recorder else set()
+            compiled_before = kernel_variants.compiled_variants()
+            done, wall, paired = timed_run(llm, workload, args.max_seconds)
+        result.notes += variant_notes(recorder, warm_keys, compiled_before)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
         result.kv_cache_bytes = llm.engine.kv_cache.device_pool.nbytes
         kv_per_token = config.kv_bytes_per_token(args.dtype)
@@ -246,44 +265,44 @@ def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
             result.roofline_fraction = floor / bandwidth / decode_wall
         if done < len(workload.prompts):
             result.status = f"partial: stopped at {args.max_seconds:.0f} s"
-        runner = llm.engine.runner
         if graphs:
-            result.notes.append(f"graphs {runner.graphs_status}")
-            if runner.graphs is not None and runner.graphs.enabled:
-                result.notes.append(
-                    f"{runner.graphs.num_replays} decode replays, "
-                    f"{runner.graphs.num_eager} eager forwards"
-                )
+            result.notes += graph_notes(llm.engine.runner)
     except Exception as err:  # one backend's failure is a row of the table, not the end
         traceback.print_exc()
         result.status = f"error: {type(err).__name__}: {err}"
     finally:
-        del llm
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        del llm  # no other reference may keep the engine (its KV cache) alive past here
+        free_device_memory(args.device)
     return result
 
 
-# -- report
+def variant_notes(recorder, warm_keys: set, compiled_before: int | None) -> list[str]:
+    """Kernel variants first launched (recorded) or compiled (cache sizes) in the timed run."""
+    notes = []
+    compiled_after = kernel_variants.compiled_variants()
+    if compiled_before is not None and compiled_after is not None:
+        notes.append(f"{compiled_after - compiled_before} Triton variants compiled while timed")
+    if recorder is not None:
+        new = recorder.keys - warm_keys
+        notes.append(f"{len(warm_keys)} kernel variants warmed, {len(new)} new while timed")
+    return notes
 
 
-def table(results: list[RunResult]) -> str:
-    lines = [
-        "| backend | graphs | output tok/s | decode tok/s | decode roofline | done | wall s | status |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in results:
-        status = "; ".join([r.status, *r.notes])
-        if not r.wall_s:  # skipped or refused: no figures
-            lines.append(f"| {r.backend} | {r.graphs} | - | - | - | - | - | {status} |")
-            continue
-        roof = "-" if math.isnan(r.roofline_fraction) else f"{100 * r.roofline_fraction:.1f}%"
-        lines.append(
-            f"| {r.backend} | {r.graphs} | {r.output_tok_s:,.0f} | {r.decode_tok_s:,.0f} | "
-            f"{roof} | {r.requests_done} | {r.wall_s:.1f} | {status} |"
+def graph_notes(runner) -> list[str]:
+    notes = [f"graphs {runner.graphs_status}"]
+    if runner.graphs is not None and runner.graphs.enabled:
+        notes.append(
+            f"{runner.graphs.num_replays} decode replays, {runner.graphs.num_eager} eager forwards"
         )
-    return "\n".join(lines)
+    return notes
+
+
+def free_device_memory(device: str) -> None:
+    """Returns a finished run's memory, so the next engine sizes its KV cache from
+    the whole device (it reads what is free)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -308,6 +327,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=120.0, help="per run; partial runs say so")
     p.add_argument("--bandwidth-bytes", type=int, default=2 * 1024**3, help="size of the copy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="record every Triton launch's variant key (a few us a launch) and report new ones",
+    )
     p.add_argument("--out", default=None, help="folder for gpu_throughput.{md,json} (default $OUT)")
     p.add_argument(
         "--merge", nargs="+", metavar="FOLDER", help="merge earlier runs' reports, run nothing"
@@ -315,7 +339,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tiny:
         args.model, args.device, args.dtype = "tiny", "cpu", "float32"
-        args.requests, args.min_len, args.max_len = min(args.requests, 8), 4, 32
+        args.requests = min(args.requests, 8)
+        if (args.min_len, args.max_len) == (100, 1024):  # not given: the tiny lengths
+            args.min_len, args.max_len = 4, 32
         args.max_num_seqs, args.max_num_batched_tokens = 8, 256
         args.block_size, args.bandwidth_bytes = 4, 64 * 1024**2
         args.backends = args.backends or list(TINY_BACKENDS)
@@ -344,34 +370,6 @@ def plan_runs(args) -> list[tuple[str, bool, str | None]]:
             else:
                 runs.append((backend, graphs, None))
     return runs
-
-
-def write_report(args, header: str, bandwidth: float, results: list[RunResult]) -> str:
-    report = header + "\n\n" + table(results) + "\n"
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_throughput.md"), "w") as f:
-            f.write(report)
-        runs = [asdict(r) for r in results]
-        with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
-            json.dump(
-                {"header": header, "bandwidth_bytes_per_s": bandwidth, "runs": runs}, f, indent=1
-            )
-    return report
-
-
-def merge(folders: list[str], out: str | None) -> str:
-    """One report from the gpu_throughput.json of several runs (one per folder)."""
-    parts = [
-        json.loads(open(os.path.join(f, "gpu_throughput.json")).read())
-        for f in folders
-        if os.path.isfile(os.path.join(f, "gpu_throughput.json"))
-    ]
-    if not parts:
-        return "no results"
-    results = [RunResult(**run) for part in parts for run in part["runs"]]
-    args = argparse.Namespace(out=out)
-    return write_report(args, parts[0]["header"], parts[0]["bandwidth_bytes_per_s"], results)
 
 
 def main(argv=None) -> list[RunResult]:

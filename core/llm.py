@@ -16,6 +16,17 @@ from servelab.engine.engine import Engine
 from servelab.step.sequence import RequestOutput, SamplingParams
 
 
+CUDA_DTYPE = "bfloat16"  # what conf/device/cuda.yaml sets: tensor-core dots, half the KV bytes
+
+
+def with_device_dtype(engine_options: dict[str, Any]) -> dict[str, Any]:
+    """The options with `dtype` defaulting to bfloat16 on a CUDA device (float32 elsewhere)."""
+    on_cuda = str(engine_options.get("device", "cpu")).startswith("cuda")
+    if on_cuda and "dtype" not in engine_options:
+        return {**engine_options, "dtype": CUDA_DTYPE}
+    return engine_options
+
+
 class LLM:
     def __init__(
         self,
@@ -33,7 +44,7 @@ class LLM:
                 "allocator": allocator,
                 "preemption": preemption,
                 "attention": attention,
-                "engine": engine_options,
+                "engine": with_device_dtype(engine_options),
             }
         )
 

@@ -70,7 +70,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.config = config or {}
         self.notify = notify or (lambda hook, **kwargs: None)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # unseeded rows' noise is drawn where the logits are: no [N, vocab] upload per step
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         # input preparation, the model forward and sampling: the step's tensor work
         self.runner = ModelRunner(
             model_forward or TorchForward(model),

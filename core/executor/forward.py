@@ -2,7 +2,8 @@
 `torch.compile`) or servelab's C++ CPU kernels (`kernel_forward`).
 
 `Transformer` knows only torch's ops; which forward a step takes is chosen here,
-once, from `engine.cpu_kernels` and `engine.compile`. Every forward has the same
+once, from the device, `engine.cpu_kernels` and `engine.compile` (CUDA without
+compile: `FusedForward`, the small ops fused in Triton). Every forward has the same
 three calls (`forward`, `logits`, `argmax`) and computes the same numbers.
 """
 
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from servelab.errors import ConfigError
+from servelab.executor.fused_forward import FusedForward
 from servelab.executor.kernel_forward import KernelForward
 from servelab.kernels import cpu_fused, cpu_linear
 from servelab.kernels.cpp_extension import BUILD_PROBLEM
@@ -82,6 +84,8 @@ def choose_forward(model: Transformer, cpu_kernels: str, compile: bool) -> Model
             f"engine option cpu_kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}, "
             f"got {cpu_kernels!r}"
         )
+    if model.device.type == "cuda" and not compile and cpu_kernels != "on":
+        return FusedForward(model)  # the layer's small ops fused: launches, not FLOPs, bound decode
     if cpu_kernels == "off":
         return TorchForward(model, compile)
     problems = cpu_kernel_problems(model)

@@ -50,9 +50,9 @@ class KVCache:
         before swap-in or copy-on-write may reuse them."""
         if copies.swap_out:
             src, dst = self._index(copies.swap_out, self.device, "cpu")
-            self.host_pool[:, :, dst] = self.device_pool[:, :, src].to("cpu", non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            staged = self._download(self.device_pool[:, :, src])
+            self._wait_for_downloads()  # the host reads `staged` next: its copy must be done
+            self.host_pool[:, :, dst] = staged
             self.bytes_swapped_out += len(copies.swap_out) * self.block_bytes
         if copies.swap_in:
             src, dst = self._index(copies.swap_in, "cpu", self.device)
@@ -64,6 +64,20 @@ class KVCache:
             src, dst = self._index(copies.copy, self.device, self.device)
             self.device_pool[:, :, dst] = self.device_pool[:, :, src]
             self.bytes_copied += len(copies.copy) * self.block_bytes
+
+    def _download(self, blocks: torch.Tensor) -> torch.Tensor:
+        """`blocks` copied into host memory (pinned on CUDA), asynchronously there."""
+        if self.device.type == "cpu":
+            return blocks  # the gather made it already
+        staged = torch.empty(
+            blocks.shape, dtype=blocks.dtype, pin_memory=self.device.type == "cuda"
+        )
+        staged.copy_(blocks, non_blocking=True)
+        return staged
+
+    def _wait_for_downloads(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     @staticmethod
     def _index(

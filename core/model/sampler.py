@@ -5,9 +5,13 @@ Rules:
 - other rows: logits / temperature, top-k, top-p (the smallest set of best tokens whose mass
   reaches p; the best is always kept), softmax, then the exponential race `argmax(probs / E)`,
   E ~ Exp(1) i.i.d. per token, which picks token i with probability probs[i];
-- a seeded request's E comes from a CPU generator seeded by (seed, output position, sample
-  index) only: the same tokens in any batch and after preemption and recompute; unseeded
-  rows draw from `generator` (or torch's default) in one batched call.
+- a seeded request's E is a pure function of (seed, output position, sample index), made on
+  the logits' device: the same tokens in any batch and after preemption and recompute. On
+  the CPU a generator seeded by their hash draws each row; elsewhere (`seeded_noise=counter`)
+  E is counter-based, a hash of (key, token id) in torch ops, one batched pass for all seeded
+  rows instead of a launch per row. Unseeded rows draw from `generator`, which must be on
+  the logits' device (torch's default where None), in one batched call;
+- no [N, V] tensor is built on another device than the logits' (no per-step upload).
 """
 
 from __future__ import annotations
@@ -28,22 +32,68 @@ def _splitmix64(x: int) -> int:
 
 
 def noise_seed(seed: int, output_position: int, sample_index: int = 0) -> int:
-    """The generator seed for one seeded row: a hash of all three numbers."""
+    """The noise key of one seeded row: a 64-bit hash of all three numbers."""
     h = _splitmix64(seed & _MASK64)
     h = _splitmix64(h ^ (output_position & _MASK64))
     return _splitmix64(h ^ (sample_index & _MASK64))
 
 
-def seeded_exponential(seed: int, output_position: int, vocab_size: int, sample_index: int = 0):
-    """Exp(1) noise [vocab_size], float32 on the CPU, a pure function of its arguments."""
-    generator = torch.Generator(device="cpu").manual_seed(
-        noise_seed(seed, output_position, sample_index)
-    )
-    return torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+_MASK32 = (1 << 32) - 1
+# two odd multipliers below 2**31 (a lowbias32-style mixer): a 32-bit value times one stays
+# below 2**63, so every product is exact in int64 on every device, no overflow relied on
+_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash of int64 tensors holding values in [0, 2**32), in place."""
+    x ^= x >> 16
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
+
+
+def counter_exponential(keys: list[int], vocab_size: int, device) -> torch.Tensor:
+    """Exp(1) noise [len(keys), vocab_size] float32 on `device`: row r, token j is a hash of
+    (keys[r], j) only, the same on every device and in any batch."""
+    halves = torch.tensor([[k & _MASK32, k >> 32] for k in keys], device=device)
+    x = torch.arange(vocab_size, device=device).expand(len(keys), -1) ^ halves[:, :1]
+    x = _mix32(_mix32(x) ^ halves[:, 1:])
+    # 32 bits to a uniform in (0, 1) at bin midpoints (never 0 or 1, so E is finite and > 0)
+    uniform = (x.to(torch.float64) + 0.5) * 2.0**-32
+    return uniform.log_().neg_().to(torch.float32)
+
+
+def generator_exponential(keys: list[int], vocab_size: int, device) -> torch.Tensor:
+    """Exp(1) noise [len(keys), vocab_size] float32: row r from a generator on `device`
+    seeded with keys[r] (one draw per row; the CPU's way, cheaper there than the hash)."""
+    noise = torch.empty(len(keys), vocab_size, dtype=torch.float32, device=device)
+    generator = torch.Generator(device=device)
+    for row, key in zip(noise, keys, strict=True):
+        row.exponential_(generator=generator.manual_seed(key))
+    return noise
+
+
+SEEDED_NOISE = {"counter": counter_exponential, "generator": generator_exponential}
 
 
 class Sampler:
-    """Turns the LM head's rows into tokens, one row per sampling sequence."""
+    """Turns the LM head's rows into tokens, one row per sampling sequence.
+    `seeded_noise`: how seeded rows' noise is made, `auto` (generator on the CPU, counter
+    elsewhere), `counter` or `generator`."""
+
+    def __init__(self, seeded_noise: str = "auto") -> None:
+        if seeded_noise not in ("auto", *SEEDED_NOISE):
+            raise ValueError(f"seeded_noise={seeded_noise!r}: one of auto, counter, generator")
+        self.seeded_noise = seeded_noise
+
+    def seeded_exponential(self, keys: list[int], vocab_size: int, device) -> torch.Tensor:
+        """Seeded rows' Exp(1) noise [len(keys), vocab_size] float32 on `device`."""
+        kind = self.seeded_noise
+        if kind == "auto":
+            kind = "generator" if torch.device(device).type == "cpu" else "counter"
+        return SEEDED_NOISE[kind](keys, vocab_size, device)
 
     def sample(
         self,
@@ -85,12 +135,51 @@ class Sampler:
             )
         probs = scaled.softmax(dim=-1)
 
-        noise = _race_noise(
+        noise = self._race_noise(
             num_rows, vocab_size, params, output_positions, sample_indices, generator, device
         )
         # the exponential race; a tiny floor keeps 0 noise from producing inf / nan
         sampled = (probs / noise.to(work_dtype).clamp_min_(1e-20)).argmax(dim=-1)
         return torch.where(torch.tensor(greedy, device=device), greedy_tokens, sampled)
+
+    def _race_noise(
+        self,
+        num_rows: int,
+        vocab_size: int,
+        params: list[SamplingParams],
+        output_positions: list[int],
+        sample_indices: list[int] | None,
+        generator: torch.Generator | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Exp(1) noise [N, V] float32 on `device`: unseeded sampled rows from `generator` in one
+        batched draw, seeded rows from their keys; greedy rows' noise is unused (ones)."""
+        if generator is not None and not _same_device(generator.device, device):
+            raise ValueError(
+                f"the sampling generator is on {generator.device}, the logits on {device}: "
+                "noise is drawn where the logits are (make the generator on that device)"
+            )
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        seeded_rows = [i for i in sampled if params[i].seed is not None]
+        if len(seeded_rows) < len(sampled):
+            noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+            noise.exponential_(generator=generator)
+        else:
+            noise = torch.ones(num_rows, vocab_size, dtype=torch.float32, device=device)
+        if seeded_rows:
+            keys = [
+                noise_seed(
+                    params[i].seed,
+                    output_positions[i],
+                    sample_indices[i] if sample_indices is not None else 0,
+                )
+                for i in seeded_rows
+            ]
+            seeded = self.seeded_exponential(keys, vocab_size, device)
+            if len(seeded_rows) == num_rows:
+                return seeded
+            noise[torch.tensor(seeded_rows, device=device)] = seeded
+        return noise
 
 
 def _apply_top_k_top_p(
@@ -108,30 +197,13 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _race_noise(
-    num_rows: int,
-    vocab_size: int,
-    params: list[SamplingParams],
-    output_positions: list[int],
-    sample_indices: list[int] | None,
-    generator: torch.Generator | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """Exp(1) noise [N, V] float32: one batched draw, then seeded rows overwritten."""
-    noise_device = generator.device if generator is not None else device
-    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=noise_device)
-    noise.exponential_(generator=generator)
-    noise = noise.to(device)
-    seeded_rows = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
-    if seeded_rows:
-        rows = [
-            seeded_exponential(
-                params[i].seed,
-                output_positions[i],
-                vocab_size,
-                sample_indices[i] if sample_indices is not None else 0,
-            )
-            for i in seeded_rows
-        ]
-        noise[torch.tensor(seeded_rows, device=device)] = torch.stack(rows).to(device)
-    return noise
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` name one device when the current one is 0."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" else 0
+        return (a.index if a.index is not None else current) == (
+            b.index if b.index is not None else current
+        )
+    return a.index == b.index

@@ -21,7 +21,13 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision)
 import triton.language as tl  # noqa: E402
 
-from servelab.plugins.attention.triton_tiles import AttentionTiles, attention_tiles  # noqa: E402
+from servelab.plugins.attention.triton_tiles import (  # noqa: E402
+    AttentionTiles,
+    attention_tiles,
+    float32_scale,
+    needs_64bit_offsets,
+    store_tokens_per_program,
+)
 
 # tl.max and tl.sum are @triton.jit functions themselves. When triton.language
 # was imported before TRITON_INTERPRET was set (torch imports it lazily, so an
@@ -35,7 +41,8 @@ _SUM = tl.standard._sum_combine
 # ---------------------------------------------------------------- KV store
 
 
-@triton.jit
+# step-varying counts are not specialised: one variant serves every batch size
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -62,6 +69,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    OFFSET_64: tl.constexpr,
 ):
     """Copies BLOCK_T tokens' K and V ([num_kv_heads, head_dim] each, flattened
     into BLOCK_C columns) to their slots; a negative slot means "do not store"."""
@@ -70,11 +78,15 @@ def _store_kv_kernel(
     head = cols // HEAD_DIM
     dim = cols % HEAD_DIM
     token_ok = tokens < num_tokens
-    slots = tl.load(slot_mapping_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
+    slots = tl.load(slot_mapping_ptr + tokens, mask=token_ok, other=-1)
+    if OFFSET_64:
+        slots = slots.to(tl.int64)
     mask = ((slots >= 0) & token_ok)[:, None] & (head < NUM_KV_HEADS)[None, :]
     block = slots // block_size
     offset = slots % block_size
-    tok = tokens.to(tl.int64)[:, None]
+    tok = tokens[:, None]
+    if OFFSET_64:
+        tok = tok.to(tl.int64)
 
     k = tl.load(
         k_ptr + tok * stride_kt + head[None, :] * stride_kh + dim[None, :] * stride_kd, mask=mask
@@ -120,7 +132,8 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# the batch size and the block table's width vary step to step: one variant serves all
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -151,6 +164,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    OFFSET_64: tl.constexpr,
 ):
     """One program: one query tile of one sequence for one KV head.
 
@@ -181,10 +195,13 @@ def _paged_attention_kernel(
     q_pos = context_len + tl.minimum(q_row, query_len - 1)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    token = (q_begin + q_row).to(tl.int64)
-    q_ptrs = (
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    )
+    # 64-bit scalar bases, 32-bit offsets inside a tile (OFFSET_64 where the host
+    # found a layer too large for int32): a 64-bit offset per element costs the
+    # registers a bandwidth-bound kernel needs for more blocks per SM.
+    q_tile = q_ptr + q_begin.to(tl.int64) * stride_qt
+    o_tile = out_ptr + q_begin.to(tl.int64) * stride_ot
+    tile_cols = head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q_ptrs = q_tile + q_row[:, None] * stride_qt + tile_cols
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC_DTYPE)
@@ -198,7 +215,9 @@ def _paged_attention_kernel(
     for key0 in range(0, num_keys, BLOCK_N):
         keys = key0 + tl.arange(0, BLOCK_N)
         key_ok = keys < num_keys
-        block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)
+        block = tl.load(table + keys // block_size, mask=key_ok, other=0)
+        if OFFSET_64:
+            block = block.to(tl.int64)
         slot_rows = block * stride_cb + (keys % block_size) * stride_cp
         kv_offsets = slot_rows[:, None] + head_cols
         k = tl.load(k_cache_ptr + kv_offsets, mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
@@ -223,8 +242,8 @@ def _paged_attention_kernel(
 
     out = acc / l_i[:, None]
     o_ptrs = (
-        out_ptr
-        + token[:, None] * stride_ot
+        o_tile
+        + q_row[:, None] * stride_ot
         + head[:, None] * stride_oh
         + offs_d[None, :] * stride_od
     )
@@ -271,7 +290,7 @@ def store_kv(
         return
     _require_runnable(k, v, k_cache, v_cache, slot_mapping)
     block_c = triton.next_power_of_2(num_kv_heads * head_dim)
-    block_t = 64 if INTERPRETED else max(1, min(64, 4096 // block_c))
+    block_t = store_tokens_per_program(block_c, INTERPRETED)
     grid = (triton.cdiv(num_tokens, block_t),)
     _store_kv_kernel[grid](
         k,
@@ -289,6 +308,7 @@ def store_kv(
         HEAD_DIM=head_dim,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
+        OFFSET_64=needs_64bit_offsets(k, v, k_cache, v_cache),
     )
 
 
@@ -338,7 +358,7 @@ def paged_attention(
     fp64 = q.dtype == torch.float64
     # Scalar float arguments reach a kernel as float32; float64 runs add the
     # rounding residual back so their scale stays exact to ~1e-15.
-    scale_hi = float(torch.tensor(scale, dtype=torch.float32))
+    scale_hi = float32_scale(scale)
     acc_dtype = tl.float64 if fp64 else tl.float32
     # The interpreter's dot is wrong on raw 16-bit floats, so it always gets the
     # accumulation type; a GPU keeps 16-bit operands for the tensor cores.
@@ -369,6 +389,7 @@ def paged_attention(
         BLOCK_N=tiles.block_n,
         ACC_DTYPE=acc_dtype,
         DOT_DTYPE=dot_dtype,
+        OFFSET_64=needs_64bit_offsets(k_cache),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -26,6 +26,15 @@ cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 BACKENDS = ("padded", "per_request", "flash_varlen", "triton_paged")
 
 
+def skip_unless_triton_interpreted() -> None:
+    """Skips a test that runs `triton_paged` on CPU tensors where its kernels are
+    compiled (a CUDA machine without TRITON_INTERPRET): they need CUDA tensors."""
+    from servelab.plugins.attention.triton_paged import kernels
+
+    if not kernels().INTERPRETED:
+        pytest.skip("triton_paged on the CPU needs the Triton interpreter; kernels compiled here")
+
+
 @dataclass
 class DecodeScene:
     """A tiny model whose KV cache holds prefilled prompts, and two decode steps:

@@ -55,6 +55,7 @@ from tests.executor.decode_scenes import (
     assert_same_decode,
     make_scene,
     scene_runner,
+    skip_unless_triton_interpreted,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -429,6 +430,7 @@ def test_decode_steps_replay_through_the_model_runner(monkeypatch):
     graphs stood in for by `ForwardReplay`): every one-token-per-sequence step
     replays a bucket without planning, every other step plans and runs eagerly,
     and the tokens are still transformers' greedy tokens."""
+    skip_unless_triton_interpreted()  # the CUDA twin: test_engine_replays_decode_graphs_on_cuda
     monkeypatch.setattr(servelab.executor.model_runner, "DecodeGraphRunner", CpuReplayRunner)
     case, llm = oracle_llm("triton_paged", cuda_graphs=True)
     runner = llm.engine.runner
@@ -492,3 +494,46 @@ def test_throughput_benchmark_tiny_smoke(tmp_path):
     assert (tmp_path / "gpu_throughput.md").is_file() and (
         tmp_path / "gpu_throughput.json"
     ).is_file()
+
+
+def tiny_args(bench, tmp_path):
+    return bench.parse_args(
+        ["--tiny", "--backends", "padded", "--requests", "2", "--out", str(tmp_path)]
+    )
+
+
+def test_throughput_run_frees_its_engine_before_the_next(tmp_path, monkeypatch):
+    """The engine (its KV cache) is gone when the benchmark returns memory to the
+    device: the next run then sizes its cache at equal memory."""
+    import weakref
+
+    bench = load_benchmark()
+    args = tiny_args(bench, tmp_path)
+    workload = bench.make_workload(2, 4, 32, named_config("tiny").vocab_size, seed=0)
+    built, alive_at_free = [], []
+    build = bench.build_llm
+    monkeypatch.setattr(
+        bench,
+        "build_llm",
+        lambda *a: built.append(weakref.ref((llm := build(*a)).engine.kv_cache)) or llm,
+    )
+    free = bench.free_device_memory
+    monkeypatch.setattr(
+        bench,
+        "free_device_memory",
+        lambda device: (free(device), alive_at_free.append(built[-1]() is not None)),
+    )
+    result = bench.run_one(args, "padded", False, workload, bandwidth=1e9)
+    assert result.status == "ok" and alive_at_free == [False]
+
+
+def test_a_failure_while_building_is_a_row(tmp_path, monkeypatch):
+    bench = load_benchmark()
+    args = tiny_args(bench, tmp_path)
+
+    def fail(*_):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bench, "build_llm", fail)
+    result = bench.run_one(args, "padded", True, bench.make_workload(2, 4, 8, 64, 0), 1e9)
+    assert result.status.startswith("error building: RuntimeError") and result.wall_s == 0

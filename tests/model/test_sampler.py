@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from servelab.model.sampler import Sampler
+from servelab.model.sampler import Sampler, counter_exponential, noise_seed
 from servelab.step.sequence import SamplingParams
 
 LOGITS_5 = [2.0, 1.0, 0.5, 0.0, -1.0]
@@ -87,8 +87,12 @@ def test_top_k_1_equals_greedy(temperature):
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
-# -- seeds
-def test_seeded_row_ignores_the_rest_of_the_batch():
+# -- seeds: both ways of making seeded noise (the CPU's generator, the devices' counter hash)
+NOISE = pytest.mark.parametrize("noise", ["generator", "counter"])
+
+
+@NOISE
+def test_seeded_row_ignores_the_rest_of_the_batch(noise):
     vocab = 64
     target_logits = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
     target = SamplingParams(temperature=1.0, seed=1234)
@@ -101,7 +105,7 @@ def test_seeded_row_ignores_the_rest_of_the_batch():
         params[row] = target
         positions = torch.randint(0, 50, (others + 1,), generator=gen).tolist()
         positions[row] = 17
-        return int(Sampler().sample(logits, params, positions, gen)[row])
+        return int(Sampler(noise).sample(logits, params, positions, gen)[row])
 
     tokens = {
         token_in_batch(s, others, row)
@@ -110,9 +114,10 @@ def test_seeded_row_ignores_the_rest_of_the_batch():
     assert len(tokens) == 1
 
 
-def test_seeded_rows_vary_with_position_seed_and_sample_index():
+@NOISE
+def test_seeded_rows_vary_with_position_seed_and_sample_index(noise):
     logits = torch.zeros(1, 1000)  # uniform: any fixed noise would show as repeats
-    sampler = Sampler()
+    sampler = Sampler(noise)
 
     def draw(seed, position, index=0):
         params = [SamplingParams(temperature=1.0, seed=seed)]
@@ -124,14 +129,35 @@ def test_seeded_rows_vary_with_position_seed_and_sample_index():
     assert draw(7, 3) == draw(7, 3)
 
 
-def test_seeded_draws_follow_the_distribution():
+@NOISE
+def test_seeded_draws_follow_the_distribution(noise):
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=99)
     draws = 5000
     logits = torch.tensor([LOGITS_5] * draws, dtype=torch.float64)
     # one request's successive output positions: each gets its own seeded noise
-    tokens = Sampler().sample(logits, [params] * draws, list(range(draws)))
+    tokens = Sampler(noise).sample(logits, [params] * draws, list(range(draws)))
     counts = torch.bincount(tokens, minlength=5).tolist()
     assert_matches(counts, reference_distribution(LOGITS_5, 1.0, -1, 0.95))
+
+
+def test_counter_noise_row_depends_on_its_key_and_token_only():
+    keys = [noise_seed(s, p) for s, p in [(1, 0), (1, 1), (2, 0)]]
+    batch = counter_exponential(keys, 500, "cpu")
+    assert torch.equal(batch[1:2], counter_exponential(keys[1:2], 500, "cpu"))
+    # a token's noise does not depend on the vocabulary size either
+    assert torch.equal(batch[:, :100], counter_exponential(keys, 100, "cpu"))
+    assert not torch.equal(batch[0], batch[1])
+
+
+def test_counter_noise_is_exponential():
+    noise = counter_exponential([noise_seed(3, p) for p in range(4)], 50_000, "cpu").double()
+    assert noise.min() > 0 and torch.isfinite(noise).all()
+    assert abs(noise.mean() - 1) < 0.01 and abs(noise.var() - 1) < 0.03
+    # exp(-E) is uniform: 10 equal bins, chi-square with 9 degrees of freedom, p = 1e-4
+    counts = torch.histc(torch.exp(-noise), bins=10, min=0, max=1)
+    expected = noise.numel() / 10
+    assert float(((counts - expected) ** 2 / expected).sum()) < 33.7
+    assert abs(float(torch.corrcoef(noise[:2])[0, 1])) < 0.02
 
 
 # -- distributions
@@ -181,3 +207,43 @@ def test_bfloat16_logits_sample_valid_tokens():
     assert torch.equal(tokens[4:], logits[4:].argmax(dim=-1))
     top10 = logits[:4].float().topk(10, dim=-1).indices
     assert all(int(t) in row.tolist() for t, row in zip(tokens[:4], top10, strict=True))
+
+
+# -- the device: noise is made where the logits are
+class _Devices(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the device of every tensor an op returns with a vocabulary-sized dim."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.devices = vocab, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor) and self.vocab in t.shape:
+                self.devices.add(t.device.type)
+        return out
+
+
+def test_no_vocabulary_sized_tensor_leaves_the_logits_device():
+    # `meta` stands in for an accelerator: a tensor made on the CPU would show as `cpu`
+    vocab = 97
+    logits = torch.empty(4, vocab, device="meta")
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.9, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.8),
+        SamplingParams(temperature=0.7, top_k=5, seed=2),
+    ]
+    recorder = _Devices(vocab)
+    with recorder:
+        tokens = Sampler().sample(logits, params, [0, 3, 1, 5], sample_indices=[0, 0, 0, 1])
+    assert tokens.device.type == "meta" and tokens.shape == (4,)
+    assert recorder.devices == {"meta"}
+
+
+def test_a_generator_on_another_device_is_refused():
+    logits = torch.empty(2, 10, device="meta")
+    params = [SamplingParams(temperature=1.0)] * 2
+    with pytest.raises(ValueError, match="generator is on cpu"):
+        Sampler().sample(logits, params, [0, 0], torch.Generator(device="cpu"))

@@ -29,8 +29,18 @@ class RadixAllocator(BlockTableAllocator):
     prefix_caching = True  # always: the tree is the cache (figures and benchmarks read this)
 
     def __init__(
-        self, token_capacity: int, host_token_capacity: int, max_model_len: int, page_size: int = 1
+        self,
+        token_capacity: int,
+        host_token_capacity: int,
+        max_model_len: int,
+        page_size: int = 1,
+        prefix_caching: bool = True,
     ) -> None:
+        # accepted so that one sweep can set prefix_caching for paged and radix alike
+        if prefix_caching is not True:
+            raise ConfigError(
+                "radix allocator: the tree is the prefix cache; prefix_caching must be true"
+            )
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ConfigError(
                 f"radix allocator: page_size must be an integer >= 1, got {page_size!r}"

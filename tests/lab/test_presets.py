@@ -215,3 +215,15 @@ def test_fairness(tmp_path):
     timing_claim_holds(
         runs, light_waits_less, lambda i: run_preset(tmp_path / f"again{i}", "fairness")
     )
+
+
+def test_radix_vs_hashed(tmp_path):
+    runs = run_preset(tmp_path, "radix_vs_hashed")
+    hashed, radix, lpm = runs["paged/fcfs"], runs["radix/fcfs"], runs["radix/lpm"]
+    assert radix["prefix_hit_rate"] > hashed["prefix_hit_rate"] > 0
+    assert radix["prefill_tokens"] < hashed["prefill_tokens"]
+    assert lpm["prefix_hit_rate"] > radix["prefix_hit_rate"]
+    # every prompt token is computed or served from cache; the tokens are the same
+    for run in runs.values():
+        assert run["prefill_tokens"] + run["prefix_hit_tokens"] >= run["prompt_tokens"]
+    assert len({run["output_digest"] for run in runs.values()}) == 1

@@ -120,8 +120,12 @@ class BaseScheduler(AfterTheForward, Scheduler):
                     for seq in aborted:
                         self.finish(seq, FinishReason.ABORT)
                     self.release_group(group)
+                    self.forget(request_id)
                     return aborted
         return []
+
+    def forget(self, request_id: str) -> None:
+        """Drops what a subclass keeps per request; called on abort (a hook)."""
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -169,13 +173,18 @@ class BaseScheduler(AfterTheForward, Scheduler):
         for admitted, group in enumerate(groups):
             if max_groups is not None and admitted >= max_groups:
                 break
-            used = self.try_admit(group, plan, budget)
+            used = self.admit_one(group, plan, budget)
             if used is None:
                 break
-            if group in self.waiting:  # try_admit removes a group it drops itself
-                self.waiting.remove(group)
             budget -= used
         return budget
+
+    def admit_one(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
+        """`try_admit`, then the group leaves the waiting queue; None when it does not fit."""
+        used = self.try_admit(group, plan, budget)
+        if used is not None and group in self.waiting:  # try_admit removes one it drops
+            self.waiting.remove(group)
+        return used
 
     # -- one step
     def schedule(self) -> StepPlan:
@@ -249,20 +258,27 @@ class BaseScheduler(AfterTheForward, Scheduler):
     def resume_swapped(self, plan: StepPlan, budget: int) -> None:
         self.swapped.sort(key=queue_key)
         while self.swapped:
-            group = self.swapped[0]
-            seqs = group.unfinished()
-            if self.num_running_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
+            used = self.resume_one(self.swapped[0], plan, budget)
+            if used is None:
                 return
-            if not self.preemption.resume(seqs, self.allocator):
-                return
-            self.swapped.pop(0)
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            self.running.append(group)
-            counts = [self.tokens_for(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
-            if sum(counts) and self.can_allocate_all(seqs, counts):
-                self.allocate_and_plan(seqs, counts, plan)
-                budget -= sum(counts)
+            budget -= used
+
+    def resume_one(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
+        """Brings one swapped group back and plans its tokens; None when it cannot."""
+        seqs = group.unfinished()
+        if self.num_running_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
+            return None
+        if not self.preemption.resume(seqs, self.allocator):
+            return None
+        self.swapped.remove(group)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        self.running.append(group)
+        counts = [self.tokens_for(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
+        if sum(counts) and self.can_allocate_all(seqs, counts):
+            self.allocate_and_plan(seqs, counts, plan)
+            return sum(counts)
+        return 0
 
     def try_admit(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
         """Admits one waiting group if limits allow; returns tokens scheduled, None if not."""

@@ -18,7 +18,7 @@ Conversations start at Poisson times of rate `rate`; turn k of a chat arrives
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from servelab.errors import ConfigError
 from servelab.lab.distributions import arrival_times
@@ -68,23 +68,28 @@ def multi_turn_workload(
     build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
     starts = arrival_times(num_conversations, "poisson", rate, 1.0, build.rng)
     system = build.random_prompt(system_prompt_len)
+    shape = _Turns(turns, message_len, output_len, think)
     if variant == "conversation":
-        requests = _conversations(build, system, starts, turns, message_len, output_len, think)
+        requests = _conversations(build, system, starts, shape)
     else:
         examples = [build.random_prompt(example_len) for _ in range(num_examples)]
-        requests = _few_shot(build, system, examples, starts, turns, message_len, output_len, think)
+        requests = _few_shot(build, system, examples, starts, shape)
     return sorted(requests, key=lambda r: r.arrival_time)
 
 
+class _Turns(NamedTuple):
+    """Each conversation's turns: how many, their lengths, the time between them."""
+
+    turns: int
+    message_len: int
+    output_len: int
+    think: float
+
+
 def _conversations(
-    build: RequestBuilder,
-    system: list[int],
-    starts: Any,
-    turns: int,
-    message_len: int,
-    output_len: int,
-    think: float,
+    build: RequestBuilder, system: list[int], starts: Any, shape: _Turns
 ) -> list[WorkloadRequest]:
+    turns, message_len, output_len, think = shape
     requests = []
     for c, start in enumerate(starts):
         history = list(system)
@@ -108,15 +113,9 @@ def _conversations(
 
 
 def _few_shot(
-    build: RequestBuilder,
-    system: list[int],
-    examples: list[list[int]],
-    starts: Any,
-    turns: int,
-    message_len: int,
-    output_len: int,
-    think: float,
+    build: RequestBuilder, system: list[int], examples: list[list[int]], starts: Any, shape: _Turns
 ) -> list[WorkloadRequest]:
+    turns, message_len, output_len, think = shape
     requests = []
     for c, start in enumerate(starts):
         for k in range(turns):

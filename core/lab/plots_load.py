@@ -22,6 +22,7 @@ from servelab.lab.plots import (
     pyplot,
     save,
 )
+from servelab.lab.plots_fairness import plot_fairness
 from servelab.lab.runs import Configuration
 from servelab.lab.slo import RATE_KEY
 
@@ -45,6 +46,7 @@ def draw_plots(
         "kv_util.png": lambda p: plot_kv_use(finished, p, axis),
         "batch.png": lambda p: plot_batches(finished, p, axis),
         "timeline.png": lambda p: plot_timeline(finished, p, axis),
+        "fairness.png": lambda p: plot_fairness(finished, p),
     }
     written = []
     for name, draw in plots.items():
@@ -130,7 +132,9 @@ def plot_latency_vs_load(
         ax.set_xlabel("request rate (req/s, log)")
         ax.set_ylabel(f"{title} (ms, log)")
         log_axis(ax, "y")
-        target = (slo or {}).get(f"{kind}_ms") or ((slo or {}).get("tpot_ms") if kind == "itl" else None)
+        target = (slo or {}).get(f"{kind}_ms") or (
+            (slo or {}).get("tpot_ms") if kind == "itl" else None
+        )
         if target:
             ax.axhline(target, color="black", linestyle="--", linewidth=1)
         ax.set_title(f"{title}: p50 (dotted), p99 (solid), 95% bands", fontsize=9)

@@ -28,6 +28,7 @@ from servelab.engine.build import build_engine
 from servelab.engine.engine import Engine
 from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.errors import ConfigError
+from servelab.lab.fairness import fairness_figures
 from servelab.lab.provenance import provenance
 from servelab.lab.report import report_options
 from servelab.lab.workload import WorkloadRequest, make_workload
@@ -134,6 +135,7 @@ def serve(
                 time.sleep(max(0.0, min(pending[next_index].arrival_time - now, 0.01)))
     summary = engine.metrics.summary()
     summary["output_digest"] = output_digest(tokens)
+    summary.update(client_figures(engine))
     engine.notify("servelab_run_end", engine=engine, summary=summary)
     return summary
 
@@ -178,6 +180,18 @@ class ProgressBar:
         self.seen_steps = len(steps)
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
         self.progress.update(self.task, completed=len(engine.metrics.requests), tok_s=rate)
+
+
+def client_figures(engine) -> dict[str, float]:
+    """Per-client service and TTFT (lab/fairness.py) when requests carry clients, weighted
+    as the scheduler weighs them (VTC's w_prompt and w_output; else its defaults, 1 and 2)."""
+    requests = engine.metrics.requests
+    if not any(r.client is not None for r in requests):
+        return {}
+    rows = [{**r.row(), "token_steps": r.token_steps} for r in requests]
+    steps = [s.row() for s in engine.metrics.steps]
+    weights = (getattr(engine.scheduler, w, d) for w, d in (("w_prompt", 1.0), ("w_output", 2.0)))
+    return fairness_figures(rows, steps, *weights)
 
 
 def run_config(config: Mapping) -> RunResult:

@@ -5,17 +5,16 @@ its length: attention over the prefix), while swapping moves its blocks twice
 over the host link (linear in its length). So short victims are recomputed and
 long ones swapped: a victim whose KV (its computed tokens, summed over its
 samples) reaches `break_even_tokens` is swapped. As with `swap`, a victim the
-host pool cannot hold is recomputed.
+host pool cannot hold is recomputed (`swap`'s fallback, inherited).
 """
 
-from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.preemption import PreemptionPolicy
 from servelab.errors import ConfigError
+from servelab.plugins.preemption.swap import SwapPolicy
 from servelab.step.sequence import Sequence
 
 
-class HybridPolicy(PreemptionPolicy):
+class HybridPolicy(SwapPolicy):
     description = "swap victims with long KV, recompute short ones (break_even_tokens)"
 
     def __init__(self, break_even_tokens: int = 256) -> None:
@@ -32,14 +31,6 @@ class HybridPolicy(PreemptionPolicy):
     def should_swap(self, group: list[Sequence]) -> bool:
         """The choice rule: KV of at least `break_even_tokens` tokens is swapped."""
         return sum(seq.num_computed_tokens for seq in group) >= self.break_even_tokens
-
-    def preempt(self, group: list[Sequence], allocator: KVAllocator) -> str:
-        if self.should_swap(group) and allocator.can_swap_out(group):
-            allocator.swap_out(group)
-            return "swapped"
-        for seq in group:
-            allocator.free(seq)
-        return "waiting"
 
 
 @hookimpl

@@ -11,8 +11,12 @@ from servelab.step.sequence import Sequence
 class SwapPolicy(PreemptionPolicy):
     description = "move the victim's KV to pinned host memory; recompute when the host pool is full"
 
+    def should_swap(self, group: list[Sequence]) -> bool:
+        """Whether to swap this victim (when the host pool can hold it); always, here."""
+        return True
+
     def preempt(self, group: list[Sequence], allocator: KVAllocator) -> str:
-        if allocator.can_swap_out(group):
+        if self.should_swap(group) and allocator.can_swap_out(group):
             allocator.swap_out(group)
             return "swapped"
         for seq in group:

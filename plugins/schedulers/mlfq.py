@@ -149,30 +149,11 @@ class MultiLevelFeedbackQueue(BaseScheduler):
             if group in self.swapped:
                 used = self.resume_one(group, plan, budget)
             else:
-                used = self.try_admit(group, plan, budget)
-                if used is not None and group in self.waiting:
-                    self.waiting.remove(group)
+                used = self.admit_one(group, plan, budget)
             if used is None:
                 break
             budget -= used
         return budget
-
-    def resume_one(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
-        """Brings one swapped group back and plans its tokens; None when it cannot."""
-        seqs = group.unfinished()
-        if self.num_running_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
-            return None
-        if not self.preemption.resume(seqs, self.allocator):
-            return None
-        self.swapped.remove(group)
-        for seq in seqs:
-            seq.status = SequenceStatus.RUNNING
-        self.running.append(group)
-        counts = [self.tokens_for(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
-        if sum(counts) and self.can_allocate_all(seqs, counts):
-            self.allocate_and_plan(seqs, counts, plan)
-            return sum(counts)
-        return 0
 
     # -- after the forward: demotion
     def update(self, plan, sampled, now) -> list[SequenceGroup]:
@@ -188,11 +169,6 @@ class MultiLevelFeedbackQueue(BaseScheduler):
         for group in finished:
             self.forget(group.request_id)
         return finished
-
-    def abort(self, request_id: str) -> list[Sequence]:
-        aborted = super().abort(request_id)
-        self.forget(request_id)
-        return aborted
 
     def forget(self, request_id: str) -> None:
         for table in (self.level, self.level_start, self.wait_since):

@@ -19,7 +19,7 @@ from servelab.contracts.hookspecs import hookimpl
 from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
 from servelab.step.plan import StepPlan
-from servelab.step.sequence import Sequence, SequenceGroup, finite_number
+from servelab.step.sequence import SequenceGroup, finite_number
 
 
 class VirtualTokenCounter(BaseScheduler):
@@ -64,11 +64,9 @@ class VirtualTokenCounter(BaseScheduler):
         while queues:
             client = min(queues, key=lambda c: (self.counter(c), self.order_key(queues[c][0])))
             group = queues[client][0]
-            used = self.try_admit(group, plan, budget)
+            used = self.admit_one(group, plan, budget)
             if used is None:
                 break
-            if group in self.waiting:  # try_admit removes a group it drops itself
-                self.waiting.remove(group)
             budget -= used
             queues[client].pop(0)
             if not group.is_finished:
@@ -100,11 +98,6 @@ class VirtualTokenCounter(BaseScheduler):
         for group in finished:
             self.forget(group.request_id)
         return finished
-
-    def abort(self, request_id: str) -> list[Sequence]:
-        aborted = super().abort(request_id)
-        self.forget(request_id)
-        return aborted
 
     def forget(self, request_id: str) -> None:
         self.charged_output.pop(request_id, None)

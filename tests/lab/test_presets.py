@@ -195,3 +195,35 @@ def test_attention_backends(tmp_path):
     assert runs["padded"]["padding_waste_pct"] > 0 == runs["per_request"]["padding_waste_pct"]
     markdown = (tmp_path / "attention_backends" / "summary.md").read_text()
     assert "✅ holds: every backend produced the same output tokens" in markdown
+
+
+def test_fairness(tmp_path):
+    runs = run_preset(tmp_path, "fairness")
+    fcfs, vtc = runs["continuous"], runs["vtc"]
+    assert fcfs["arrival_share_pct_light"] == vtc["arrival_share_pct_light"] < 28
+    # FCFS serves the backlog in arrival order: the light client's share is its arrivals'
+    assert fcfs["service_share_pct_light"] < 28 and vtc["service_share_pct_light"] > 32
+    assert vtc["client_gap_to_bound"] < 1 < fcfs["client_gap_to_bound"]
+    assert vtc["output_digest"] == fcfs["output_digest"]  # the order changes, not the tokens
+
+    def light_waits_less(runs) -> str:
+        fcfs, vtc = runs["continuous"], runs["vtc"]
+        if vtc["ttft_mean_ms_light"] < fcfs["ttft_mean_ms_light"]:
+            return ""
+        return f"light TTFT vtc {vtc['ttft_mean_ms_light']:.0f} >= fcfs {fcfs['ttft_mean_ms_light']:.0f}"
+
+    timing_claim_holds(
+        runs, light_waits_less, lambda i: run_preset(tmp_path / f"again{i}", "fairness")
+    )
+
+
+def test_radix_vs_hashed(tmp_path):
+    runs = run_preset(tmp_path, "radix_vs_hashed")
+    hashed, radix, lpm = runs["paged/fcfs"], runs["radix/fcfs"], runs["radix/lpm"]
+    assert radix["prefix_hit_rate"] > hashed["prefix_hit_rate"] > 0
+    assert radix["prefill_tokens"] < hashed["prefill_tokens"]
+    assert lpm["prefix_hit_rate"] > radix["prefix_hit_rate"]
+    # every prompt token is computed or served from cache; the tokens are the same
+    for run in runs.values():
+        assert run["prefill_tokens"] + run["prefix_hit_tokens"] >= run["prompt_tokens"]
+    assert len({run["output_digest"] for run in runs.values()}) == 1

@@ -3,7 +3,7 @@
 `gpu_throughput.py` writes `gpu_throughput.{md,json}` per run folder (`--merge`
 joins several); `gpu_check.sh` records each phase (name, exit status, seconds,
 time limit, log) in `phases.tsv`, and `python benchmarks/gpu_report.py --check
-FOLDER` turns that plus the merged throughput into `gpu_check.json` and
+FOLDER RUNS...` merges the runs and turns that into `gpu_check.json` and
 `gpu_check.md`: every planned phase listed, one that never ran says so.
 """
 
@@ -110,6 +110,8 @@ def check_report(folder: str) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--check":
-        raise SystemExit("usage: python benchmarks/gpu_report.py --check FOLDER")
+    if len(sys.argv) < 3 or sys.argv[1] != "--check":
+        raise SystemExit("usage: python benchmarks/gpu_report.py --check FOLDER [RUN_FOLDER...]")
+    if sys.argv[3:]:  # the runs' reports first, merged into FOLDER/gpu_throughput.*
+        merge(sys.argv[3:], sys.argv[2])
     print(check_report(sys.argv[2]))

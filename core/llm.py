@@ -15,7 +15,6 @@ from servelab.engine.build import build_engine
 from servelab.engine.engine import Engine
 from servelab.step.sequence import RequestOutput, SamplingParams
 
-
 CUDA_DTYPE = "bfloat16"  # what conf/device/cuda.yaml sets: tensor-core dots, half the KV bytes
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import contextmanager
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh"}

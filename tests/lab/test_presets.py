@@ -6,6 +6,8 @@ flips a claim fails here."""
 from __future__ import annotations
 
 import csv
+import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -227,3 +229,51 @@ def test_radix_vs_hashed(tmp_path):
     for run in runs.values():
         assert run["prefill_tokens"] + run["prefix_hit_tokens"] >= run["prompt_tokens"]
     assert len({run["output_digest"] for run in runs.values()}) == 1
+
+
+def test_hybrid_preemption(tmp_path):
+    overrides = ("workload.num_requests=12", "engine.kv_cache_memory=512KiB")
+    runs = run_preset(tmp_path, "hybrid_preemption", *overrides)
+    assert set(runs) == {"recompute", "swap", "hybrid"}
+    swap, recompute, hybrid = runs["swap"], runs["recompute"], runs["hybrid"]
+    assert all(run["finished_pct"] == 100 for run in runs.values())
+    # hybrid swaps the long victims and recomputes the short ones
+    assert hybrid["preemptions_swap"] >= 1 and hybrid["preemptions_recompute"] >= 1
+    assert 0 < hybrid["recomputed_tokens"] < recompute["recomputed_tokens"]
+    assert 0 < hybrid["swapped_out_bytes"] < swap["swapped_out_bytes"]
+    assert recompute["swapped_out_bytes"] == 0 == swap["recomputed_tokens"]
+    assert len({run["output_digest"] for run in runs.values()}) == 1  # nothing lost either way
+
+    def keeps_up(runs) -> str:
+        hybrid = runs["hybrid"]["output_tok_s"]
+        return "; ".join(
+            f"hybrid {hybrid:.0f} tok/s < 0.9x {other} {runs[other]['output_tok_s']:.0f}"
+            for other in ("swap", "recompute")
+            if hybrid < 0.9 * runs[other]["output_tok_s"]
+        )
+
+    timing_claim_holds(
+        runs,
+        keeps_up,
+        lambda i: run_preset(tmp_path / f"again{i}", "hybrid_preemption", *overrides),
+    )
+
+
+def test_mlfq_vs_fcfs(tmp_path):
+    runs = run_preset(tmp_path, "mlfq_vs_fcfs")
+    fcfs, mlfq = runs["continuous"], runs["mlfq"]
+    assert mlfq["preemptions"] >= 1 and fcfs["preemptions"] == 0
+    assert mlfq["swapped_out_bytes"] > 0
+    assert mlfq["finished_pct"] == fcfs["finished_pct"] == 100
+    assert mlfq["output_digest"] == fcfs["output_digest"]  # the order changes, not the tokens
+    # all requests at once: the step each request finishes at is counted, not timed;
+    # MLFQ finishes the short requests first, so mean and median finish steps fall
+    finish_steps = {}
+    for folder in (tmp_path / "mlfq_vs_fcfs").iterdir():
+        if (folder / "requests.csv").exists():
+            scheduler = json.loads((folder / "results.json").read_text())["choices"]["scheduler"]
+            with open(folder / "requests.csv", newline="") as handle:
+                finish_steps[scheduler] = [int(r["finished_step"]) for r in csv.DictReader(handle)]
+    assert set(finish_steps) == {"continuous", "mlfq"}
+    for measure in (statistics.mean, statistics.median):
+        assert measure(finish_steps["mlfq"]) < 0.9 * measure(finish_steps["continuous"])

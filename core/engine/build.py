@@ -71,6 +71,7 @@ POSITIVE = (
     "tensor_parallel_size",
 )
 
+
 def _to_dict(node: Any) -> Any:
     try:
         from omegaconf import DictConfig, OmegaConf

@@ -85,6 +85,32 @@ class StepShape:
         return len(self.prefill_q) + len(self.decode_keys)
 
 
+def step_shape(plan, padded: bool = False) -> StepShape:
+    """A `StepPlan` as the cost model reads it: a chunk of one token is a decode
+    (its attention is a decode's), a longer one a prefill chunk."""
+    decode_keys = []
+    if plan.decodes is not None:
+        decode_keys.append(np.asarray(plan.decode_starts, dtype=np.float64) + 1)
+    prefill_q, prefill_start, single = [], [], []
+    sampling = len(plan.decode_seq_ids)
+    for item in plan.items:
+        if item.num_query_tokens == 1:
+            single.append(item.start + 1)
+        else:
+            prefill_q.append(item.num_query_tokens)
+            prefill_start.append(item.start)
+        sampling += bool(item.samples)
+    if single:
+        decode_keys.append(np.asarray(single, dtype=np.float64))
+    return StepShape(
+        np.asarray(prefill_q, dtype=np.float64),
+        np.asarray(prefill_start, dtype=np.float64),
+        np.concatenate(decode_keys) if decode_keys else np.zeros(0),
+        sampling,
+        padded,
+    )
+
+
 def attention_flops(q, start, head_dim: int, heads: float) -> float:
     """4 d heads x sum over chunks of q s + q (q + 1) / 2 (causal, after s cached)."""
     q = np.asarray(q, dtype=np.float64)
@@ -98,7 +124,12 @@ def matmul_op(name: str, tokens: float, m: float, n: float, e: float) -> Op:
 
 class CostModel:
     def __init__(
-        self, shape: Shape, profile: HardwareProfile, dtype: str, bytes_per_element: int, tp: int = 1
+        self,
+        shape: Shape,
+        profile: HardwareProfile,
+        dtype: str,
+        bytes_per_element: int,
+        tp: int = 1,
     ) -> None:
         self.shape, self.profile, self.e, self.tp = shape, profile, float(bytes_per_element), tp
         peak = profile.flops(dtype)

@@ -26,7 +26,14 @@ from servelab.errors import ConfigError
 from servelab.model.config import NAMED_SHAPES, ModelConfig, named_config, resolve_dtype
 from servelab.model.transformer import Transformer
 
-__all__ = ["load_model", "load_shape", "model_source", "resolve_dtype", "init_random_weights", "load_checkpoint_weights"]
+__all__ = [
+    "load_model",
+    "load_shape",
+    "model_source",
+    "resolve_dtype",
+    "init_random_weights",
+    "load_checkpoint_weights",
+]
 
 INIT_STD = 0.02  # like HF's initializer_range
 NORM_JITTER = 0.05  # norm weights are 1 + small noise, so a wrong norm wiring shows up

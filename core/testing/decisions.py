@@ -47,7 +47,9 @@ def workload(seed: int = 0, num_requests: int = 12) -> list[tuple[list[int], Sam
         prompt = [rng.randrange(4, 500) for _ in range(length)]
         if i % 4 == 3:
             prompt = shared + prompt[:3]
-        params = SamplingParams(temperature=0.0, max_tokens=rng.choice([1, 4, 12, 24]), ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=rng.choice([1, 4, 12, 24]), ignore_eos=True
+        )
         out.append((prompt, params))
     return out
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import numpy as np
-
 from servelab.contracts.executor import Executor
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.executor.cost_model import CostModel, Shape, StepShape
+from servelab.executor.cost_model import CostModel, Shape, StepShape, step_shape
 from servelab.executor.device_memory import (
     MemoryBudget,
     check_utilization,
@@ -134,28 +132,15 @@ class SimulatedExecutor(Executor):
         owners: list[int] = []
         tokens: list[int] = []
         vocab = self.model_config.vocab_size
-        decode_keys: list = []
         if plan.decodes is not None:
-            starts = plan.decode_starts
-            decode_keys.append(np.asarray(starts, dtype=np.float64) + 1)
-            positions = (starts + 1 - plan.decodes.prompt_lens).tolist()
+            positions = (plan.decode_starts + 1 - plan.decodes.prompt_lens).tolist()
             for seq, position in zip(plan.decode_seqs, positions):
                 owners.append(seq.seq_id)
                 tokens.append(self.token(seq.request_id, seq.sample_index, position, vocab))
-        prefill_q: list[int] = []
-        prefill_start: list[int] = []
-        single: list[int] = []
-        sampling = len(owners)
         for item in plan.items:
-            seq, count = item.seq, item.num_query_tokens
-            if count == 1:
-                single.append(item.start + 1)
-            else:
-                prefill_q.append(count)
-                prefill_start.append(item.start)
             if not item.samples:
                 continue
-            sampling += 1
+            seq = item.seq
             num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
             p = seq.params
             forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
@@ -163,17 +148,7 @@ class SimulatedExecutor(Executor):
                 index = k if forks > 1 else seq.sample_index
                 owners.append(seq.seq_id)
                 tokens.append(self.token(seq.request_id, index, num_outputs, vocab))
-        if single:
-            decode_keys.append(np.asarray(single, dtype=np.float64))
-        keys = np.concatenate(decode_keys) if decode_keys else np.zeros(0)
-        step = StepShape(
-            np.asarray(prefill_q, dtype=np.float64),
-            np.asarray(prefill_start, dtype=np.float64),
-            keys,
-            sampling,
-            self.padded,
-        )
-        return step, owners, tokens
+        return step_shape(plan, self.padded), owners, tokens
 
     def token(self, request_id: str, sample_index: int, position: int, vocab: int) -> int:
         key = self._keys.get(request_id)

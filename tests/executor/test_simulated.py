@@ -134,7 +134,9 @@ def test_every_profile_loads_with_its_sources():
     with pytest.raises(ConfigError, match="unknown hardware profile 'h900'; known: a100-80g"):
         load_profile("h900")
     with pytest.raises(ConfigError, match="unknown hardware profile field"):
-        load_profile({"name": "x", "memory": 1, "peak_flops": {}, "memory_bandwidth": 1, "tflops": 3})
+        load_profile(
+            {"name": "x", "memory": 1, "peak_flops": {}, "memory_bandwidth": 1, "tflops": 3}
+        )
 
 
 def test_a_simulated_run_writes_the_usual_files(tmp_path):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+import numpy as np
+
 from servelab.contracts.executor import Executor
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
@@ -35,12 +37,29 @@ from servelab.step.plan import SampledTokens
 MASK64 = (1 << 64) - 1
 
 
-def stand_in_token(request_key: int, sample_index: int, position: int, vocab: int) -> int:
-    """A deterministic token: splitmix64 of (request, sample, position) mod vocab."""
-    x = (request_key * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position) & MASK64
+def _mix(x: int) -> int:
+    """splitmix64's finaliser."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return (x ^ (x >> 31)) % vocab
+    return x ^ (x >> 31)
+
+
+def sequence_key(request_id: str, sample_index: int) -> int:
+    """One sample's key: a hash of its request id and sample index."""
+    return _mix((zlib.crc32(request_id.encode()) << 20) ^ sample_index)
+
+
+def stand_in_token(key: int, position: int, vocab: int) -> int:
+    """A deterministic token of one sample at one output position."""
+    return _mix((key + position * 0x9E3779B97F4A7C15) & MASK64) % vocab
+
+
+def stand_in_tokens(keys: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
+    """`stand_in_token` over arrays (uint64 arithmetic wraps as `& MASK64` does)."""
+    x = keys.astype(np.uint64) + positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))) % np.uint64(vocab)
 
 
 class SimulatedExecutor(Executor):
@@ -70,7 +89,7 @@ class SimulatedExecutor(Executor):
         self.bytes_copied = 0
         self.block_bytes = 0
         self.padded = False
-        self._keys: dict[str, int] = {}  # request id -> its hash key
+        self._keys: dict[int, int] = {}  # seq_id -> its sample's hash key
         self.eos = frozenset(c.eos_token_ids or ())
 
     # -- sizing
@@ -133,10 +152,17 @@ class SimulatedExecutor(Executor):
         tokens: list[int] = []
         vocab = self.model_config.vocab_size
         if plan.decodes is not None:
-            positions = (plan.decode_starts + 1 - plan.decodes.prompt_lens).tolist()
-            for seq, position in zip(plan.decode_seqs, positions):
-                owners.append(seq.seq_id)
-                tokens.append(self.token(seq.request_id, seq.sample_index, position, vocab))
+            owners = list(plan.decode_seq_ids)
+            keys = self._keys
+            try:
+                row_keys = [keys[i] for i in owners]
+            except KeyError:
+                for seq in plan.decode_seqs:
+                    self.key_of(seq.seq_id, seq.request_id, seq.sample_index)
+                row_keys = [keys[i] for i in owners]
+            positions = plan.decode_starts + 1 - plan.decodes.prompt_lens
+            drawn = stand_in_tokens(np.array(row_keys, dtype=np.uint64), positions, vocab)
+            tokens = self.avoid_eos(drawn.tolist(), vocab)
         for item in plan.items:
             if not item.samples:
                 continue
@@ -146,18 +172,28 @@ class SimulatedExecutor(Executor):
             forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
             for k in range(forks):
                 index = k if forks > 1 else seq.sample_index
+                key = sequence_key(seq.request_id, index) if forks > 1 else None
+                if key is None:
+                    key = self.key_of(seq.seq_id, seq.request_id, index)
                 owners.append(seq.seq_id)
-                tokens.append(self.token(seq.request_id, index, num_outputs, vocab))
+                tokens += self.avoid_eos([stand_in_token(key, num_outputs, vocab)], vocab)
         return step_shape(plan, self.padded), owners, tokens
 
-    def token(self, request_id: str, sample_index: int, position: int, vocab: int) -> int:
-        key = self._keys.get(request_id)
+    def key_of(self, seq_id: int, request_id: str, sample_index: int) -> int:
+        key = self._keys.get(seq_id)
         if key is None:
-            key = self._keys[request_id] = zlib.crc32(request_id.encode())
-        token = stand_in_token(key, sample_index, position, vocab)
-        while token in self.eos:  # requests end at max_tokens, never at a stand-in EOS
-            token = (token + 1) % vocab
-        return token
+            key = self._keys[seq_id] = sequence_key(request_id, sample_index)
+        return key
+
+    def avoid_eos(self, tokens: list[int], vocab: int) -> list[int]:
+        """Requests end at max_tokens, never at a stand-in EOS: an EOS becomes the next id."""
+        eos = self.eos
+        if not eos.isdisjoint(tokens):
+            for i, token in enumerate(tokens):
+                while token in eos:
+                    token = (token + 1) % vocab
+                tokens[i] = token
+        return tokens
 
 
 @hookimpl

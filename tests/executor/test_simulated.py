@@ -166,3 +166,19 @@ def test_static_batch_timeout_reads_the_virtual_clock():
     engine.sleep(5.0)
     engine.step()
     assert engine.metrics.steps
+
+
+def test_the_batched_stand_in_tokens_equal_the_scalar_ones():
+    import numpy as np
+
+    from servelab.plugins.executors.simulated import (
+        sequence_key,
+        stand_in_token,
+        stand_in_tokens,
+    )
+
+    keys = [sequence_key(f"r{i}", i % 3) for i in range(50)]
+    positions = list(range(0, 5000, 100))
+    batched = stand_in_tokens(np.array(keys, dtype=np.uint64), np.array(positions), 997)
+    assert batched.tolist() == [stand_in_token(k, p, 997) for k, p in zip(keys, positions)]
+    assert len(set(batched.tolist())) > 40  # spread over the vocabulary

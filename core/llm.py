@@ -1,5 +1,6 @@
 """`LLM`: the facade. Parts are names or `{"name": ..., **options}` dicts;
-engine options are keyword arguments.
+engine options are keyword arguments; `executor="simulated", hardware="h100-sxm"`
+runs the same parts against a cost model.
 
     llm = LLM(model="tiny", scheduler="continuous", allocator="paged", dtype="float64")
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=16))
@@ -34,6 +35,8 @@ class LLM:
         allocator: str | dict = KINDS["allocator"].default,
         preemption: str | dict = KINDS["preemption"].default,
         attention: str | dict = KINDS["attention"].default,
+        executor: str | dict = KINDS["executor"].default,
+        hardware: str | dict | None = None,
         **engine_options: Any,
     ) -> None:
         self.engine: Engine = build_engine(
@@ -43,6 +46,8 @@ class LLM:
                 "allocator": allocator,
                 "preemption": preemption,
                 "attention": attention,
+                "executor": executor,
+                "hardware": hardware,
                 "engine": with_device_dtype(engine_options),
             }
         )

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 import servelab.conf
 from servelab.engine.build import build_engine
 from servelab.errors import ConfigError
+from servelab.executor.device_memory import model_weight_bytes
 from servelab.lab.report import report_options
 from servelab.lab.runner import RUNNER_NODES, run_options
 from servelab.lab.workload import WORKLOADS, make_workload
@@ -34,6 +35,8 @@ CONF = Path(servelab.conf.__file__).parent
 COMPONENTS = ("scheduler", "allocator", "preemption", "attention")
 SMALL_KV = ["engine.kv_cache_memory=8MiB", "engine.swap_space=1MiB"]  # fast to allocate
 BIG_MODELS = {"qwen3-0.6b"}  # random init of 0.6B parameters: built only when SERVELAB_SLOW=1
+# shapes for the simulated executor, with the parameter counts their model cards state
+SHAPE_ONLY = {"llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "qwen3-8b": 8.2e9, "qwen3-32b": 32.8e9}
 
 
 def options(group: str) -> list[str]:
@@ -61,7 +64,12 @@ def test_every_group_has_options_and_the_defaults_list_is_kept():
         assert options(group), group
     config = compose_plain([])
     assert groups - {"device"} <= set(config) and {"engine", "run", "report"} <= set(config)
-    assert options("model") == ["bench", "qwen3-0.6b", "tiny", "tiny-llama", "tiny-qwen2"]
+    assert options("model") == [
+        "bench", "llama3-70b", "llama3-8b", "qwen3-0.6b", "qwen3-32b", "qwen3-8b",
+        "tiny", "tiny-llama", "tiny-qwen2",
+    ]  # fmt: skip
+    assert options("executor") == ["model", "simulated"]
+    assert options("hardware") == ["a100-80g", "cpu-local", "h100-sxm", "h200", "l40s"]
     assert options("device") == ["cpu", "cuda"]
 
 
@@ -91,6 +99,12 @@ def test_every_component_combination_builds(combo):
 
 @pytest.mark.parametrize("model", options("model"))
 def test_every_model_builds(model):
+    if model in SHAPE_ONLY:  # no weights: the simulated executor reads the shape
+        config = compose_plain([f"model={model}", "executor=simulated", "engine.kv_cache_memory=4GiB"])
+        engine = build_engine(engine_config(config))
+        params = model_weight_bytes(engine.model_config, "float32") / 4
+        assert abs(params / SHAPE_ONLY[model] - 1) < 0.01, params
+        return
     if model in BIG_MODELS and not os.environ.get("SERVELAB_SLOW"):
         # random init of 0.6B parameters takes ~15 s here: check the shape the
         # GPU benchmark relies on (the figures) instead of building it

@@ -49,6 +49,11 @@ def servelab_register_attention_backends() -> dict[str, type]:
 
 
 @hookspec
+def servelab_register_executors() -> dict[str, type]:
+    """Executors this plugin provides: `{name: subclass of servelab.contracts.executor.Executor}`."""
+
+
+@hookspec
 def servelab_register_configs(store: ConfigStore) -> None:
     """Adds Hydra config-group options to `store`, e.g.
     `store.store(group="scheduler", name="sjf", node={"name": "sjf", ...})`

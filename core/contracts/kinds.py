@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.executor import Executor
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.scheduler import Scheduler
 from servelab.errors import ConfigError
@@ -66,6 +67,14 @@ KINDS: dict[str, Kind] = {
             "servelab_register_attention_backends",
             frozenset({"num_heads", "num_kv_heads", "head_dim", "scale"}),
             "per_request",
+        ),
+        # built first: the model's shape and the KV budget come from it
+        Kind(
+            "executor",
+            Executor,
+            "servelab_register_executors",
+            frozenset({"model", "hardware", "engine_options"}),
+            "model",
         ),
     )
 }

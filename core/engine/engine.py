@@ -2,18 +2,16 @@
 
 One step, as data flows (see docs/architecture.md):
     plan   = scheduler.schedule()
-    kv_cache.apply(plan.copies)
-    batch  = runner.prepare(plan)           (metadata and backend.plan, once per step)
-    hidden = runner.run_model(batch)        (model(input_ids, positions, kv_cache.layers, backend, attn))
-    tokens = runner.sample(hidden, batch)   (LM head on the last token of each sampling seq)
+    executor.apply(plan.copies)             (swap-out, swap-in, copy-on-write)
+    tokens = executor.execute(plan)         (inputs, the forward, sampling; or a cost model)
     done   = scheduler.update(plan, tokens)
+Time is the executor's clock: the wall clock for the model, a virtual one simulated.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -21,14 +19,12 @@ import torch
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
+from servelab.contracts.executor import Executor
 from servelab.contracts.scheduler import Scheduler
 from servelab.engine import requests
 from servelab.engine.failures import fail_step
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
 from servelab.errors import RequestError
-from servelab.executor.forward import ModelForward, TorchForward
-from servelab.executor.kv_cache import KVCache
-from servelab.executor.model_runner import ModelRunner
 from servelab.step.plan import StepPlan
 from servelab.step.sequence import (
     CompletionOutput,
@@ -43,48 +39,26 @@ from servelab.step.sequence import (
 class Engine:
     def __init__(
         self,
-        model: torch.nn.Module,
-        model_config,
-        tokenizer,
+        executor: Executor,
         scheduler: Scheduler,
         allocator: KVAllocator,
         backend: AttentionBackend,
-        kv_cache: KVCache,
-        sampler,
-        device: torch.device,
         max_model_len: int,
-        seed: int = 0,
         notify: Callable[..., None] | None = None,
         config: dict | None = None,
-        model_forward: ModelForward | None = None,
     ) -> None:
-        self.model = model
-        self.model_config = model_config
-        self.tokenizer = tokenizer
+        self.executor = executor  # the step's tensor work (or its cost model) and the clock
+        self.model_config = executor.model_config
+        self.tokenizer = executor.tokenizer
         self.scheduler = scheduler
         self.allocator = allocator
         self.backend = backend
-        self.kv_cache = kv_cache
-        self.sampler = sampler
-        self.device = device
         self.max_model_len = max_model_len
         self.config = config or {}
         self.notify = notify or (lambda hook, **kwargs: None)
-        # unseeded rows' noise is drawn where the logits are: no [N, vocab] upload per step
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-        # input preparation, the model forward and sampling: the step's tensor work
-        self.runner = ModelRunner(
-            model_forward or TorchForward(model),
-            backend,
-            kv_cache,
-            allocator,
-            sampler,
-            device,
-            self.generator,
-        )
         self.groups: dict[str, SequenceGroup] = {}
         self.metrics = MetricsCollector()
-        self.eos_token_ids = frozenset(model_config.eos_token_ids or ())
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ())
         self._request_ids = itertools.count()
         # one caller at a time: `generate`, `add_request`, `step` and `abort` may be
         # called from several threads; each call runs whole (re-entrant: generate steps)
@@ -92,11 +66,32 @@ class Engine:
         self.finished_elsewhere: list[RequestOutput] = []  # see take_finished
         self.step_failures: dict[tuple[str, str], int] = {}  # (stage, error type) -> count
         self._step_index = 0
-        self.clock = time.perf_counter
+        self.clock = executor.now
         self.t0 = self.clock()
 
     def now(self) -> float:
         return self.clock() - self.t0
+
+    def sleep(self, seconds: float) -> None:
+        """Waits on the executor's clock (a virtual clock just moves on)."""
+        self.executor.sleep(seconds)
+
+    # the model executor's tensors, for code that inspects the real path
+    @property
+    def runner(self):
+        return getattr(self.executor, "runner", None)
+
+    @property
+    def kv_cache(self):
+        return getattr(self.executor, "kv_cache", None)
+
+    @property
+    def model(self):
+        return getattr(self.executor, "model", None)
+
+    @property
+    def device(self):
+        return getattr(self.executor, "device", None)
 
     # -- requests
     def add_request(
@@ -170,8 +165,8 @@ class Engine:
             try:
                 start = self.now()
                 plan = self.scheduler.schedule()
-                stage = "kv_cache.apply"
-                self.kv_cache.apply(plan.copies)
+                stage = "executor.apply (block copies)"
+                self.executor.apply(plan.copies)
                 stage = "the model forward (attention backend, kernels, sampler)"
                 sampled = self._run(plan) if not plan.is_empty else {}
                 stage = "scheduler.update"
@@ -188,7 +183,7 @@ class Engine:
             if item.seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
                 item.seq.first_scheduled_time = now
-        return self.runner.execute(plan)
+        return self.executor.execute(plan)
 
     # -- bookkeeping
     def _finish_group(self, group: SequenceGroup) -> RequestOutput:
@@ -303,8 +298,8 @@ class Engine:
         return {
             "prefix_hit_tokens": usage.get("prefix_hit_tokens", 0),
             "prefix_query_tokens": usage.get("prefix_query_tokens", 0),
-            "swapped_out_bytes": self.kv_cache.bytes_swapped_out,
-            "swapped_in_bytes": self.kv_cache.bytes_swapped_in,
+            "swapped_out_bytes": self.executor.bytes_swapped_out,
+            "swapped_in_bytes": self.executor.bytes_swapped_in,
             "preemptions_recompute": stats.get("preemptions_recompute", 0),
             "preemptions_swap": stats.get("preemptions_swap", 0),
             "recomputed_tokens": stats.get("recomputed_tokens", 0),

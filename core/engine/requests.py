@@ -52,6 +52,8 @@ def prompt_token_ids(prompt: Any, tokenizer, request_id: str) -> list[int]:
             f"request {request_id!r}: a prompt is text or a list of token ids, "
             f"got {type(prompt).__name__}: {prompt!r:.80}"
         )
+    if all(type(t) is int for t in prompt):  # the common case, without a check per type
+        return list(prompt)
     bad = [t for t in prompt if not is_integer(t)]
     if bad:
         raise RequestError(

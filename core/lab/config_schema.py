@@ -23,8 +23,8 @@ from servelab.lab.report import REPORT_DEFAULTS, REPORT_TYPES
 from servelab.lab.runner import RUN_DEFAULTS, RUN_TYPES
 
 SCHEMA_NAME = "servelab_schema"
-# the open nodes: each is a part, a model or a workload, typed by its own code
-OPEN_NODES = ("model", *KINDS, "workload")
+# the open nodes: each is a part, a model, a hardware profile or a workload, typed by its own code
+OPEN_NODES = ("model", *KINDS, "hardware", "workload")
 
 
 def omegaconf_type(annotation: Any) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,49 @@ from servelab.errors import ConfigError
 from servelab.model.config import NAMED_SHAPES, ModelConfig, named_config, resolve_dtype
 from servelab.model.transformer import Transformer
 
-__all__ = ["load_model", "resolve_dtype", "init_random_weights", "load_checkpoint_weights"]
+__all__ = [
+    "load_model",
+    "load_shape",
+    "model_source",
+    "resolve_dtype",
+    "init_random_weights",
+    "load_checkpoint_weights",
+]
 
 INIT_STD = 0.02  # like HF's initializer_range
 NORM_JITTER = 0.05  # norm weights are 1 + small noise, so a wrong norm wiring shows up
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def model_source(node: Any) -> str:
+    """A model node is a name or path string, or `{name: ..., path: ...}` (path wins)."""
+    if isinstance(node, str):
+        return node
+    if isinstance(node, Mapping):
+        unknown = set(node) - {"name", "path"}
+        if unknown:
+            raise ConfigError(f"unknown model option(s) {sorted(unknown)}; accepted: name, path")
+        source = node.get("path") or node.get("name")
+        if source:
+            return str(source)
+    raise ConfigError(
+        f"model must be a named shape, a checkpoint folder or {{name, path}}; got {node!r}"
+    )
+
+
+def load_shape(source: str) -> ModelConfig:
+    """The model's shape alone (no weights): a named shape or a folder's config.json."""
+    if source in NAMED_SHAPES:
+        return named_config(source)
+    folder = Path(source)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model {source!r} is neither a named shape ({', '.join(NAMED_SHAPES)}) "
+            "nor a checkpoint folder holding config.json"
+        )
+    return read_config(folder / "config.json")
 
 
 def load_model(
@@ -44,18 +80,12 @@ def load_model(
     """`source` is a named shape (see `NAMED_SHAPES`) or a checkpoint folder.
     Returns (model in eval mode, its config, tokenizer or None)."""
     torch_dtype = resolve_dtype(dtype)
+    config = load_shape(source)
     if source in NAMED_SHAPES:
-        config = named_config(source)
         model = Transformer(config, torch_dtype, device)
         init_random_weights(model, seed)
         return model.eval().requires_grad_(False), config, None
     folder = Path(source)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(
-            f"model {source!r} is neither a named shape ({', '.join(NAMED_SHAPES)}) "
-            "nor a checkpoint folder holding config.json"
-        )
-    config = read_config(folder / "config.json")
     model = Transformer(config, torch_dtype, device)
     load_checkpoint_weights(model, folder)
     return model.eval().requires_grad_(False), config, load_tokenizer(folder)

@@ -48,6 +48,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.attention.per_request",
     "servelab.plugins.attention.flash_varlen",
     "servelab.plugins.attention.triton_paged",
+    "servelab.plugins.executors.model",
+    "servelab.plugins.executors.simulated",
 )
 
 ENTRY_POINT_GROUP = "servelab"

@@ -1,9 +1,9 @@
 """servelab.testing: the conformance kit for plugin authors.
 
 From your own tests call `check_scheduler(MyScheduler, my_option=3)`, `check_allocator`,
-`check_preemption` or `check_attention_backend`: each runs the part, combined with the
+`check_preemption`, `check_attention_backend` or `check_executor`: each runs the part, combined with the
 built-ins, through the token-exact oracle (transformers' greedy output of a tiny float64
-Hugging Face checkpoint) and the integrity and property checks; a broken rule is an
+Hugging Face checkpoint; for an executor, the real executor's scheduling decisions) and the integrity and property checks; a broken rule is an
 AssertionError saying which. The pieces are public too: `oracle` (cases, combinations,
 `drive`), `allocator_machine` (the shadow-KV state machine), `hf_reference` (tiny exact
 float64 checkpoints). They need `transformers` and `hypothesis` (servelab's dev extra),
@@ -14,6 +14,7 @@ from servelab.testing.conformance import (
     ConformanceReport,
     check_allocator,
     check_attention_backend,
+    check_executor,
     check_preemption,
     check_scheduler,
     temporarily_registered,
@@ -23,6 +24,7 @@ __all__ = [
     "ConformanceReport",
     "check_allocator",
     "check_attention_backend",
+    "check_executor",
     "check_preemption",
     "check_scheduler",
     "temporarily_registered",

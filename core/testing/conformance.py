@@ -261,6 +261,53 @@ def check_attention_backend(cls: type, **options: Any) -> ConformanceReport:
     return report
 
 
+def check_executor(cls: type, **options: Any) -> ConformanceReport:
+    """Checks an `Executor` built with `options`.
+
+    Same decisions (`servelab.testing.decisions`): under the continuous,
+    chunked and static schedulers with the paged (plain and prefix-cached) and
+    contiguous allocators, recompute and swap, a tight budget and every request
+    at once, every counted field of every step equals the real model
+    executor's; its clock never goes backwards.
+    """
+    from servelab.testing.decisions import assert_same_decisions, step_rows, workload
+
+    report = ConformanceReport("executor", _qualname(cls))
+    with temporarily_registered("executor", cls) as name:
+        node = _node("executor", name, cls, options)
+        for scheduler, allocator, preemption in [
+            (CONTINUOUS, PAGED_PREFIX, RECOMPUTE),
+            (CHUNKED, PAGED, SWAP),
+            (STATIC, CONTIGUOUS, RECOMPUTE),
+            (CONTINUOUS, CONTIGUOUS, SWAP),
+        ]:
+            combo = {"scheduler": scheduler, "allocator": allocator, "preemption": preemption}
+            engine = {"max_num_batched_tokens": 20} if scheduler is CHUNKED else {}
+            steps = assert_same_decisions(combo, node, **engine)
+            report.combinations.append(f"{_oracle().combo_id(combo)}: {steps} steps")
+            report.preempted += sum(r["preempted"] for r in step_rows(combo, node, workload()))
+        report.properties.append("the same scheduling decisions as executor=model, step for step")
+        _check_clock(cls(**options, **_executor_context()))
+        report.properties.append("now() never goes backwards; sleep() moves it on or waits")
+    return report
+
+
+def _executor_context() -> dict[str, Any]:
+    from servelab.engine.build import engine_options
+    from servelab.testing.decisions import ENGINE
+
+    return {"model": "tiny", "hardware": None, "engine_options": engine_options(ENGINE)}
+
+
+def _check_clock(executor: Any) -> None:
+    before = executor.now()
+    executor.sleep(0.001)
+    after = executor.now()
+    assert after >= before + 0.001 - 1e-9, (
+        f"{type(executor).__qualname__}: sleep(0.001) moved now() from {before} to {after}"
+    )
+
+
 # -- property checks
 
 

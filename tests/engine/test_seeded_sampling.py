@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import servelab.engine.build as build
+import servelab.plugins.executors.model as model_executor
 from servelab import LLM, SamplingParams
 from servelab.model.sampler import Sampler
 
@@ -17,7 +17,7 @@ PROMPTS = [[20 + i] * (10 + 3 * i) for i in range(4)]
 
 
 def tiny(noise: str, monkeypatch, **kwargs) -> LLM:
-    monkeypatch.setattr(build, "Sampler", lambda: Sampler(noise))
+    monkeypatch.setattr(model_executor, "Sampler", lambda: Sampler(noise))
     options = dict(model="tiny", dtype="float64", max_model_len=64, swap_space=256 * KIB)
     return LLM(**{**options, **kwargs})
 

@@ -1,0 +1,67 @@
+"""The simulator at scale: 10,000 Poisson-arriving requests of Llama-3-70B with
+tensor parallelism 8 on the `h100-sxm` profile, through the real continuous
+scheduler, paged allocator and recompute preemption. A benchmark, not a test:
+it prints the real seconds the simulation took (the goal is under 60 s on one
+core) and writes the run's results, requests.csv and steps.csv; pass a folder
+to also get servelab-report's plots.
+
+    python benchmarks/simulate_scale.py [out_dir]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from servelab.lab.runner import print_summary, run_config, save_run
+
+CONFIG = {
+    "model": "llama3-70b",
+    "executor": "simulated",
+    "hardware": "h100-sxm",
+    "scheduler": {"name": "continuous"},
+    "allocator": {"name": "paged", "block_size": 16},
+    "preemption": "recompute",
+    "engine": {
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 8,
+        "gpu_memory_utilization": 0.9,
+        "max_model_len": 8192,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+    },
+    "workload": {
+        "name": "synthetic",
+        "num_requests": 10_000,
+        "arrival": "poisson",
+        "rate": 20.0,
+        "prompt_len": {"dist": "lognormal", "mean": 1024, "std": 768, "min": 16, "max": 6144},
+        "output_len": {"dist": "lognormal", "mean": 256, "std": 192, "min": 8, "max": 2048},
+        "seed": 0,
+    },
+    "run": {"progress": False, "warmup": False},
+}
+
+
+def main(out_dir: str | None = None) -> float:
+    begin = time.perf_counter()
+    result = run_config(dict(CONFIG))
+    seconds = time.perf_counter() - begin
+    summary = result.summary
+    print_summary(summary, title=f"llama3-70b TP8 h100-sxm, 10,000 requests: {seconds:.1f} s real")
+    print(f"simulated {summary['wall_time_s']:.0f} s of serving in {seconds:.1f} s")
+    if out_dir:
+        folder = Path(out_dir)
+        save_run(folder, result, CONFIG, {"real_seconds": seconds})
+        from servelab.cli import report_main
+
+        try:
+            report_main([str(folder)])
+        except SystemExit:
+            pass
+    return seconds
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -1,0 +1,81 @@
+"""The executor contract: a step's tensor work (inputs, the model, sampling, block
+copies) and the clock the engine reads time from.
+
+The engine decides nothing here: it hands the executor each step's `StepPlan`
+(already scheduled) and the allocator's `BlockCopies`, and records what comes
+back. So the same scheduler, allocator and preemption objects run against the
+real model (`model`) or a cost model (`simulated`), and every scheduling
+decision is the same code either way.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from servelab.contracts.allocator import KVAllocator
+    from servelab.contracts.attention import AttentionBackend
+    from servelab.step.plan import BlockCopies, SampledTokens, StepPlan
+
+
+class Executor(abc.ABC):
+    """Runs steps; owns the model (or its stand-in), the KV tensors and the clock.
+
+    Lifecycle: constructed from its options and the context, it knows the
+    model's shape (`model_config`) and the KV budget (`kv_cache_bytes`); the
+    engine then sizes the allocator, and `bind` hands it the allocator and the
+    attention backend before the first step.
+
+    Rules: `execute(plan)` returns one token per sampling sequence (n for a
+    prompt that forks now), in the model runner's order (a decode batch's rows
+    first); `apply(copies)` runs a step's copies in the order swap-out,
+    swap-in, copy-on-write and adds their bytes to `bytes_swapped_out` /
+    `bytes_swapped_in`; `now()` never goes backwards. An executor whose clock
+    is virtual (`virtual_clock`) advances it by what a step would cost, and
+    `sleep` advances it instead of waiting.
+
+    Engine-supplied context: `model` (the model node), `hardware` (a profile
+    node or None), `engine_options` (the checked engine options).
+    """
+
+    description: ClassVar[str] = ""
+    virtual_clock: ClassVar[bool] = False  # True: now() is modelled time, sleep() never waits
+
+    model_config: Any  # servelab.model.config.ModelConfig
+    tokenizer: Any = None  # None: prompts must be token ids
+    bytes_swapped_out: int = 0
+    bytes_swapped_in: int = 0
+
+    @abc.abstractmethod
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes over every layer (all devices together)."""
+
+    @abc.abstractmethod
+    def kv_cache_bytes(self, max_num_batched_tokens: int) -> int:
+        """The KV cache's memory budget (all devices together)."""
+
+    @abc.abstractmethod
+    def bind(self, allocator: KVAllocator, backend: AttentionBackend) -> None:
+        """Called once, before the first step: the parts this executor serves."""
+
+    @abc.abstractmethod
+    def apply(self, copies: BlockCopies) -> None:
+        """Runs one step's block copies (swap-out, swap-in, copy-on-write)."""
+
+    @abc.abstractmethod
+    def execute(self, plan: StepPlan) -> SampledTokens:
+        """Runs one non-empty step: the sampled tokens of its sampling sequences."""
+
+    def now(self) -> float:
+        """Seconds on this executor's clock (any origin; never decreasing)."""
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        """Waits (a real clock) or moves the clock on (a virtual one)."""
+        time.sleep(seconds)
+
+    def describe(self) -> dict[str, Any]:
+        """What a run's provenance records about this executor (e.g. its hardware profile)."""
+        return {}

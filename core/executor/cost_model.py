@@ -1,0 +1,229 @@
+"""The simulated executor's cost of one step, from the plan alone.
+
+Every operation is `Op(flops, bytes, launches)` and costs
+    time = max(flops / (peak FLOP/s x efficiency), bytes / (peak bandwidth x efficiency))
+           + launches x launch_overhead.
+Per GPU, with tensor parallelism p (heads, the intermediate size and the vocabulary
+split p ways; T tokens in the step, e bytes per element, h hidden, H/K query/KV
+heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
+- projections, per layer: y[T, n] = x[T, m] W[m, n]; flops 2 T m n, bytes
+  e (m n + T m + T n); qkv (m = h, n = (H + 2K) d / p) and gate_up (h, 2I/p) split
+  columns, o (H d / p, h) and down (I/p, h) split rows;
+- attention, per layer: a query at position j attends over j + 1 keys, 4 d flops
+  each (QK and PV), so a chunk of q tokens after s cached ones costs
+  4 d H/p (q s + q (q + 1) / 2); bytes read K/V of every key, write this step's K/V
+  and read Q / write O: e d (2 K/p keys + 2 K/p q + 2 H/p q). Prefill chunks and
+  decodes are separate ops; the padded backend computes every sequence at the
+  longest query and key length: one op of n x max_q x max_k;
+- element-wise, per layer, bytes only: two RMSNorms (read + write h), two residual
+  adds (read 2h, write h), RoPE on q and k (read + write), SiLU x up (read 2I/p,
+  write I/p); six launches;
+- all-reduce, two per layer when p > 1 (after o and down), ring:
+  latency + 2 (p - 1) / p x e T h / interconnect bandwidth;
+- once per step: the embedding gather (e T h), the final norm and LM head on the
+  sampling rows (flops 2 S h V/p), reading their logits to sample;
+- host: step_overhead + seq_overhead x sequences.
+Block copies: swap bytes over the host link, copy-on-write reads and writes
+each block in device memory, each share split over the p devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelab.executor.hardware import HardwareProfile
+
+MATMUL, ATTENTION, MEMORY = "matmul", "attention", "memory"  # efficiency classes
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    kind: str  # MATMUL | ATTENTION | MEMORY: which efficiency applies
+    flops: float
+    bytes: float
+    launches: float = 1.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost model needs of a decoder (a `ModelConfig` has all of it)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, config) -> Shape:
+        return cls(*(getattr(config, f) for f in cls.__dataclass_fields__))
+
+
+@dataclass
+class StepShape:
+    """One step as the cost model reads it. `prefill_q[i]` query tokens after
+    `prefill_start[i]` cached ones; `decode_keys[j]` keys of decode row j (its
+    context including the new token); `sampling` rows reach the LM head."""
+
+    prefill_q: np.ndarray
+    prefill_start: np.ndarray
+    decode_keys: np.ndarray
+    sampling: int
+    padded: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prefill_q.sum()) + len(self.decode_keys)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prefill_q) + len(self.decode_keys)
+
+
+def step_shape(plan, padded: bool = False) -> StepShape:
+    """A `StepPlan` as the cost model reads it: a chunk of one token is a decode
+    (its attention is a decode's), a longer one a prefill chunk."""
+    decode_keys = []
+    if plan.decodes is not None:
+        decode_keys.append(np.asarray(plan.decode_starts, dtype=np.float64) + 1)
+    prefill_q, prefill_start, single = [], [], []
+    sampling = len(plan.decode_seq_ids)
+    for item in plan.items:
+        if item.num_query_tokens == 1:
+            single.append(item.start + 1)
+        else:
+            prefill_q.append(item.num_query_tokens)
+            prefill_start.append(item.start)
+        sampling += bool(item.samples)
+    if single:
+        decode_keys.append(np.asarray(single, dtype=np.float64))
+    return StepShape(
+        np.asarray(prefill_q, dtype=np.float64),
+        np.asarray(prefill_start, dtype=np.float64),
+        np.concatenate(decode_keys) if decode_keys else np.zeros(0),
+        sampling,
+        padded,
+    )
+
+
+def attention_flops(q, start, head_dim: int, heads: float) -> float:
+    """4 d heads x sum over chunks of q s + q (q + 1) / 2 (causal, after s cached)."""
+    q = np.asarray(q, dtype=np.float64)
+    s = np.asarray(start, dtype=np.float64)
+    return float(4 * head_dim * heads * np.sum(q * s + q * (q + 1) / 2))
+
+
+def matmul_op(name: str, tokens: float, m: float, n: float, e: float) -> Op:
+    return Op(name, MATMUL, 2 * tokens * m * n, e * (m * n + tokens * m + tokens * n))
+
+
+class CostModel:
+    def __init__(
+        self,
+        shape: Shape,
+        profile: HardwareProfile,
+        dtype: str,
+        bytes_per_element: int,
+        tp: int = 1,
+    ) -> None:
+        self.shape, self.profile, self.e, self.tp = shape, profile, float(bytes_per_element), tp
+        peak = profile.flops(dtype)
+        self.rate = {
+            MATMUL: peak * profile.matmul_efficiency,
+            ATTENTION: peak * profile.attention_efficiency,
+            MEMORY: float("inf"),
+        }
+        self.bandwidth = profile.memory_bandwidth * profile.bandwidth_efficiency
+
+    def op_time(self, op: Op) -> float:
+        compute = op.flops / self.rate[op.kind] if op.flops else 0.0
+        memory = op.bytes / self.bandwidth if op.bytes else 0.0
+        return max(compute, memory) + op.launches * self.profile.launch_overhead
+
+    # -- the operations of one step
+    def layer_ops(self, step: StepShape) -> list[Op]:
+        """The operations of one layer (every layer is the same)."""
+        c, p, e = self.shape, self.tp, self.e
+        t = step.num_tokens
+        d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
+        h, inter = c.hidden_size, c.intermediate_size / p
+        ops = [
+            matmul_op("qkv_proj", t, h, (heads + 2 * kv) * d, e),
+            matmul_op("o_proj", t, heads * d, h, e),
+            matmul_op("gate_up_proj", t, h, 2 * inter, e),
+            matmul_op("down_proj", t, inter, h, e),
+        ]
+        ops += self.attention_ops(step)
+        elementwise = e * t * (2 * 2 * h + 2 * 3 * h + 2 * (heads + kv) * d + 3 * inter)
+        ops.append(Op("elementwise", MEMORY, 0.0, elementwise, launches=6))
+        return ops
+
+    def attention_ops(self, step: StepShape) -> list[Op]:
+        c, p, e = self.shape, self.tp, self.e
+        d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
+        if step.padded and step.num_seqs:
+            keys = np.concatenate([step.prefill_start + step.prefill_q, step.decode_keys])
+            queries = np.concatenate([step.prefill_q, np.ones(len(step.decode_keys))])
+            n, max_q, max_k = step.num_seqs, float(queries.max()), float(keys.max())
+            flops = 4 * d * heads * n * max_q * max_k
+            data = e * d * (2 * kv * n * max_k + 2 * kv * step.num_tokens + 2 * heads * n * max_q)
+            return [Op("attention_padded", ATTENTION, flops, data)]
+        ops = []
+        if len(step.prefill_q):
+            q, s = step.prefill_q, step.prefill_start
+            flops = attention_flops(q, s, d, heads)
+            data = e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
+            ops.append(Op("attention_prefill", ATTENTION, flops, float(data)))
+        if len(step.decode_keys):
+            keys, rows = float(np.sum(step.decode_keys)), len(step.decode_keys)
+            flops = 4 * d * heads * keys
+            data = e * d * (2 * kv * keys + 2 * kv * rows + 2 * heads * rows)
+            ops.append(Op("attention_decode", ATTENTION, flops, data))
+        return ops
+
+    def all_reduce_time(self, tokens: float) -> float:
+        """One ring all-reduce of the step's hidden states; 0 on one device."""
+        p = self.tp
+        if p == 1:
+            return 0.0
+        data = self.e * tokens * self.shape.hidden_size
+        prof = self.profile
+        return prof.interconnect_latency + 2 * (p - 1) / p * data / prof.interconnect_bandwidth
+
+    def step_ops(self, step: StepShape) -> list[Op]:
+        """The once-per-step operations: embedding, final norm, LM head, sampling."""
+        c, e, s = self.shape, self.e, step.sampling
+        h, vocab = c.hidden_size, c.vocab_size / self.tp
+        ops = [Op("embedding", MEMORY, 0.0, e * step.num_tokens * h)]
+        if s:
+            ops += [
+                Op("final_norm", MEMORY, 0.0, e * 2 * s * h),
+                matmul_op("lm_head", s, h, vocab, e),
+                Op("sample", MEMORY, 0.0, e * s * vocab),
+            ]
+        return ops
+
+    def host_time(self, step: StepShape) -> float:
+        return self.profile.step_overhead + self.profile.seq_overhead * step.num_seqs
+
+    def step_time(self, step: StepShape) -> float:
+        """Seconds one step takes: layers, collectives, the step's own ops, host work."""
+        layer = sum(self.op_time(op) for op in self.layer_ops(step))
+        layer += 2 * self.all_reduce_time(step.num_tokens)
+        once = sum(self.op_time(op) for op in self.step_ops(step))
+        return self.shape.num_layers * layer + once + self.host_time(step)
+
+    def copy_time(self, swap_bytes: float, copy_bytes: float) -> float:
+        """Block copies: swaps over the host link, copy-on-write in device memory
+        (read and write), each device moving its 1/p share."""
+        prof, p, t = self.profile, self.tp, 0.0
+        if swap_bytes:
+            t += swap_bytes / p / prof.host_link_bandwidth + prof.launch_overhead
+        if copy_bytes:
+            t += 2 * copy_bytes / p / self.bandwidth + prof.launch_overhead
+        return t

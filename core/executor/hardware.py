@@ -1,0 +1,114 @@
+"""Hardware profiles: what the simulated executor's cost model knows of a device.
+
+A profile is one YAML file of the `hardware` config group (`conf/hardware/`),
+or a mapping with the same fields. Peak figures come from datasheets or
+measurements (each profile names its sources); the efficiencies turn peaks into
+achieved rates and are what `servelab-calibrate` fits on a real machine.
+Sizes accept `80GiB`-style strings; rates are plain numbers (bytes/s, FLOP/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servelab.errors import ConfigError
+from servelab.executor.sizing import parse_bytes
+
+DEFAULT_PROFILE = "cpu-local"
+
+# the figures `servelab-calibrate` fits; the rest are peaks and links
+FITTED = (
+    "matmul_efficiency",
+    "attention_efficiency",
+    "bandwidth_efficiency",
+    "launch_overhead",
+    "step_overhead",
+    "seq_overhead",
+)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    memory: int  # bytes of device memory, per device
+    peak_flops: dict[str, float]  # dense FLOP/s per device, by dtype name
+    memory_bandwidth: float  # bytes/s, per device (peak)
+    matmul_efficiency: float = 0.7  # achieved / peak FLOP/s of projections and the LM head
+    attention_efficiency: float = 0.5  # achieved / peak FLOP/s of attention
+    bandwidth_efficiency: float = 0.8  # achieved / peak memory bandwidth
+    interconnect_bandwidth: float = 0.0  # bytes/s per device and direction (all-reduce)
+    interconnect_latency: float = 0.0  # seconds per collective
+    host_link_bandwidth: float = 25e9  # bytes/s device <-> host (swap)
+    launch_overhead: float = 0.0  # seconds per kernel launch
+    step_overhead: float = 0.0  # seconds of host work per step
+    seq_overhead: float = 0.0  # seconds of host work per scheduled sequence
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for `dtype`; a ConfigError naming the known dtypes otherwise."""
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"hardware profile {self.name!r} has no peak FLOP/s for dtype {dtype}; "
+                f"known: {', '.join(self.peak_flops)}"
+            )
+        return float(self.peak_flops[dtype])
+
+    def with_fitted(self, **values: float) -> HardwareProfile:
+        return dataclasses.replace(self, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def profile_dir() -> Path:
+    """conf/hardware, found without importing servelab.conf (which imports Hydra)."""
+    spec = importlib.util.find_spec("servelab.conf")
+    return Path(next(iter(spec.submodule_search_locations))) / "hardware"
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in profile_dir().glob("*.yaml"))
+
+
+def load_profile(node: Any) -> HardwareProfile:
+    """A profile from a name (`h100-sxm`), a YAML path, a mapping, or None (`cpu-local`)."""
+    if isinstance(node, HardwareProfile):
+        return node
+    if node is None:
+        node = DEFAULT_PROFILE
+    if isinstance(node, (str, Path)):
+        path = Path(node) if str(node).endswith((".yaml", ".yml")) else None
+        path = path or profile_dir() / f"{node}.yaml"
+        if not path.is_file():
+            raise ConfigError(
+                f"unknown hardware profile {str(node)!r}; known: {', '.join(profile_names())}"
+            )
+        import yaml
+
+        node = yaml.safe_load(path.read_text())
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"a hardware profile is a name or a mapping, got {node!r}")
+    names = {f.name for f in dataclasses.fields(HardwareProfile)}
+    unknown = set(node) - names
+    if unknown:
+        raise ConfigError(
+            f"unknown hardware profile field(s) {sorted(unknown)}; accepted: {', '.join(sorted(names))}"
+        )
+    values = dict(node)
+    missing = {"name", "memory", "peak_flops", "memory_bandwidth"} - set(values)
+    if missing:
+        raise ConfigError(f"hardware profile lacks {sorted(missing)}")
+    values["memory"] = parse_bytes(values["memory"], "hardware memory")
+    values["peak_flops"] = {str(k): float(v) for k, v in dict(values["peak_flops"]).items()}
+    values["sources"] = {str(k): str(v) for k, v in dict(values.get("sources") or {}).items()}
+    for key in names - {"name", "memory", "peak_flops", "sources"}:
+        if key in values:
+            values[key] = float(values[key])
+            if values[key] < 0:
+                raise ConfigError(f"hardware profile {key} must be >= 0, got {values[key]}")
+    return HardwareProfile(**values)

@@ -1,0 +1,196 @@
+"""`servelab-calibrate`: fit a hardware profile's efficiencies and host overheads
+to the real engine's step times on this machine.
+
+It serves a grid of workloads through the real engine (decode batch sizes x
+context lengths, whole prompts, prompt chunks next to decodes), records each
+step's shape (`cost_model.step_shape`) and its measured time, and fits
+`FIT_PARAMETERS` by least squares on the relative error (scipy), the profile's
+peaks held fixed. The launch overhead is kept: a step's launch count barely
+varies, so it cannot be told apart from the per-step overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from servelab.engine.build import build_engine
+from servelab.executor.cost_model import CostModel, Shape, StepShape, step_shape
+from servelab.executor.hardware import HardwareProfile, load_profile
+from servelab.step.sequence import SamplingParams
+
+FIT_PARAMETERS = (
+    "matmul_efficiency",
+    "attention_efficiency",
+    "bandwidth_efficiency",
+    "step_overhead",
+    "seq_overhead",
+)
+BOUNDS = {"efficiency": (1e-5, 1.0), "overhead": (0.0, 1.0)}
+
+
+def _bounds() -> tuple[list[float], list[float]]:
+    pairs = [BOUNDS["efficiency" if "efficiency" in p else "overhead"] for p in FIT_PARAMETERS]
+    return [lo for lo, _ in pairs], [hi for _, hi in pairs]
+
+
+def predict(
+    profile: HardwareProfile, shape: Shape, steps: Sequence[StepShape], dtype: str, size: int
+) -> np.ndarray:
+    model = CostModel(shape, profile, dtype, size)
+    return np.array([model.step_time(s) for s in steps])
+
+
+def fit_profile(
+    profile: HardwareProfile,
+    shape: Shape,
+    steps: Sequence[StepShape],
+    measured: Sequence[float],
+    dtype: str,
+    bytes_per_element: int,
+) -> HardwareProfile:
+    """The profile with `FIT_PARAMETERS` fitted to `measured` (seconds per step)."""
+    from scipy.optimize import least_squares
+
+    want = np.asarray(measured, dtype=np.float64)
+    lo, hi = _bounds()
+    start = np.clip([getattr(profile, p) for p in FIT_PARAMETERS], lo, hi)
+    # overheads are microseconds: scale so every parameter moves on a similar step
+    scale = np.array([1.0 if "efficiency" in p else 1e-4 for p in FIT_PARAMETERS])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        fitted = profile.with_fitted(**dict(zip(FIT_PARAMETERS, x * scale)))
+        return predict(fitted, shape, steps, dtype, bytes_per_element) / want - 1.0
+
+    result = least_squares(
+        residuals,
+        start / scale,
+        bounds=(np.array(lo) / scale, np.array(hi) / scale),
+        x_scale="jac",
+        xtol=1e-12,
+        ftol=1e-12,
+        gtol=1e-12,
+        max_nfev=2000,
+    )
+    return profile.with_fitted(**{p: float(v) for p, v in zip(FIT_PARAMETERS, result.x * scale)})
+
+
+# -- measuring the real engine
+GRID_DECODE = [(b, c) for b in (1, 4, 16, 32) for c in (16, 128, 384)]  # batch x prompt length
+GRID_CHUNKED = [(64, 256), (128, 384)]  # chunk size x prompt length, next to decodes
+
+
+def measure(
+    model: str = "bench", dtype: str = "float32", repeats: int = 2, threads: int | None = None
+) -> dict:
+    """Serves the grid through the real engine; each step's shape and seconds."""
+    shapes: list[StepShape] = []
+    seconds: list[float] = []
+    runs = [("continuous", {}, batch, length, 8) for batch, length in GRID_DECODE]
+    runs += [("chunked", {"chunk_size": c}, 8, length, 16) for c, length in GRID_CHUNKED]
+    engine = None
+    for _ in range(repeats):
+        for scheduler, options, batch, length, out in runs:
+            config = {
+                "model": model,
+                "scheduler": {"name": scheduler, **options},
+                "engine": {
+                    "dtype": dtype,
+                    "kv_cache_memory": "256MiB",
+                    "max_model_len": 1024,
+                    "num_threads": threads,
+                },
+            }
+            engine = build_engine(config)
+            recorded = _record(engine)
+            params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+            rng = np.random.default_rng(length * 1000 + batch)
+            vocab = engine.model_config.vocab_size
+            prompts = [rng.integers(4, vocab, length).tolist() for _ in range(batch)]
+            engine.generate([[2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
+            recorded.clear()
+            engine.metrics.start_run()
+            engine.generate(prompts, params)
+            for plan, step in zip(recorded, engine.metrics.steps):
+                shapes.append(step_shape(plan, padded=False))
+                seconds.append(step.wall_time)
+    return {"shapes": shapes, "seconds": seconds, "shape": Shape.of(engine.model_config)}
+
+
+def _record(engine) -> list:
+    """Keeps each executed plan (in step order) beside the engine's step records."""
+    plans: list = []
+    execute = engine.executor.execute
+
+    def recording(plan):
+        plans.append(plan)
+        return execute(plan)
+
+    engine.executor.execute = recording
+    return plans
+
+
+def write_profile(profile: HardwareProfile, path: Path, note: str) -> None:
+    import yaml
+
+    values = dataclasses.asdict(profile)
+    values["sources"] = {**values["sources"], "fitted": note}
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+
+
+def _save_steps(path: Path, data: dict) -> None:
+    shapes = data["shapes"]
+    np.savez(
+        path,
+        seconds=np.array(data["seconds"]),
+        prefill_q=np.array([s.prefill_q.tolist() for s in shapes], dtype=object),
+        prefill_start=np.array([s.prefill_start.tolist() for s in shapes], dtype=object),
+        decode_keys=np.array([s.decode_keys.tolist() for s in shapes], dtype=object),
+        sampling=np.array([s.sampling for s in shapes]),
+    )
+
+
+def median_abs_error(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.median(np.abs(predicted / measured - 1.0)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="servelab-calibrate",
+        description="fit a hardware profile to the real engine's step times on this machine",
+    )
+    parser.add_argument("--profile", default="cpu-local", help="the profile to start from")
+    parser.add_argument("--model", default="bench", help="the model whose forward is timed")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("cpu-local.yaml"))
+    parser.add_argument("--save-steps", type=Path, help="also write the measured steps (.npz)")
+    args = parser.parse_args(argv)
+    base = load_profile(args.profile)
+    data = measure(args.model, args.dtype, args.repeats, args.threads)
+    if args.save_steps:
+        _save_steps(args.save_steps, data)
+    size = np.dtype(args.dtype).itemsize
+    fitted = fit_profile(base, data["shape"], data["shapes"], data["seconds"], args.dtype, size)
+    measured = np.array(data["seconds"])
+    predicted = predict(fitted, data["shape"], data["shapes"], args.dtype, size)
+    error = median_abs_error(predicted, measured)
+    note = (
+        f"servelab-calibrate on {platform.node()} ({platform.processor() or platform.machine()}), "
+        f"{datetime.date.today()}: {len(measured)} steps of model {args.model} {args.dtype}, "
+        f"median abs error {error:.1%}"
+    )
+    write_profile(fitted, args.out, note)
+    for name in FIT_PARAMETERS:
+        print(f"{name:>22}: {getattr(fitted, name):.4g}")
+    print(f"{len(measured)} steps, median abs error {error:.1%}; wrote {args.out}")
+    return 0

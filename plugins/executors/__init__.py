@@ -1,0 +1,1 @@
+"""Built-in executors: `model` (the real forward) and `simulated` (a cost model)."""

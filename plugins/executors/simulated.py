@@ -1,0 +1,201 @@
+"""`executor=simulated`: the real scheduler, allocator and preemption objects
+against a cost model (`servelab.executor.cost_model`) instead of a forward.
+
+No weights and no KV tensors: the model is only its shape, the KV budget comes
+from the hardware profile (device memory x `gpu_memory_utilization` - weights -
+activation estimate, per device, as the CUDA path sizes it) or from
+`kv_cache_memory`. Each step moves a virtual clock on by its modelled time, so
+arrivals are served without sleeping. Sampled tokens are stand-ins: a hash of
+(request, sample index, output position), never an EOS token, so forks differ,
+prefix caching of generated text behaves as for real, and requests run to
+`max_tokens`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from servelab.contracts.executor import Executor
+from servelab.contracts.hookspecs import hookimpl
+from servelab.errors import ConfigError
+from servelab.executor.cost_model import CostModel, Shape, StepShape, step_shape
+from servelab.executor.device_memory import (
+    MemoryBudget,
+    check_utilization,
+    estimate_activation_bytes,
+    model_weight_bytes,
+)
+from servelab.executor.hardware import load_profile
+from servelab.executor.sizing import parse_bytes
+from servelab.model.config import DTYPES
+from servelab.model.loader import load_shape, model_source
+from servelab.step.plan import SampledTokens
+
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def sequence_key(request_id: str, sample_index: int) -> int:
+    """One sample's key: a hash of its request id and sample index."""
+    return _mix((zlib.crc32(request_id.encode()) << 20) ^ sample_index)
+
+
+def stand_in_token(key: int, position: int, vocab: int) -> int:
+    """A deterministic token of one sample at one output position."""
+    return _mix((key + position * 0x9E3779B97F4A7C15) & MASK64) % vocab
+
+
+def stand_in_tokens(keys: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
+    """`stand_in_token` over arrays (uint64 arithmetic wraps as `& MASK64` does)."""
+    x = keys.astype(np.uint64) + positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))) % np.uint64(vocab)
+
+
+class SimulatedExecutor(Executor):
+    description = "a cost model of the hardware profile; stand-in tokens, a virtual clock"
+    virtual_clock = True
+
+    def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
+        self.opts = engine_options
+        self.model_config = load_shape(model_source(model))
+        self.profile = load_profile(hardware)
+        self.tp = int(engine_options.get("tensor_parallel_size", 1))
+        dtype = str(engine_options["dtype"]).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ConfigError(f"unsupported dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}")
+        self.dtype = dtype
+        self.element_size = DTYPES[dtype].itemsize
+        c = self.model_config
+        if c.num_heads % self.tp or c.num_kv_heads % self.tp:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tp} must divide the model's {c.num_heads} query "
+                f"and {c.num_kv_heads} KV heads"
+            )
+        self.cost = CostModel(Shape.of(c), self.profile, dtype, self.element_size, self.tp)
+        self.time = 0.0
+        self.bytes_swapped_out = 0
+        self.bytes_swapped_in = 0
+        self.bytes_copied = 0
+        self.block_bytes = 0
+        self.padded = False
+        self._keys: dict[int, int] = {}  # seq_id -> its sample's hash key
+        self.eos = frozenset(c.eos_token_ids or ())
+
+    # -- sizing
+    def kv_bytes_per_token(self) -> int:
+        c = self.model_config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.element_size
+
+    def kv_cache_bytes(self, max_num_batched_tokens: int) -> int:
+        """Per device: memory x utilisation - weights / p - activation estimate; x p devices."""
+        utilization = self.opts["gpu_memory_utilization"]
+        if utilization is None:
+            return parse_bytes(self.opts["kv_cache_memory"], "kv_cache_memory")
+        check_utilization(utilization)
+        weights = model_weight_bytes(self.model_config, DTYPES[self.dtype]) // self.tp
+        activations = estimate_activation_bytes(
+            self.model_config,
+            max_num_batched_tokens,
+            int(self.opts["max_num_seqs"]),
+            DTYPES[self.dtype],
+        )
+        budget = MemoryBudget(self.profile.memory, float(utilization), weights, activations)
+        return budget.kv_bytes * self.tp
+
+    def bind(self, allocator, backend) -> None:
+        self.block_bytes = allocator.block_size * self.kv_bytes_per_token()
+        # the padded backend computes padded shapes; the cost model counts them
+        self.padded = getattr(backend, "name", "") == "padded"
+
+    # -- the clock
+    def now(self) -> float:
+        return self.time
+
+    def sleep(self, seconds: float) -> None:
+        self.time += max(0.0, seconds)
+
+    def describe(self) -> dict[str, Any]:
+        return {"hardware": self.profile.to_dict(), "tensor_parallel_size": self.tp}
+
+    # -- a step
+    def apply(self, copies) -> None:
+        if not copies:
+            return
+        out = len(copies.swap_out) * self.block_bytes
+        back = len(copies.swap_in) * self.block_bytes
+        copied = len(copies.copy) * self.block_bytes
+        self.bytes_swapped_out += out
+        self.bytes_swapped_in += back
+        self.bytes_copied += copied
+        self.time += self.cost.copy_time(out + back, copied)
+
+    def execute(self, plan) -> SampledTokens:
+        step, owners, tokens = self.read_plan(plan)
+        self.time += self.cost.step_time(step)
+        return SampledTokens(owners, tokens)
+
+    def read_plan(self, plan) -> tuple[StepShape, list[int], list[int]]:
+        """The step's shape for the cost model, and its sampled tokens in the model
+        runner's order (decode-batch rows, then items; n for a prompt that forks now)."""
+        owners: list[int] = []
+        tokens: list[int] = []
+        vocab = self.model_config.vocab_size
+        if plan.decodes is not None:
+            owners = list(plan.decode_seq_ids)
+            keys = self._keys
+            try:
+                row_keys = [keys[i] for i in owners]
+            except KeyError:
+                for seq in plan.decode_seqs:
+                    self.key_of(seq.seq_id, seq.request_id, seq.sample_index)
+                row_keys = [keys[i] for i in owners]
+            positions = plan.decode_starts + 1 - plan.decodes.prompt_lens
+            drawn = stand_in_tokens(np.array(row_keys, dtype=np.uint64), positions, vocab)
+            tokens = self.avoid_eos(drawn.tolist(), vocab)
+        for item in plan.items:
+            if not item.samples:
+                continue
+            seq = item.seq
+            num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+            p = seq.params
+            forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
+            for k in range(forks):
+                index = k if forks > 1 else seq.sample_index
+                key = sequence_key(seq.request_id, index) if forks > 1 else None
+                if key is None:
+                    key = self.key_of(seq.seq_id, seq.request_id, index)
+                owners.append(seq.seq_id)
+                tokens += self.avoid_eos([stand_in_token(key, num_outputs, vocab)], vocab)
+        return step_shape(plan, self.padded), owners, tokens
+
+    def key_of(self, seq_id: int, request_id: str, sample_index: int) -> int:
+        key = self._keys.get(seq_id)
+        if key is None:
+            key = self._keys[seq_id] = sequence_key(request_id, sample_index)
+        return key
+
+    def avoid_eos(self, tokens: list[int], vocab: int) -> list[int]:
+        """Requests end at max_tokens, never at a stand-in EOS: an EOS becomes the next id."""
+        eos = self.eos
+        if not eos.isdisjoint(tokens):
+            for i, token in enumerate(tokens):
+                while token in eos:
+                    token = (token + 1) % vocab
+                tokens[i] = token
+        return tokens
+
+
+@hookimpl
+def servelab_register_executors() -> dict[str, type]:
+    return {"simulated": SimulatedExecutor}

@@ -1,0 +1,126 @@
+"""Every cost formula against values worked out by hand (see the comments) on a
+toy shape: h=4, I=6, L=2, H=2 query heads, K=1 KV head, d=2, V=10, 2-byte elements.
+One step: a prompt chunk of q=3 after s=2 cached tokens, one decode over 5 keys,
+both sampling (T = 4 tokens, S = 2 rows)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from servelab.executor.cost_model import CostModel, Op, Shape, StepShape, attention_flops
+from servelab.executor.hardware import HardwareProfile
+
+SHAPE = Shape(
+    hidden_size=4,
+    intermediate_size=6,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=2,
+    vocab_size=10,
+)
+PROFILE = HardwareProfile(
+    name="toy",
+    memory=1000,
+    peak_flops={"float32": 1000.0},
+    memory_bandwidth=200.0,
+    matmul_efficiency=0.5,  # 500 FLOP/s
+    attention_efficiency=0.25,  # 250 FLOP/s
+    bandwidth_efficiency=0.5,  # 100 B/s
+    interconnect_bandwidth=50.0,
+    interconnect_latency=0.02,
+    host_link_bandwidth=50.0,
+    launch_overhead=0.01,
+    step_overhead=0.1,
+    seq_overhead=0.05,
+)
+
+
+def step(padded: bool = False) -> StepShape:
+    return StepShape(np.array([3.0]), np.array([2.0]), np.array([5.0]), sampling=2, padded=padded)
+
+
+def model(tp: int = 1) -> CostModel:
+    return CostModel(SHAPE, PROFILE, "float32", bytes_per_element=2, tp=tp)
+
+
+def by_name(ops: list[Op]) -> dict[str, tuple[float, float]]:
+    return {op.name: (op.flops, op.bytes) for op in ops}
+
+
+def test_layer_operations():
+    ops = by_name(model().layer_ops(step()))
+    # qkv: m=4, n=(2+2)x2=8: 2x4x4x8 flops; 2 x (32 weights + 16 in + 32 out) bytes
+    assert ops["qkv_proj"] == (256, 160)
+    assert ops["o_proj"] == (128, 96)  # m=4, n=4: 2 x (16 + 16 + 16)
+    assert ops["gate_up_proj"] == (384, 224)  # m=4, n=12: 2 x (48 + 16 + 48)
+    assert ops["down_proj"] == (192, 128)  # m=6, n=4: 2 x (24 + 24 + 16)
+    # 4 d H (q s + q(q+1)/2) = 16 x (6 + 6); bytes 2 d (2K(s+q) + 2Kq + 2Hq) = 4 x (10 + 6 + 12)
+    assert ops["attention_prefill"] == (192, 112)
+    # 4 d H x 5 keys; 4 x (2 x 5 + 2 x 1 + 2 x 2 x 1)
+    assert ops["attention_decode"] == (80, 64)
+    # 2 x T x (4h + 6h + 2(H+K)d + 3I) = 8 x (16 + 24 + 12 + 18)
+    assert ops["elementwise"] == (0, 560)
+
+
+def test_attention_flops_is_the_causal_sum():
+    # a chunk of 3 after 2 cached: queries see 3, 4 and 5 keys -> 12 pairs x 4 d H (d=2, H=2)
+    assert attention_flops([3], [2], head_dim=2, heads=2) == 12 * 16
+    assert attention_flops([1, 1], [0, 9], head_dim=1, heads=1) == 4 * (1 + 10)
+
+
+def test_step_operations():
+    ops = by_name(model().step_ops(step()))
+    assert ops["embedding"] == (0, 32)  # 2 x 4 tokens x 4
+    assert ops["final_norm"] == (0, 32)  # 2 x 2 x 2 rows x 4
+    assert ops["lm_head"] == (160, 136)  # 2 x 2 x 4 x 10; 2 x (40 + 8 + 20)
+    assert ops["sample"] == (0, 40)  # 2 x 2 x 10
+
+
+def test_op_time_is_the_roofline_plus_a_launch():
+    cost = model()
+    assert cost.op_time(Op("x", "matmul", 1000, 10)) == pytest.approx(2.0 + 0.01)  # compute bound
+    assert cost.op_time(Op("x", "matmul", 10, 1000)) == pytest.approx(10.0 + 0.01)  # memory bound
+    assert cost.op_time(Op("x", "attention", 500, 0)) == pytest.approx(2.0 + 0.01)
+    assert cost.op_time(Op("x", "memory", 0, 300, launches=3)) == pytest.approx(3.0 + 0.03)
+
+
+def test_step_time_adds_layers_step_ops_and_host_work():
+    # per layer: qkv 1.6, o 0.96, gate_up 2.24, down 1.28, prefill attention 1.12, decode
+    # attention 0.64 (all memory bound), element-wise 5.6; + 7 + 5 more launches of 0.01
+    layer = 1.6 + 0.96 + 2.24 + 1.28 + 1.12 + 0.64 + 5.6 + 12 * 0.01
+    once = 0.32 + 0.32 + 1.36 + 0.4 + 4 * 0.01  # embedding, norm, lm_head, sample
+    host = 0.1 + 0.05 * 2
+    assert model().step_time(step()) == pytest.approx(2 * layer + once + host)
+
+
+def test_tensor_parallel_share_and_all_reduce():
+    cost = model(tp=2)
+    ops = by_name(cost.layer_ops(step()))
+    # per GPU: 1 query head, half a KV head: qkv n = (1 + 1) x 2 = 4
+    assert ops["qkv_proj"] == (2 * 4 * 4 * 4, 2 * (16 + 16 + 16))
+    assert ops["down_proj"] == (2 * 4 * 3 * 4, 2 * (12 + 12 + 16))  # I/p = 3 rows
+    # ring all-reduce of 2 bytes x 4 tokens x 4: 0.02 + 2 x 1/2 x 32 / 50
+    assert cost.all_reduce_time(4) == pytest.approx(0.02 + 0.64)
+    assert model(tp=1).all_reduce_time(4) == 0.0
+    single, double = model(tp=1).step_time(step()), cost.step_time(step())
+    layer_ops = sum(cost.op_time(op) for op in cost.layer_ops(step()))
+    once = sum(cost.op_time(op) for op in cost.step_ops(step()))
+    assert double == pytest.approx(2 * (layer_ops + 2 * 0.66) + once + 0.2)
+    assert double != single
+
+
+def test_the_padded_backend_pays_for_its_padding():
+    ops = by_name(model().layer_ops(step(padded=True)))
+    assert "attention_prefill" not in ops and "attention_decode" not in ops
+    # n=2 sequences x max_q=3 x max_k=5 x 4 d H; 2 d (2K n max_k + 2K T + 2H n max_q)
+    assert ops["attention_padded"] == (4 * 2 * 2 * 2 * 3 * 5, 4 * (20 + 8 + 24))
+
+
+def test_copy_time():
+    cost = model()
+    assert cost.copy_time(100, 0) == pytest.approx(100 / 50 + 0.01)  # host link
+    assert cost.copy_time(0, 10) == pytest.approx(2 * 10 / 100 + 0.01)  # read + write
+    assert model(tp=2).copy_time(100, 0) == pytest.approx(50 / 50 + 0.01)
+    assert cost.copy_time(0, 0) == 0.0

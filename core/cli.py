@@ -1,4 +1,5 @@
-"""Console scripts: `servelab` (the Hydra app), `servelab-report`, `servelab-plugins`."""
+"""Console scripts: `servelab` (the Hydra app; `servelab serve` the server), `servelab-report`,
+`servelab-plugins`."""
 
 from __future__ import annotations
 
@@ -82,8 +83,12 @@ def main() -> None:
 
     # plugins may add config-group options (`scheduler=sjf`) before Hydra composes
     get_plugin_manager().register_configs(ConfigStore.instance())
+    task = _hydra_app
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":  # `servelab serve key=value ...`
+        del sys.argv[1]
+        task = _serve_app
     app = hydra.main(version_base="1.3", config_path="pkg://servelab.conf", config_name="config")(
-        _hydra_app
+        task
     )
     # Hydra would print a composition error as a multi-line report and exit 1;
     # letting it through (HYDRA_FULL_ERROR) turns it into one `servelab: error:` line
@@ -104,3 +109,19 @@ def report_main(argv: list[str] | None = None) -> None:
     except ServelabError as err:
         print(f"servelab-report: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _serve_app(cfg) -> None:
+    """`servelab serve ...`: compose as `servelab` does, then serve (servelab.serve)."""
+    from omegaconf import OmegaConf
+
+    from servelab.serve.server import Server
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("hydra", None)
+    try:
+        server = Server(config)
+    except ServelabError as err:
+        print(f"servelab serve: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(server.run())

@@ -140,7 +140,8 @@ class Engine:
             self.groups[request_id] = group
             if params.stop or params.logprobs is not None:
                 self.watched.add(request_id)
-                self.runner.logprobs_k = max(self.runner.logprobs_k, params.logprobs or -1)
+                wanted = -1 if params.logprobs is None else params.logprobs
+                self.runner.logprobs_k = max(self.runner.logprobs_k, wanted)
             return request_id
 
     def _free_id(self, prefix: str) -> str:

@@ -39,11 +39,13 @@ class Choices:
             lps = delta.new_logprobs.get(sample, [])
             self.tokens[i] += ids
             self.lps[i] += lps
-            text = self.texts[i].push(ids)
             reason = None
-            if sample in finals:
-                text += self.texts[i].finish(finals[sample].text)
+            if sample in finals:  # the engine's text: a stop string's match cut off
+                self.texts[i].token_ids += ids
+                text = self.texts[i].finish(finals[sample].text)
                 reason = self.reasons[i] = _REASONS.get(finals[sample].finish_reason, "stop")
+            else:
+                text = self.texts[i].push(ids)
             pieces.append({"index": i, "text": text, "token_ids": ids,
                            "logprobs": self.logprobs_json(lps, len(self.texts[i].sent) - len(text)),
                            "finish_reason": reason})  # fmt: skip

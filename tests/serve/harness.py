@@ -75,3 +75,16 @@ class Running:
         self.uv.should_exit = True
         self.thread.join(30)
         self.server.aengine.stop()
+
+
+def boundary_stop(tok, ids: list[int]) -> tuple[str, int]:
+    """A two-character stop string spanning a token boundary of `ids` (the last
+    character of one token's text, the first of the next), first appearing when
+    that next token arrives; and how many tokens a run stopped by it keeps."""
+    for i in range(1, len(ids)):
+        before, after = tok.decode(ids[:i]), tok.decode(ids[: i + 1])
+        stop = after[len(before) - 1 : len(before) + 1]
+        if (after.startswith(before) and len(before) >= 1 and len(stop) == 2
+                and "\ufffd" not in stop and stop not in before):  # fmt: skip
+            return stop, i + 1
+    raise AssertionError("no clean token boundary in the output")

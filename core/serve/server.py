@@ -10,6 +10,7 @@ process exits 0 once every KV block is free (1, with a message, if one leaked).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,6 +28,24 @@ NOT_ENGINE_NODES = ("serve", "workload", "run", "report")
 def model_folder(config: Mapping) -> str | None:
     node = config.get("model") or {}
     return node.get("path") if isinstance(node, Mapping) else None
+
+
+def _uvicorn_server():
+    import uvicorn
+
+    class Quiet(uvicorn.Server):
+        """uvicorn's server, minus re-raising the signal after a graceful shutdown
+        (which would end the process by that signal instead of exit status 0)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Quiet
+
+
+def _Uvicorn(config):
+    return _uvicorn_server()(config)
 
 
 class Server:
@@ -60,7 +79,7 @@ class Server:
             timeout_graceful_shutdown=max(1, round(self.options["grace_period"])),
             lifespan="off",
         )
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = _Uvicorn(config)
         return self.uvicorn
 
     def run(self) -> int:
@@ -70,7 +89,7 @@ class Server:
             self.make_uvicorn().run()
         finally:
             self.aengine.stop()
-        return self.leaked_message() is None and 0 or 1
+        return 0 if self.leaked_message() is None else 1
 
     def leaked_message(self) -> str | None:
         usage = self.engine.allocator.usage()
@@ -78,6 +97,6 @@ class Server:
         held = total - usage.get("blocks_free", total)
         if held:
             message = f"servelab serve: {held} of {total} KV blocks still held at exit"
-            log.error(message)
+            print(message, file=sys.stderr)
             return message
         return None

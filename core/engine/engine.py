@@ -24,8 +24,8 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.scheduler import Scheduler
 from servelab.engine import requests
 from servelab.engine.failures import fail_step
-from servelab.engine.outputs import after_update
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
+from servelab.engine.outputs import after_update
 from servelab.errors import RequestError
 from servelab.executor.forward import ModelForward, TorchForward
 from servelab.executor.kv_cache import KVCache

@@ -64,7 +64,8 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str,
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
-                "created": 0, "owned_by": "servelab", "max_model_len": engine.max_model_len}]}  # fmt: skip
+                "created": 0, "owned_by": "servelab", "max_model_len": engine.max_model_len,
+                "vocab_size": engine.model_config.vocab_size}]}  # fmt: skip
 
     def parse(model, body: bytes):
         try:
@@ -83,7 +84,9 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str,
         if not ids:
             raise ApiError(400, f"{field} is empty", field)
         if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"{field} has a token id outside the vocabulary [0, {vocab})", field)
+            raise ApiError(
+                400, f"{field} has a token id outside the vocabulary [0, {vocab})", field
+            )
         if len(ids) > engine.max_model_len:
             raise ApiError(400, f"{field} has {len(ids)} tokens, more than max_model_len="
                            f"{engine.max_model_len}", field)  # fmt: skip

@@ -18,6 +18,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "grace_period": 10.0,  # seconds in-flight requests may finish after SIGINT/SIGTERM
     "max_n": 16,  # the largest `n` a request may ask for
     "log_level": "info",
+    "bench_concurrency": 64,  # `servelab bench serve`: requests in flight at once
 }
 SERVE_TYPES: dict[str, Any] = {
     "host": str,
@@ -28,6 +29,7 @@ SERVE_TYPES: dict[str, Any] = {
     "grace_period": float,
     "max_n": int,
     "log_level": str,
+    "bench_concurrency": int,
 }
 
 
@@ -44,6 +46,8 @@ def serve_options(node: Mapping | None) -> dict[str, Any]:
         check_value(f"serve option {key}", value, SERVE_TYPES[key])
     if not 0 <= options["port"] < 65536:
         raise ConfigError(f"serve option port must be in [0, 65536), got {options['port']}")
-    if options["max_queued_requests"] < 1 or options["max_n"] < 1:
-        raise ConfigError("serve options max_queued_requests and max_n must be >= 1")
+    if min(options["max_queued_requests"], options["max_n"], options["bench_concurrency"]) < 1:
+        raise ConfigError(
+            "serve options max_queued_requests, max_n and bench_concurrency must be >= 1"
+        )
     return options

@@ -63,7 +63,11 @@ class Server:
         name = self.options["served_model_name"]
         if name is None:
             node = config.get("model") or "tiny"
-            name = Path(folder).name if folder else (node if isinstance(node, str) else node.get("name", "model"))
+            name = (
+                Path(folder).name
+                if folder
+                else (node if isinstance(node, str) else node.get("name", "model"))
+            )
         self.model_name = name
         self.app = create_app(self.aengine, self.options, name, ChatTemplate(folder), self.metrics)
         self.uvicorn = None

@@ -85,6 +85,10 @@ class ChatTemplate:
                 "messages",
             )
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(
+                messages=messages, add_generation_prompt=True, **self.special
+            )
         except Exception as err:  # the template's own raise_exception, or a bad message
-            raise ApiError(400, f"the chat template rejected the messages: {err}", "messages")
+            raise ApiError(
+                400, f"the chat template rejected the messages: {err}", "messages"
+            ) from None

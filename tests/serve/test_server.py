@@ -162,6 +162,7 @@ def test_bad_requests_are_400_naming_the_field(server, body, param):
 
 def test_wrong_api_key_is_401_and_reaches_no_engine_code(model_folder, monkeypatch):
     with Running(server_config({"path": str(model_folder)}, {"api_key": "sekret"})) as s:
+
         def boom(*a, **k):
             raise AssertionError("the engine was reached")
 
@@ -211,7 +212,10 @@ def test_full_queue_is_429_then_serves_again(model_folder, monkeypatch):
                 full = http.post(s.url + "/v1/completions", json={"prompt": "hi"})
                 assert full.status_code == 429 and "full" in full.json()["error"]["message"]
         wait_idle(s)
-        assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=30).status_code == 200
+        assert (
+            httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=30).status_code
+            == 200
+        )
 
 
 def test_engine_failure_is_500_for_the_touched_request_only(server, client, monkeypatch):

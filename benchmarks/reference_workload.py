@@ -100,7 +100,9 @@ def reference_config(**parts: Any) -> dict[str, Any]:
     and `engine=` options merged into the engine node."""
     preset = reference_preset()
     config = {
-        k: copy.deepcopy(v) for k, v in preset.items() if k not in ("workload", "run", "report")
+        k: copy.deepcopy(v)
+        for k, v in preset.items()
+        if k not in ("workload", "run", "report", "serve")
     }
     engine_options = parts.pop("engine", {})
     config.update(copy.deepcopy(parts))

@@ -1,4 +1,5 @@
-"""Console scripts: `servelab` (the Hydra app), `servelab-report`, `servelab-plugins`."""
+"""Console scripts: `servelab` (the Hydra app; `servelab serve` the server), `servelab-report`,
+`servelab-plugins`."""
 
 from __future__ import annotations
 
@@ -83,8 +84,15 @@ def main() -> None:
 
     # plugins may add config-group options (`scheduler=sjf`) before Hydra composes
     get_plugin_manager().register_configs(ConfigStore.instance())
+    task = _hydra_app
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":  # `servelab serve key=value ...`
+        del sys.argv[1]
+        task = _serve_app
+    elif sys.argv[1:3] == ["bench", "serve"]:  # `servelab bench serve key=value ...`
+        del sys.argv[1:3]
+        task = _bench_app
     app = hydra.main(version_base="1.3", config_path="pkg://servelab.conf", config_name="config")(
-        _hydra_app
+        task
     )
     # Hydra would print a composition error as a multi-line report and exit 1;
     # letting it through (HYDRA_FULL_ERROR) turns it into one `servelab: error:` line
@@ -105,3 +113,56 @@ def report_main(argv: list[str] | None = None) -> None:
     except ServelabError as err:
         print(f"servelab-report: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _serve_app(cfg) -> None:
+    """`servelab serve ...`: compose as `servelab` does, then serve (servelab.serve)."""
+    from omegaconf import OmegaConf
+
+    from servelab.serve.server import Server
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("hydra", None)
+    try:
+        server = Server(config)
+    except ServelabError as err:
+        print(f"servelab serve: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(server.run())
+
+
+def _bench_app(cfg) -> None:
+    """`servelab bench serve ...`: the workload replayed against the server at
+    serve.host:serve.port; results.json / requests.csv in the Hydra output folder."""
+    import asyncio
+
+    import httpx
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from servelab.lab.bench_serve import bench_summary, replay
+    from servelab.lab.runner import RunResult, print_summary, save_run
+    from servelab.lab.workload import make_workload
+    from servelab.serve.config import serve_options
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("hydra", None)
+    options = serve_options(config.get("serve"))
+    url = f"http://{options['host']}:{options['port']}"
+    headers = {"authorization": f"Bearer {options['api_key']}"} if options["api_key"] else {}
+    try:
+        model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+        print(f"servelab bench serve: error: no server at {url} ({err})", file=sys.stderr)
+        raise SystemExit(2) from None
+    requests = make_workload(config["workload"], model["vocab_size"], model["max_model_len"])
+    records, tokens, wall = asyncio.run(
+        replay(url, requests, options["bench_concurrency"], options["api_key"])
+    )
+    summary = bench_summary(records, tokens, wall)
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    meta = {"overrides": list(HydraConfig.get().overrides.task), "mode": "bench_serve",
+            "choices": {"model": model["id"]}, "server": url}  # fmt: skip
+    save_run(folder, RunResult(None, summary, records, [], {"client": "servelab bench serve"}),
+             config, meta)  # fmt: skip
+    print_summary(summary, title=f"servelab bench serve against {url} ({model['id']})\n{folder}")

@@ -24,6 +24,7 @@ from servelab.contracts.scheduler import Scheduler
 from servelab.engine import requests
 from servelab.engine.failures import fail_step
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
+from servelab.engine.outputs import after_update
 from servelab.errors import RequestError
 from servelab.step.plan import StepPlan
 from servelab.step.sequence import (
@@ -60,6 +61,8 @@ class Engine:
         self.metrics = MetricsCollector()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ())
         self._request_ids = itertools.count()
+        # live requests with stop strings or logprobs: after_update looks at these only
+        self.watched: set[str] = set()
         # one caller at a time: `generate`, `add_request`, `step` and `abort` may be
         # called from several threads; each call runs whole (re-entrant: generate steps)
         self._lock = threading.RLock()
@@ -131,6 +134,10 @@ class Engine:
             group = SequenceGroup(request_id, seq)
             self.scheduler.add(group)
             self.groups[request_id] = group
+            if params.stop or params.logprobs is not None:
+                self.watched.add(request_id)
+                wanted = -1 if params.logprobs is None else params.logprobs
+                self.runner.logprobs_k = max(self.runner.logprobs_k, wanted)
             return request_id
 
     def _free_id(self, prefix: str) -> str:
@@ -154,6 +161,24 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def output_tokens(self, request_id: str) -> list[list[int]] | None:
+        """The tokens each sample of an unfinished request has so far (in sample
+        order; one list before the prompt forks), or None once it finished. A
+        streaming front end diffs these after every step."""
+        with self._lock:
+            group = self.groups.get(request_id)
+            if group is None:
+                return None
+            return [s.output_token_ids for s in sorted(group.seqs, key=lambda s: s.sample_index)]
+
+    def output_logprobs(self, request_id: str) -> list[list[dict]] | None:
+        """Like `output_tokens`, the logprobs each sample has so far (asked for ones)."""
+        with self._lock:
+            group = self.groups.get(request_id)
+            if group is None or group.params.logprobs is None:
+                return None
+            return [s.logprobs for s in sorted(group.seqs, key=lambda s: s.sample_index)]
+
     # -- one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -171,9 +196,11 @@ class Engine:
                 sampled = self._run(plan) if not plan.is_empty else {}
                 stage = "scheduler.update"
                 finished = self.scheduler.update(plan, sampled, self.now())
+                stage = "stop strings and logprobs"
+                stopped = after_update(self, sampled) if self.watched and sampled else []
             except Exception as exc:
                 return fail_step(self, stage, plan, exc)
-            outputs = [self._finish_group(g) for g in finished]
+            outputs = [self._finish_group(g) for g in finished] + stopped
             self._record_step(plan, start)
             return outputs
 
@@ -228,7 +255,10 @@ class Engine:
                     index=s.sample_index,
                     token_ids=list(s.output_token_ids),
                     finish_reason=s.finish_reason.value if s.finish_reason else None,
-                    text=self._detokenize(s.output_token_ids),
+                    text=s.stop_text
+                    if s.stop_text is not None
+                    else self._detokenize(s.output_token_ids),
+                    logprobs=s.logprobs,
                 )
                 for s in sorted(group.seqs, key=lambda s: s.sample_index)
             ],
@@ -236,6 +266,10 @@ class Engine:
             metrics=row,
         )
         del self.groups[group.request_id]
+        if group.request_id in self.watched:
+            self.watched.discard(group.request_id)
+            if not self.watched:
+                self.runner.logprobs_k = -1
         self.notify("servelab_request_end", engine=self, request=dict(row))
         return output
 

@@ -65,6 +65,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.allocator = allocator
         self.sampler = sampler
+        self.logprobs_k = -1  # the most alternatives a live request wants; -1: none asks
         self.device = device
         self.generator = generator
         # CUDA: one pinned buffer for the step's inputs, one upload per step
@@ -260,10 +261,26 @@ class ModelRunner:
                 self.generator,
                 batch.sample_indices,
             ).tolist()
-        return SampledTokens(batch.sample_owners, tokens)
+        sampled = SampledTokens(batch.sample_owners, tokens)
+        if self.logprobs_k >= 0:  # only while a live request asked for logprobs
+            sampled.logprobs = token_logprobs(logits, tokens, self.logprobs_k)
+        return sampled
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         """prepare, run_model, sample: one step's sampled tokens."""
         batch = self.prepare(plan)
         hidden = self.run_model(batch)
         return self.sample(hidden, batch)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[dict]:
+    """Per row: the sampled token's log-probability and the top `k` alternatives,
+    in float32 from the logits the sampler read (before temperature)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    rows = []
+    for i, token in enumerate(tokens):
+        top = list(zip(top_ids[i].tolist(), top_values[i].tolist())) if k > 0 else []
+        rows.append({"token_id": token, "logprob": float(chosen[i]), "top": top})
+    return rows

@@ -21,6 +21,7 @@ from servelab.contracts.kinds import KINDS
 from servelab.engine.build import ENGINE_DEFAULTS, ENGINE_TYPES
 from servelab.lab.report import REPORT_DEFAULTS, REPORT_TYPES
 from servelab.lab.runner import RUN_DEFAULTS, RUN_TYPES
+from servelab.serve.config import SERVE_DEFAULTS, SERVE_TYPES
 
 SCHEMA_NAME = "servelab_schema"
 # the open nodes: each is a part, a model, a hardware profile or a workload, typed by its own code
@@ -58,6 +59,7 @@ def schema(name: str, defaults: dict[str, Any], annotations: dict[str, Any]) -> 
 EngineSchema = schema("EngineSchema", ENGINE_DEFAULTS, ENGINE_TYPES)
 RunSchema = schema("RunSchema", RUN_DEFAULTS, RUN_TYPES)
 ReportSchema = schema("ReportSchema", REPORT_DEFAULTS, REPORT_TYPES)
+ServeSchema = schema("ServeSchema", SERVE_DEFAULTS, SERVE_TYPES)
 ServelabSchema = dataclasses.make_dataclass(
     "ServelabSchema",
     [(node, Any, dataclasses.field(default=None)) for node in OPEN_NODES]
@@ -65,6 +67,7 @@ ServelabSchema = dataclasses.make_dataclass(
         ("engine", EngineSchema, dataclasses.field(default_factory=EngineSchema)),
         ("run", RunSchema, dataclasses.field(default_factory=RunSchema)),
         ("report", ReportSchema, dataclasses.field(default_factory=ReportSchema)),
+        ("serve", ServeSchema, dataclasses.field(default_factory=ServeSchema)),
     ],
 )
 

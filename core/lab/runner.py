@@ -51,7 +51,7 @@ RUN_TYPES: dict[str, Any] = {
     "repeat": int,
 }
 # top-level config nodes the runner consumes; the rest goes to build_engine
-RUNNER_NODES = ("workload", "run", "report")
+RUNNER_NODES = ("workload", "run", "report", "serve")  # not engine nodes: build_engine never sees them
 
 
 @dataclass
@@ -206,6 +206,7 @@ def run_config(config: Mapping) -> RunResult:
         raise ConfigError("the config has no workload node; pick one with workload=NAME")
     options = run_options(config.pop("run", None))
     report_options(config.pop("report", None))  # checked now, used by servelab-report
+    config.pop("serve", None)  # `servelab serve`'s node
     started = provenance({**config, "workload": workload, "run": options}, model_name(config))
     engine = build_engine(config)
     requests = make_workload(workload, engine.model_config.vocab_size, engine.max_model_len)

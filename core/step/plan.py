@@ -146,6 +146,7 @@ class SampledTokens(Mapping[int, list[int]]):
     def __init__(self, owners: list[int], tokens: list[int]) -> None:
         self.owners = owners
         self.tokens = tokens
+        self.logprobs: list[dict] | None = None  # per entry, when a request asked for them
         self._by_seq: dict[int, list[int]] | None = None
 
     def _index(self) -> dict[int, list[int]]:

@@ -49,6 +49,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # text that ends the request at its first match (excluded from the text)
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k
 
     def __post_init__(self) -> None:
         """Checks every field: a bad value is a RequestError naming the field,
@@ -74,6 +77,10 @@ class SamplingParams:
             seed=None if self.seed is None else _integer("seed", self.seed, "or None", None),
             stop_token_ids=_token_list("stop_token_ids", self.stop_token_ids),
             ignore_eos=_flag("ignore_eos", self.ignore_eos),
+            stop=_text_list("stop", self.stop),
+            logprobs=None
+            if self.logprobs is None
+            else _integer("logprobs", self.logprobs, "in [0, 20] or None", lambda x: 0 <= x <= 20),
         )
 
     @property
@@ -128,6 +135,14 @@ def _token_list(name: str, value) -> list[int]:
     return [int(t) for t in items]
 
 
+def _text_list(name: str, value) -> list[str]:
+    """A list of non-empty strings (one string is a list of one)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) and t for t in items):
+        raise RequestError(f"{name} must be a non-empty string or a list of them, got {value!r}")
+    return list(items)
+
+
 _seq_ids = itertools.count()
 
 
@@ -166,6 +181,9 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []
         self.finished_time: float | None = None
+        self.stop_text: str | None = None  # the text up to a matched stop string
+        self.stop_scanned = 0  # characters of the text searched for stop strings
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
 
     # -- sizes
     @property
@@ -218,6 +236,8 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.first_scheduled_time = self.first_scheduled_time
         child.token_times = list(self.token_times)
+        if self.logprobs is not None:
+            child.logprobs = list(self.logprobs)
         return child
 
     def __repr__(self) -> str:
@@ -277,6 +297,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     text: str | None = None
+    # per token: {"token_id", "logprob", "top": [(token_id, logprob), ...]}; None: not asked
+    logprobs: list[dict] | None = None
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""What the engine does after `scheduler.update` for the requests that asked for
+more than tokens: stop strings and logprobs. Both run only while a live request
+uses them (`Engine.watched`), so the offline path without them pays nothing.
+
+A stop string ends a sequence at the first match in its text, across token
+boundaries: the token that completes the match is its last token and the text
+ends before the match (vLLM's rule). The scheduler's own `finish` frees its
+blocks; a group whose samples have all finished leaves the queues through
+`abort` (which leaves finished sequences' reasons alone). Logprobs come from the
+step's `SampledTokens.logprobs`, one entry per sampled token, in owner order
+(a prompt that forks now owns n entries: the parent's, then its new children's).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from servelab.step.sequence import FinishReason, RequestOutput, SequenceGroup
+
+if TYPE_CHECKING:
+    from servelab.engine.engine import Engine
+    from servelab.step.plan import SampledTokens
+
+
+def after_update(engine: Engine, sampled: SampledTokens | dict) -> list[RequestOutput]:
+    """Records logprobs and applies stop strings for the watched requests;
+    returns the outputs of the groups a stop string finished."""
+    groups = [engine.groups[r] for r in list(engine.watched) if r in engine.groups]
+    logprobs = getattr(sampled, "logprobs", None)
+    if logprobs is not None:
+        _record_logprobs(groups, sampled.owners, logprobs)
+    if engine.tokenizer is None:
+        return []
+    done = []
+    for group in groups:
+        if group.params.stop and not group.is_finished and _apply_stops(engine, group):
+            done.append(group)
+    outputs = []
+    for group in done:
+        engine.scheduler.abort(group.request_id)  # leaves the queues; reasons stay "stop"
+        outputs.append(engine._finish_group(group))
+    return outputs
+
+
+def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[dict]) -> None:
+    wanted = {s.seq_id: (g, s) for g in groups if g.params.logprobs is not None for s in g.seqs}
+    if not wanted:
+        return
+    entries: dict[int, list[dict]] = {}
+    for owner, row in zip(owners, rows):
+        if owner in wanted:
+            entries.setdefault(owner, []).append(row)
+    for owner, got in entries.items():
+        group, seq = wanted[owner]
+        k = group.params.logprobs
+        trimmed = [{**row, "top": row["top"][:k]} for row in got]
+        # a prompt that forked this step: the parent's entry, then its children's
+        targets = [seq] + (group.seqs[-(len(got) - 1) :] if len(got) > 1 else [])
+        for target, row in zip(targets, trimmed):  # children hold copies of the parent's list
+            target.logprobs.append(row)
+
+
+def _apply_stops(engine: Engine, group: SequenceGroup) -> bool:
+    """Finishes each sample whose text now holds a stop string; True when the
+    whole group is finished."""
+    stops = group.params.stop
+    longest = max(len(s) for s in stops)
+    for seq in group.unfinished():
+        text = engine.tokenizer.decode(seq.output_token_ids)
+        start = max(0, seq.stop_scanned - longest + 1)
+        found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        # a trailing replacement character may still become a real one: rescan it next time
+        seq.stop_scanned = len(text.rstrip("\ufffd"))
+        if found:
+            seq.stop_text = text[: min(found)]
+            engine.scheduler.decode_batch = None  # it holds the row; rebuilt next step
+            engine.scheduler.finish(seq, FinishReason.STOP)
+    return group.is_finished

@@ -1,0 +1,1 @@
+"""The async engine loop and the OpenAI-compatible server (`servelab serve`)."""

@@ -1,0 +1,96 @@
+"""The choices of one API request as its engine requests' Deltas arrive: text
+(through `StreamText`), token ids, logprobs and finish reasons per choice, and
+the JSON pieces OpenAI's completion and chat shapes are made of. Choice `i*n+j`
+is sample j of prompt i."""
+
+from __future__ import annotations
+
+from servelab.serve.async_engine import Delta
+from servelab.serve.text import StreamText, token_text
+
+# engine reasons a client understands; an aborted or cache-full request stopped early
+_REASONS = {"stop": "stop", "length": "length", "cache_full": "length", "abort": "abort"}
+
+
+class Choices:
+    def __init__(self, tokenizer, prompts: list[list[int]], n: int, stops: list[str],
+                 logprobs: int | None, chat: bool) -> None:  # fmt: skip
+        self.tokenizer, self.n, self.logprobs, self.chat = tokenizer, n, logprobs, chat
+        self.prompts = prompts
+        count = len(prompts) * n
+        self.texts = [StreamText(tokenizer, stops) for _ in range(count)]
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self.lps: list[list[dict]] = [[] for _ in range(count)]
+        self.reasons: list[str | None] = [None] * count
+        self.error: str | None = None
+
+    def apply(self, prompt_index: int, delta: Delta) -> list[dict]:
+        """Folds one Delta in; returns the stream pieces it makes, one per choice
+        with news: {index, text, token_ids, logprobs, finish_reason}."""
+        pieces = []
+        finals = {}
+        if delta.finished and delta.output is not None:
+            finals = {c.index: c for c in delta.output.outputs}
+            if delta.output.error and delta.output.finish_reason == "error":
+                self.error = delta.output.error
+        for sample in sorted(set(delta.new_tokens) | set(finals)):
+            i = prompt_index * self.n + sample
+            ids = delta.new_tokens.get(sample, [])
+            lps = delta.new_logprobs.get(sample, [])
+            self.tokens[i] += ids
+            self.lps[i] += lps
+            reason = None
+            if sample in finals:  # the engine's text: a stop string's match cut off
+                self.texts[i].token_ids += ids
+                text = self.texts[i].finish(finals[sample].text)
+                reason = self.reasons[i] = _REASONS.get(finals[sample].finish_reason, "stop")
+            else:
+                text = self.texts[i].push(ids)
+            pieces.append({"index": i, "text": text, "token_ids": ids,
+                           "logprobs": self.logprobs_json(lps, len(self.texts[i].sent) - len(text)),
+                           "finish_reason": reason})  # fmt: skip
+        return pieces
+
+    def logprobs_json(self, entries: list[dict], offset: int = 0):
+        if self.logprobs is None:
+            return None
+        tok = lambda t: token_text(self.tokenizer, t)
+        if self.chat:
+            return {"content": [
+                {"token": tok(e["token_id"]), "logprob": e["logprob"],
+                 "bytes": list(tok(e["token_id"]).encode()),
+                 "top_logprobs": [{"token": tok(t), "logprob": lp, "bytes": list(tok(t).encode())}
+                                  for t, lp in e["top"]]}
+                for e in entries]}  # fmt: skip
+        offsets, at = [], offset
+        for e in entries:
+            offsets.append(at)
+            at += len(tok(e["token_id"]))
+        return {
+            "tokens": [tok(e["token_id"]) for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{tok(t): lp for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(t) for t in self.tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}  # fmt: skip
+
+    def final(self, echo_texts: list[str] | None = None) -> list[dict]:
+        """The whole choices, for a response that does not stream."""
+        out = []
+        for i, text in enumerate(self.texts):
+            body = text.sent
+            if echo_texts is not None:
+                body = echo_texts[i // self.n] + body
+            choice = {"index": i, "finish_reason": self.reasons[i], "token_ids": self.tokens[i],
+                      "logprobs": self.logprobs_json(self.lps[i])}  # fmt: skip
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": body}
+            else:
+                choice["text"] = body
+            out.append(choice)
+        return out

@@ -1,0 +1,106 @@
+"""`servelab serve`: the engine composed exactly as for `servelab` (parts, model,
+device, engine options) plus the `serve` node, behind uvicorn.
+
+On SIGINT or SIGTERM uvicorn stops accepting and lets in-flight requests finish
+for `serve.grace_period` seconds, then cancels them (a cancelled stream aborts
+its engine request); the engine loop then aborts whatever is left, and the
+process exits 0 once every KV block is free (1, with a message, if one leaked).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from servelab.engine.build import build_engine
+from servelab.serve.app import create_app
+from servelab.serve.async_engine import AsyncEngine
+from servelab.serve.config import serve_options
+from servelab.serve.metrics import ServerMetrics
+from servelab.serve.text import ChatTemplate
+
+log = logging.getLogger(__name__)
+NOT_ENGINE_NODES = ("serve", "workload", "run", "report")
+
+
+def model_folder(config: Mapping) -> str | None:
+    node = config.get("model") or {}
+    return node.get("path") if isinstance(node, Mapping) else None
+
+
+def _uvicorn_server():
+    import uvicorn
+
+    class Quiet(uvicorn.Server):
+        """uvicorn's server, minus re-raising the signal after a graceful shutdown
+        (which would end the process by that signal instead of exit status 0)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Quiet
+
+
+def _Uvicorn(config):
+    return _uvicorn_server()(config)
+
+
+class Server:
+    """Builds the engine and the app; `run()` serves until told to stop."""
+
+    def __init__(self, config: Mapping) -> None:
+        config = dict(config)
+        self.options = serve_options(config.get("serve"))
+        engine_config = {k: v for k, v in config.items() if k not in NOT_ENGINE_NODES}
+        self.engine = build_engine(engine_config)
+        self.metrics = ServerMetrics()
+        self.aengine = AsyncEngine(self.engine, on_step=lambda a: self.metrics.after_step(a.engine))
+        self.aengine.on_finish = lambda out: self.metrics.request_done(out.metrics)
+        folder = model_folder(config)
+        name = self.options["served_model_name"]
+        if name is None:
+            node = config.get("model") or "tiny"
+            name = (
+                Path(folder).name
+                if folder
+                else (node if isinstance(node, str) else node.get("name", "model"))
+            )
+        self.model_name = name
+        self.app = create_app(self.aengine, self.options, name, ChatTemplate(folder), self.metrics)
+        self.uvicorn = None
+
+    def make_uvicorn(self):
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.app,
+            host=self.options["host"],
+            port=self.options["port"],
+            log_level=self.options["log_level"],
+            timeout_graceful_shutdown=max(1, round(self.options["grace_period"])),
+            lifespan="off",
+        )
+        self.uvicorn = _Uvicorn(config)
+        return self.uvicorn
+
+    def run(self) -> int:
+        """Serves, then shuts down cleanly; the exit status (0: every block free)."""
+        self.aengine.start()
+        try:
+            self.make_uvicorn().run()
+        finally:
+            self.aengine.stop()
+        return 0 if self.leaked_message() is None else 1
+
+    def leaked_message(self) -> str | None:
+        usage = self.engine.allocator.usage()
+        total = usage.get("blocks_total", getattr(self.engine.allocator, "num_blocks", 0))
+        held = total - usage.get("blocks_free", total)
+        if held:
+            message = f"servelab serve: {held} of {total} KV blocks still held at exit"
+            print(message, file=sys.stderr)
+            return message
+        return None

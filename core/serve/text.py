@@ -1,0 +1,94 @@
+"""Text around the engine: incremental detokenisation for streams and the chat
+template. A stream's text grows by the decoded suffix of all tokens so far, held
+back while it ends in a replacement character (an unfinished UTF-8 sequence)
+or could still be the start of a stop string; the engine's final text (stop
+string excluded) closes it. Chat templates are rendered with jinja2 in a
+sandbox, as Hugging Face's `apply_chat_template` does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from servelab.serve.protocol import ApiError
+
+
+class StreamText:
+    """One sample's text as a stream of safe deltas."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token_ids: list[int]) -> str:
+        self.token_ids += token_ids
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
+        safe = text[: len(text) - self.hold] if self.hold else text
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent) :], safe
+        return delta
+
+    def finish(self, final_text: str | None) -> str:
+        """The rest of the text, given the engine's final one."""
+        if final_text is None or not final_text.startswith(self.sent):
+            return ""
+        delta, self.sent = final_text[len(self.sent) :], final_text
+        return delta
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return str(token_id) if tokenizer is None else tokenizer.decode([token_id])
+
+
+class ChatTemplate:
+    """The model folder's chat template (tokenizer_config.json), or none."""
+
+    def __init__(self, folder: str | Path | None) -> None:
+        self.template = None
+        self.special: dict[str, str] = {}
+        path = Path(folder) / "tokenizer_config.json" if folder else None
+        if path is None or not path.is_file():
+            return
+        config = json.loads(path.read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                self.special[key] = value
+        if template:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise jinja2.exceptions.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self.template = env.from_string(template)
+
+    def render(self, messages: list[dict]) -> str:
+        if self.template is None:
+            raise ApiError(
+                400,
+                "this model has no chat template (no chat_template in its "
+                "tokenizer_config.json); use /v1/completions with a prompt instead",
+                "messages",
+            )
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=True, **self.special
+            )
+        except Exception as err:  # the template's own raise_exception, or a bad message
+            raise ApiError(
+                400, f"the chat template rejected the messages: {err}", "messages"
+            ) from None

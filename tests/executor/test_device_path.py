@@ -284,7 +284,7 @@ def test_gpu_memory_utilization_on_cpu_fails_before_loading(monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the option was refused")
 
-    monkeypatch.setattr("servelab.engine.build.load_model", no_load)
+    monkeypatch.setattr("servelab.plugins.executors.model.load_model", no_load)
     with pytest.raises(ConfigError) as err:
         LLM(model="tiny", device="cpu", gpu_memory_utilization=0.9)
     message = str(err.value)

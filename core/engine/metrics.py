@@ -176,6 +176,20 @@ def _latency_figures(name: str, seconds: Iterable[float]) -> dict[str, float]:
     return {f"{name}_{k}_ms": v * 1000.0 for k, v in percentiles(seconds).items()}
 
 
+def _finish_steps(done: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> dict:
+    """`finish_step_mean` / `finish_step_p50`: how many steps from the run's first
+    step each completed request took to come back (its job completion time in
+    steps, the same on any machine when every request arrives at once)."""
+    first = steps[0].step if steps else 0
+    counts = [r.finished_step - first + 1 for r in done if r.finished_step is not None]
+    if not counts:
+        return {"finish_step_mean": math.nan, "finish_step_p50": math.nan}
+    return {
+        "finish_step_mean": float(np.mean(counts)),
+        "finish_step_p50": float(np.percentile(counts, 50)),
+    }
+
+
 def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> dict[str, float]:
     """One run's figures; see docs/ablation.md for each definition."""
     done = [r for r in requests if r.completed]
@@ -250,6 +264,8 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
             if total("prefix_query_tokens")
             else 0.0
         ),
+        # completion time in steps (machine-independent): from the run's first step
+        **_finish_steps(done, steps),
         "longest_stall_ms": 1000.0 * stall.seconds,
         "longest_stall_steps": stall.steps,
         "longest_stall_prefill_tokens": stall.prefill_tokens,

@@ -275,3 +275,17 @@ def test_a_long_prompt_stalls_decodes_by_its_prefill_or_one_chunk(scheduler, bou
     stall = decode_stalls(engine.metrics.requests, engine.metrics.steps)
     assert stall.prefill_tokens == bound
     assert stall.steps == 1  # decodes run first: no decode ever skips a step
+
+
+def test_finish_steps_count_from_the_runs_first_step():
+    steps = [StepRecord(s, 0.1 * s, 0.1, 2, 0, 2, 0, 0, 8, 8, 64) for s in range(10, 15)]
+    done = [
+        RequestRecord("a", 0.0, 4, 2, 0.0, 0.1, 0.2, "length", 0, finished_step=11),
+        RequestRecord("b", 0.0, 4, 4, 0.0, 0.1, 0.4, "length", 0, finished_step=13),
+        RequestRecord("c", 0.0, 4, 5, 0.0, 0.1, 0.5, "length", 0, finished_step=14),
+        RequestRecord("d", 0.0, 4, 0, None, None, 0.5, "abort", 0, finished_step=12),
+    ]
+    summary = summarize(done, steps)
+    # a, b, c came back after 2, 4 and 5 steps of a run starting at step 10; d did not complete
+    assert summary["finish_step_mean"] == pytest.approx(11 / 3)
+    assert summary["finish_step_p50"] == 4

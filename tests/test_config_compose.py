@@ -100,7 +100,9 @@ def test_every_component_combination_builds(combo):
 @pytest.mark.parametrize("model", options("model"))
 def test_every_model_builds(model):
     if model in SHAPE_ONLY:  # no weights: the simulated executor reads the shape
-        config = compose_plain([f"model={model}", "executor=simulated", "engine.kv_cache_memory=4GiB"])
+        config = compose_plain(
+            [f"model={model}", "executor=simulated", "engine.kv_cache_memory=4GiB"]
+        )
         engine = build_engine(engine_config(config))
         params = model_weight_bytes(engine.model_config, "float32") / 4
         assert abs(params / SHAPE_ONLY[model] - 1) < 0.01, params
@@ -228,7 +230,9 @@ def test_a_misspelt_option_is_an_error_listing_the_accepted_ones():
     config = compose_plain(["+workload.num_request=3"])
     with pytest.raises(ConfigError, match="accepted: seed, repeat, scale"):
         make_workload(config["workload"], vocab_size=512)
-    with pytest.raises(ConfigError, match="accepted: idle_sleep, progress, repeat, repeats, warmup"):
+    with pytest.raises(
+        ConfigError, match="accepted: idle_sleep, progress, repeat, repeats, warmup"
+    ):
         run_options({"progres": False})
     with pytest.raises(ConfigError, match="accepted: title, sort, figures, claims"):
         report_options({"claim": []})

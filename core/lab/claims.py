@@ -110,7 +110,11 @@ def evaluate_claim(configs: Sequence[Configuration], claim: Mapping) -> list[Cla
                 ClaimResult(
                     f"{heading} — {detail} [claim {stated}]",
                     verdict(value, op, bound),
-                    name, op, bound, value, [(config.label, value)],
+                    name,
+                    op,
+                    bound,
+                    value,
+                    [(config.label, value)],
                 )  # fmt: skip
             )
             continue
@@ -131,7 +135,10 @@ def evaluate_claim(configs: Sequence[Configuration], claim: Mapping) -> list[Cla
             ClaimResult(
                 f"{heading} — {detail} [claim {stated}]",
                 verdict(quotient, op, bound),
-                name, op, bound, quotient,
+                name,
+                op,
+                bound,
+                quotient,
                 [(f"{run_sel}{where}", quotient)],
             )  # fmt: skip
         )

@@ -34,7 +34,7 @@ def omegaconf_type(annotation: Any) -> Any:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         members = [m for m in typing.get_args(annotation) if m is not type(None)]
         if len(members) == 1:
-            return Optional[omegaconf_type(members[0])]
+            return Optional[omegaconf_type(members[0])]  # noqa: UP045 (OmegaConf reads Optional, not X | None)
         return Any
     if annotation is list:
         return list[Any]

@@ -214,7 +214,9 @@ def draw_requests(ax, run: Run, axis: str) -> None:
         first = int(row["first_scheduled_step"])
         last = token_steps[-1] if token_steps else first
         release = max(int(row.get("finished_step") or last), last)
-        arrived = _arrival_step(row, steps, first_step) if axis == "steps" else row["arrival_time"] - t0
+        arrived = (
+            _arrival_step(row, steps, first_step) if axis == "steps" else row["arrival_time"] - t0
+        )
         ax.hlines(y, arrived, at(first), color="0.7", linewidth=1, label=once("waiting"))
         ax.barh(y, at(last) - at(first) + (1 if axis == "steps" else 0), left=at(first),
                 color="tab:blue", height=0.7, label=once("running"))  # fmt: skip

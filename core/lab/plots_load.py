@@ -76,7 +76,7 @@ def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
         rows, columns, figsize=(7 * columns, sum(0.45 * h + 1.3 for h in heights)),
         squeeze=False, gridspec_kw={"height_ratios": heights},
     )  # fmt: skip
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, ((heading, figure, op, bound), group) in zip(axes.flat, panels.items()):
         for y, claim in enumerate(group):

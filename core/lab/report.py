@@ -200,7 +200,9 @@ def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> 
     out.mkdir(parents=True, exist_ok=True)
 
     slo_figures = ["slo_attainment_pct", "goodput_rps"] if settings["slo"] else []
-    shown = list(dict.fromkeys([settings["sort"], *KEY_FIGURES, *slo_figures, *settings["figures"]]))
+    shown = list(
+        dict.fromkeys([settings["sort"], *KEY_FIGURES, *slo_figures, *settings["figures"]])
+    )
     every = list(dict.fromkeys([*shown, *_summary_keys(runs)]))
     write_csv(out / "summary.csv", summary_rows(configs, every))
     write_csv(out / "runs.csv", run_rows(runs))
@@ -302,7 +304,9 @@ def capacity_lines(slo: Mapping, capacities: Sequence[dict]) -> list[str]:
     for row in capacities:
         by_rate = ", ".join(f"{r:g}: {p:.0f}" for r, p in row["attainment_by_rate"].items())
         best = row["capacity_rps"]
-        lines.append(f"| {row['configuration']} | {'below the lowest rate' if best is None else f'{best:g}'} | {by_rate} |")
+        lines.append(
+            f"| {row['configuration']} | {'below the lowest rate' if best is None else f'{best:g}'} | {by_rate} |"
+        )
     return lines + [""]
 
 

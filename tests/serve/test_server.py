@@ -182,7 +182,7 @@ def slow_steps(monkeypatch, server) -> None:
     real = runner.execute
 
     def slow(plan):
-        time.sleep(0.02)
+        time.sleep(0.05)
         return real(plan)
 
     monkeypatch.setattr(runner, "execute", slow)
@@ -209,6 +209,8 @@ def test_full_queue_is_429_then_serves_again(model_folder, monkeypatch):
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", s.url + "/v1/completions", json=body) as r:
                 next(line for line in r.iter_lines() if line.startswith("data:"))
+                # the long request holds the one place (checked, not assumed)
+                assert s.aengine.num_pending == 1, "the long request already ended"
                 full = http.post(s.url + "/v1/completions", json={"prompt": "hi"})
                 assert full.status_code == 429 and "full" in full.json()["error"]["message"]
         wait_idle(s)

@@ -35,7 +35,7 @@ CONFIG = {
         "name": "synthetic",
         "num_requests": 10_000,
         "arrival": "poisson",
-        "rate": 20.0,
+        "rate": 12.0,
         "prompt_len": {"dist": "lognormal", "mean": 1024, "std": 768, "min": 16, "max": 6144},
         "output_len": {"dist": "lognormal", "mean": 256, "std": 192, "min": 8, "max": 2048},
         "seed": 0,

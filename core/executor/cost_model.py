@@ -1,8 +1,12 @@
 """The simulated executor's cost of one step, from the plan alone.
 
-Every operation is `Op(flops, bytes, launches)` and costs
-    time = max(flops / (peak FLOP/s x efficiency), bytes / (peak bandwidth x efficiency))
-           + launches x launch_overhead.
+Every operation is `Op(flops, bytes, launches, rows)` and costs
+    time = max(flops / (peak FLOP/s x efficiency x curve(rows)), bytes / (peak bandwidth x efficiency))
+           + launches x launch_overhead,
+where curve(rows) = rows / (rows + half_rows) is the efficiency curve of the op's class
+(matmul: rows = the tokens it multiplies, attention: its query rows): a small op cannot
+fill the machine, and reaches half its class's efficiency at `half_rows` rows
+(`matmul_half_rows`, `attention_half_rows`; 0 turns the curve off).
 Per GPU, with tensor parallelism p (heads, the intermediate size and the vocabulary
 split p ways; T tokens in the step, e bytes per element, h hidden, H/K query/KV
 heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
@@ -45,6 +49,7 @@ class Op:
     flops: float
     bytes: float
     launches: float = 1.0
+    rows: float = 0.0  # the rows (tokens, query rows) the efficiency curve reads
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,8 @@ def attention_flops(q, start, head_dim: int, heads: float) -> float:
 
 
 def matmul_op(name: str, tokens: float, m: float, n: float, e: float) -> Op:
-    return Op(name, MATMUL, 2 * tokens * m * n, e * (m * n + tokens * m + tokens * n))
+    flops, data = 2 * tokens * m * n, e * (m * n + tokens * m + tokens * n)
+    return Op(name, MATMUL, flops, data, rows=tokens)
 
 
 class CostModel:
@@ -139,9 +145,19 @@ class CostModel:
             MEMORY: float("inf"),
         }
         self.bandwidth = profile.memory_bandwidth * profile.bandwidth_efficiency
+        self.half_rows = {
+            MATMUL: profile.matmul_half_rows,
+            ATTENTION: profile.attention_half_rows,
+            MEMORY: 0.0,
+        }
+
+    def curve(self, op: Op) -> float:
+        """The share of its class's efficiency an op of `op.rows` rows reaches."""
+        half = self.half_rows[op.kind]
+        return op.rows / (op.rows + half) if half and op.rows else 1.0
 
     def op_time(self, op: Op) -> float:
-        compute = op.flops / self.rate[op.kind] if op.flops else 0.0
+        compute = op.flops / (self.rate[op.kind] * self.curve(op)) if op.flops else 0.0
         memory = op.bytes / self.bandwidth if op.bytes else 0.0
         return max(compute, memory) + op.launches * self.profile.launch_overhead
 
@@ -172,18 +188,19 @@ class CostModel:
             n, max_q, max_k = step.num_seqs, float(queries.max()), float(keys.max())
             flops = 4 * d * heads * n * max_q * max_k
             data = e * d * (2 * kv * n * max_k + 2 * kv * step.num_tokens + 2 * heads * n * max_q)
-            return [Op("attention_padded", ATTENTION, flops, data)]
+            return [Op("attention_padded", ATTENTION, flops, data, rows=n * max_q)]
         ops = []
         if len(step.prefill_q):
             q, s = step.prefill_q, step.prefill_start
             flops = attention_flops(q, s, d, heads)
             data = e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
-            ops.append(Op("attention_prefill", ATTENTION, flops, float(data)))
+            rows = float(np.sum(q))
+            ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows))
         if len(step.decode_keys):
             keys, rows = float(np.sum(step.decode_keys)), len(step.decode_keys)
             flops = 4 * d * heads * keys
             data = e * d * (2 * kv * keys + 2 * kv * rows + 2 * heads * rows)
-            ops.append(Op("attention_decode", ATTENTION, flops, data))
+            ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows))
         return ops
 
     def all_reduce_time(self, tokens: float) -> float:

@@ -26,6 +26,8 @@ FITTED = (
     "matmul_efficiency",
     "attention_efficiency",
     "bandwidth_efficiency",
+    "matmul_half_rows",
+    "attention_half_rows",
     "launch_overhead",
     "step_overhead",
     "seq_overhead",
@@ -41,6 +43,9 @@ class HardwareProfile:
     matmul_efficiency: float = 0.7  # achieved / peak FLOP/s of projections and the LM head
     attention_efficiency: float = 0.5  # achieved / peak FLOP/s of attention
     bandwidth_efficiency: float = 0.8  # achieved / peak memory bandwidth
+    # efficiency curves: an op of this many rows reaches half its class's efficiency (0: off)
+    matmul_half_rows: float = 0.0
+    attention_half_rows: float = 0.0
     interconnect_bandwidth: float = 0.0  # bytes/s per device and direction (all-reduce)
     interconnect_latency: float = 0.0  # seconds per collective
     host_link_bandwidth: float = 25e9  # bytes/s device <-> host (swap)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from servelab.engine.build import build_engine
-from servelab.executor.cost_model import CostModel, Shape, StepShape, step_shape
+from servelab.executor.cost_model import ATTENTION, MATMUL, CostModel, Shape, StepShape, step_shape
 from servelab.executor.hardware import HardwareProfile, load_profile
 from servelab.step.sequence import SamplingParams
 
@@ -29,14 +29,24 @@ FIT_PARAMETERS = (
     "matmul_efficiency",
     "attention_efficiency",
     "bandwidth_efficiency",
+    "matmul_half_rows",
     "step_overhead",
     "seq_overhead",
 )
-BOUNDS = {"efficiency": (1e-5, 1.0), "overhead": (0.0, 1.0)}
+# per kind of parameter: its bounds, and the scale that lets each move on a similar step
+KINDS = {
+    "efficiency": ((1e-5, 1.0), 1.0),
+    "half_rows": ((0.0, 1e5), 100.0),
+    "overhead": ((0.0, 1.0), 1e-4),  # seconds: microseconds to milliseconds
+}
+
+
+def _kind(parameter: str) -> str:
+    return next(k for k in KINDS if parameter.endswith(k))
 
 
 def _bounds() -> tuple[list[float], list[float]]:
-    pairs = [BOUNDS["efficiency" if "efficiency" in p else "overhead"] for p in FIT_PARAMETERS]
+    pairs = [KINDS[_kind(p)][0] for p in FIT_PARAMETERS]
     return [lo for lo, _ in pairs], [hi for _, hi in pairs]
 
 
@@ -45,6 +55,51 @@ def predict(
 ) -> np.ndarray:
     model = CostModel(shape, profile, dtype, size)
     return np.array([model.step_time(s) for s in steps])
+
+
+class OpTable:
+    """Every op of every step as flat arrays, built once: a fit evaluates thousands of
+    profiles over the same steps, and only the rates change between them. `times` is
+    `CostModel.step_time` vectorised (a test holds the two equal); one device."""
+
+    def __init__(self, shape: Shape, steps: Sequence[StepShape], dtype: str, size: int) -> None:
+        model = CostModel(shape, HardwareProfile("table", 1, {dtype: 1.0}, 1.0), dtype, size)
+        cols: dict[str, list] = {
+            k: [] for k in ("step", "kind", "flops", "bytes", "rows", "launches", "count")
+        }
+        for i, step in enumerate(steps):
+            weighted = [(op, shape.num_layers) for op in model.layer_ops(step)]
+            weighted += [(op, 1) for op in model.step_ops(step)]
+            for op, count in weighted:
+                for key, value in (("step", i), ("kind", op.kind), ("flops", op.flops),
+                                   ("bytes", op.bytes), ("rows", op.rows),
+                                   ("launches", op.launches), ("count", count)):  # fmt: skip
+                    cols[key].append(value)
+        self.dtype, self.num_steps = dtype, len(steps)
+        self.kind = np.array(cols.pop("kind"))
+        for key, values in cols.items():
+            setattr(self, key, np.asarray(values, dtype=np.float64))
+        self.step = self.step.astype(np.int64)
+        self.seqs = np.array([s.num_seqs for s in steps], dtype=np.float64)
+
+    def times(self, profile: HardwareProfile) -> np.ndarray:
+        peak = profile.flops(self.dtype)
+        rate = np.ones_like(self.flops) * np.inf
+        half = np.zeros_like(self.flops)
+        for kind, eff, h in ((MATMUL, profile.matmul_efficiency, profile.matmul_half_rows),
+                             (ATTENTION, profile.attention_efficiency, profile.attention_half_rows)):  # fmt: skip
+            mask = self.kind == kind
+            rate[mask], half[mask] = peak * eff, h
+        curve = np.ones_like(self.rows)
+        curved = (half > 0) & (self.rows > 0)
+        curve[curved] = self.rows[curved] / (self.rows[curved] + half[curved])
+        compute = np.divide(
+            self.flops, rate * curve, out=np.zeros_like(self.flops), where=self.flops > 0
+        )
+        memory = self.bytes / (profile.memory_bandwidth * profile.bandwidth_efficiency)
+        per_op = np.maximum(compute, memory) + self.launches * profile.launch_overhead
+        ops = np.bincount(self.step, weights=per_op * self.count, minlength=self.num_steps)
+        return ops + profile.step_overhead + profile.seq_overhead * self.seqs
 
 
 def fit_profile(
@@ -61,12 +116,13 @@ def fit_profile(
     want = np.asarray(measured, dtype=np.float64)
     lo, hi = _bounds()
     start = np.clip([getattr(profile, p) for p in FIT_PARAMETERS], lo, hi)
-    # overheads are microseconds: scale so every parameter moves on a similar step
-    scale = np.array([1.0 if "efficiency" in p else 1e-4 for p in FIT_PARAMETERS])
+    scale = np.array([KINDS[_kind(p)][1] for p in FIT_PARAMETERS])
+
+    table = OpTable(shape, steps, dtype, bytes_per_element)
 
     def residuals(x: np.ndarray) -> np.ndarray:
         fitted = profile.with_fitted(**dict(zip(FIT_PARAMETERS, x * scale)))
-        return predict(fitted, shape, steps, dtype, bytes_per_element) / want - 1.0
+        return table.times(fitted) / want - 1.0
 
     result = least_squares(
         residuals,
@@ -84,30 +140,54 @@ def fit_profile(
 # -- measuring the real engine
 GRID_DECODE = [(b, c) for b in (1, 4, 16, 32) for c in (16, 128, 384)]  # batch x prompt length
 GRID_CHUNKED = [(64, 256), (128, 384)]  # chunk size x prompt length, next to decodes
+# served workloads, the step mixes of live traffic: single prompts of many lengths arriving
+# beside small decode batches; (scheduler, its options, prompt range, output range, rate)
+TRAFFIC = [
+    ("continuous", {}, (16, 384), (8, 96), 6.0),
+    ("chunked", {"chunk_size": 96}, (64, 448), (8, 64), 8.0),
+]
+TRAFFIC_REQUESTS = 24
+
+
+def _engine(model: str, dtype: str, threads: int | None, scheduler: str, options: dict):
+    return build_engine({
+        "model": model,
+        "scheduler": {"name": scheduler, **options},
+        "engine": {"dtype": dtype, "kv_cache_memory": "256MiB", "max_model_len": 1024,
+                   "num_threads": threads},
+    })  # fmt: skip
+
+
+def _traffic(engine, prompts: tuple, outputs: tuple, rate: float, seed: int) -> list:
+    from servelab.lab.workload import make_workload
+
+    node = {"name": "synthetic", "num_requests": TRAFFIC_REQUESTS, "arrival": "poisson",
+            "rate": rate, "seed": seed, "ignore_eos": True,
+            "prompt_len": {"dist": "uniform", "min": prompts[0], "max": prompts[1]},
+            "output_len": {"dist": "uniform", "min": outputs[0], "max": outputs[1]}}  # fmt: skip
+    return make_workload(node, engine.model_config.vocab_size, engine.max_model_len)
 
 
 def measure(
     model: str = "bench", dtype: str = "float32", repeats: int = 2, threads: int | None = None
 ) -> dict:
-    """Serves the grid through the real engine; each step's shape and seconds."""
+    """Serves the grid and the traffic through the real engine; each step's shape and seconds."""
+    from servelab.lab.runner import serve, warm_up
+
     shapes: list[StepShape] = []
     seconds: list[float] = []
     runs = [("continuous", {}, batch, length, 8) for batch, length in GRID_DECODE]
     runs += [("chunked", {"chunk_size": c}, 8, length, 16) for c, length in GRID_CHUNKED]
     engine = None
-    for _ in range(repeats):
+
+    def keep(recorded: list) -> None:
+        for plan, step in zip(recorded, engine.metrics.steps):
+            shapes.append(step_shape(plan, padded=False))
+            seconds.append(step.wall_time)
+
+    for repeat in range(repeats):
         for scheduler, options, batch, length, out in runs:
-            config = {
-                "model": model,
-                "scheduler": {"name": scheduler, **options},
-                "engine": {
-                    "dtype": dtype,
-                    "kv_cache_memory": "256MiB",
-                    "max_model_len": 1024,
-                    "num_threads": threads,
-                },
-            }
-            engine = build_engine(config)
+            engine = _engine(model, dtype, threads, scheduler, options)
             recorded = _record(engine)
             params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
             rng = np.random.default_rng(length * 1000 + batch)
@@ -117,9 +197,14 @@ def measure(
             recorded.clear()
             engine.metrics.start_run()
             engine.generate(prompts, params)
-            for plan, step in zip(recorded, engine.metrics.steps):
-                shapes.append(step_shape(plan, padded=False))
-                seconds.append(step.wall_time)
+            keep(recorded)
+        for scheduler, options, prompts, outputs, rate in TRAFFIC:
+            engine = _engine(model, dtype, threads, scheduler, options)
+            recorded = _record(engine)
+            warm_up(engine)
+            recorded.clear()
+            serve(engine, _traffic(engine, prompts, outputs, rate, seed=100 + repeat))
+            keep(recorded)
     return {"shapes": shapes, "seconds": seconds, "shape": Shape.of(engine.model_config)}
 
 

@@ -52,12 +52,18 @@ def estimate(config: Configuration, name: str) -> Estimate:
 
 def _estimate(config: Configuration, name: str) -> Estimate:
     match = PERCENTILE_FIGURE.match(name)
-    if match:
+    if match and not config.deterministic:
         kind, q = match.group(1), float(match.group(2))
         samples = [latency_samples(run, kind) for run in config.finished]
         if any(samples):
             return percentile_estimate(samples, q)
-    return mean_estimate(config.values(name), counted=is_counted(name))
+    return mean_estimate(config.values(name), counted=counted(config, name))
+
+
+def counted(config: Configuration, name: str) -> bool:
+    """Whether `name` is exact over `config`'s runs: a count, or any figure of a
+    virtual-clock run (the same config gives the same times)."""
+    return is_counted(name) or config.deterministic
 
 
 def ratio(config: Configuration, baseline: Configuration, name: str) -> Estimate:
@@ -65,9 +71,9 @@ def ratio(config: Configuration, baseline: Configuration, name: str) -> Estimate
     interleaved sweep), repeat i of one is paired with repeat i of the other."""
     mine = {run.repeat: figure(run, name) for run in config.finished}
     theirs = {run.repeat: figure(run, name) for run in baseline.finished}
-    counted = is_counted(name)
+    exact = counted(config, name) and counted(baseline, name)
     if len(mine) == len(config.finished) and set(mine) == set(theirs) and len(mine) > 1:
         order = sorted(mine)
         return ratio_estimate([mine[i] for i in order], [theirs[i] for i in order],
-                              counted=counted, paired=True)  # fmt: skip
-    return ratio_estimate(config.values(name), baseline.values(name), counted=counted)
+                              counted=exact, paired=True)  # fmt: skip
+    return ratio_estimate(config.values(name), baseline.values(name), counted=exact)

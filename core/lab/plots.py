@@ -34,14 +34,15 @@ def save(fig, path: Path) -> None:
 
 
 def log_axis(ax, which: str = "x") -> None:
-    """A log axis labelled in plain numbers at its major ticks only (minor tick
-    labels overlap when the data spans less than a decade)."""
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    """A log axis labelled in plain numbers at its major ticks, and at some minor
+    ones only where the data spans under a decade (else they overlap, and a
+    narrow axis would show no number at all)."""
+    from matplotlib.ticker import LogFormatter, ScalarFormatter
 
     axis = ax.xaxis if which == "x" else ax.yaxis
     (ax.set_xscale if which == "x" else ax.set_yscale)("log")
     axis.set_major_formatter(ScalarFormatter())
-    axis.set_minor_formatter(NullFormatter())
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
 
 
 def legend_below(fig, axes, columns: int = 3) -> None:

@@ -214,6 +214,12 @@ def run_config(config: Mapping) -> RunResult:
     config.pop("serve", None)  # `servelab serve`'s node
     started = provenance({**config, "workload": workload, "run": options}, model_name(config))
     engine = build_engine(config)
+    # what timed the run: a virtual clock makes every figure a deterministic function
+    # of the config (the report then needs no repeats), and a hardware profile's values
+    started["executor"] = {
+        "virtual_clock": bool(engine.executor.virtual_clock),
+        **engine.executor.describe(),
+    }
     requests = make_workload(workload, engine.model_config.vocab_size, engine.max_model_len)
     if options["warmup"]:
         warm_up(engine)

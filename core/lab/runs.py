@@ -51,6 +51,12 @@ class Run:
     def provenance(self) -> dict:
         return self.results.get("provenance") or {}
 
+    @property
+    def virtual_clock(self) -> bool:
+        """Timed by a modelled clock (executor=simulated): its times are as
+        deterministic as its counts."""
+        return bool((self.provenance.get("executor") or {}).get("virtual_clock"))
+
     def requests(self) -> list[dict]:
         return read_csv(self.folder / "requests.csv")
 
@@ -83,6 +89,11 @@ class Configuration:
     @property
     def finished(self) -> list[Run]:
         return [run for run in self.runs if not run.error]
+
+    @property
+    def deterministic(self) -> bool:
+        """Every figure is a function of the config alone: each run had a virtual clock."""
+        return bool(self.finished) and all(run.virtual_clock for run in self.finished)
 
     def values(self, name: str) -> list[float]:
         """The figure of every finished repeat."""

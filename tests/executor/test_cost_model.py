@@ -86,6 +86,27 @@ def test_op_time_is_the_roofline_plus_a_launch():
     assert cost.op_time(Op("x", "memory", 0, 300, launches=3)) == pytest.approx(3.0 + 0.03)
 
 
+def test_the_efficiency_curve_slows_small_ops_only():
+    import dataclasses
+
+    curved = dataclasses.replace(PROFILE, matmul_half_rows=4.0, attention_half_rows=1.0)
+    cost = CostModel(SHAPE, curved, "float32", bytes_per_element=2)
+    # 4 rows against half 4: half of 500 FLOP/s, so 1000 FLOPs take 4 s, not 2
+    assert cost.op_time(Op("x", "matmul", 1000, 10, rows=4)) == pytest.approx(4.0 + 0.01)
+    # 12 rows: 12 / 16 of it, 375 FLOP/s
+    assert cost.op_time(Op("x", "matmul", 1500, 10, rows=12)) == pytest.approx(4.0 + 0.01)
+    # attention, 1 row against half 1: 125 FLOP/s
+    assert cost.op_time(Op("x", "attention", 500, 0, rows=1)) == pytest.approx(4.0 + 0.01)
+    # memory-bound ops and row-less ops are untouched
+    assert cost.op_time(Op("x", "matmul", 10, 1000, rows=1)) == pytest.approx(10.0 + 0.01)
+    assert cost.op_time(Op("x", "memory", 0, 300, launches=3, rows=1)) == pytest.approx(3.03)
+    # the ops carry their rows: a projection its tokens, attention its query rows
+    rows = {op.name: op.rows for op in cost.layer_ops(step())}
+    assert (
+        rows["qkv_proj"] == 4 and rows["attention_prefill"] == 3 and rows["attention_decode"] == 1
+    )
+
+
 def test_step_time_adds_layers_step_ops_and_host_work():
     # per layer: qkv 1.6, o 0.96, gate_up 2.24, down 1.28, prefill attention 1.12, decode
     # attention 0.64 (all memory bound), element-wise 5.6; + 7 + 5 more launches of 0.01

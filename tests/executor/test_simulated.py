@@ -153,6 +153,19 @@ def test_a_simulated_run_writes_the_usual_files(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["config"]["executor"] == "simulated" and saved["summary"]["requests"] == 4
     assert (tmp_path / "steps.csv").is_file() and (tmp_path / "requests.csv").is_file()
+    # the provenance names the clock and the whole hardware profile the times came from
+    executor = saved["provenance"]["executor"]
+    assert executor["virtual_clock"] is True and executor["tensor_parallel_size"] == 1
+    assert executor["hardware"]["name"] == "h100-sxm"
+    assert executor["hardware"]["memory_bandwidth"] == 3.35e12
+    assert "datasheet" in executor["hardware"]["sources"]["peaks"]
+
+
+def test_a_real_run_records_a_wall_clock(tmp_path):
+    config = {"model": "tiny", "workload": {"name": "synthetic", "num_requests": 2},
+              "run": {"progress": False}}  # fmt: skip
+    result = run_config(config)
+    assert result.provenance["executor"] == {"virtual_clock": False}
 
 
 def test_static_batch_timeout_reads_the_virtual_clock():

@@ -18,6 +18,7 @@ TRUE = dict(
     bandwidth_efficiency=0.6,
     step_overhead=4e-4,
     seq_overhead=3e-5,
+    matmul_half_rows=8.0,  # decodes of 1-2 rows stay memory bound, larger batches do not
 )
 
 
@@ -59,6 +60,7 @@ def test_measure_records_each_steps_shape(monkeypatch):
 
     monkeypatch.setattr(calibrate, "GRID_DECODE", [(2, 16)])
     monkeypatch.setattr(calibrate, "GRID_CHUNKED", [])
+    monkeypatch.setattr(calibrate, "TRAFFIC", [])
     data = calibrate.measure(model="tiny", repeats=1)
     shapes = data["shapes"]
     assert len(shapes) == len(data["seconds"]) == 8  # one prefill step, then 7 decode steps
@@ -76,3 +78,15 @@ def test_a_written_profile_loads_back(tmp_path):
     loaded = load_profile(str(tmp_path / "mine.yaml"))
     assert loaded.matmul_efficiency == TRUE["matmul_efficiency"]
     assert loaded.sources["fitted"] == "synthetic"
+
+
+def test_the_op_table_is_the_cost_model_vectorised():
+    from servelab.lab.calibrate import OpTable
+
+    values = {**TRUE, "matmul_half_rows": 24.0, "attention_half_rows": 7.0}
+    profile = load_profile("cpu-local").with_fitted(**values, launch_overhead=3e-6)
+    steps = synthetic_steps()
+    table = OpTable(SHAPE, steps, "float32", 4)
+    np.testing.assert_allclose(
+        table.times(profile), predict(profile, SHAPE, steps, "float32", 4), rtol=1e-12
+    )

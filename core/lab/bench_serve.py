@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 
 from servelab.engine.metrics import RequestRecord, summarize
+from servelab.errors import ConfigError
 from servelab.lab.runner import output_digest
 from servelab.lab.workload import WorkloadRequest
 
@@ -59,6 +60,11 @@ async def _one(client, url: str, req: WorkloadRequest, index: int, t0: float, ga
 async def replay(url: str, requests: list[WorkloadRequest], concurrency: int,
                  api_key: str | None = None) -> tuple[list[RequestRecord], dict, float]:  # fmt: skip
     """Every request against `url`; the records, output tokens by id, and the wall time."""
+    if any(r.after is not None for r in requests):
+        raise ConfigError(
+            "servelab bench serve replays timed arrivals only: this workload has follow-up "
+            "requests (closed_loop); run it offline with `servelab`"
+        )
     import httpx
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}

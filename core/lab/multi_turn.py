@@ -5,15 +5,21 @@ the case prefix caches are built for.
   turn resends the whole history (one system prompt shared by every chat, then
   each earlier turn's message and reply) plus a new message. A workload is
   built before the run (open loop), so a reply in the history is a stand-in of
-  `output_len` tokens, not what the model will generate: a cache can reuse the
-  system prompt and every earlier turn's message and stand-in reply.
+  `output_len` tokens, not what the model will generate (with `closed_loop`, it
+  is the reply generated): a cache can reuse the system prompt and every earlier
+  turn's message and reply.
 - `variant: few_shot`: `num_conversations * turns` requests, each the system
   prompt, then all `num_examples` shared examples in an order of its own, then
   a question: requests share the system prompt and as many leading examples as
   their orders share.
 
-Conversations start at Poisson times of rate `rate`; turn k of a chat arrives
-`k * think_time` seconds after its start. Seeded like every workload.
+Conversations start at the times of `arrival` (`poisson` of rate `rate`, or
+`all_at_once`). Open loop (the default), turn k of a chat arrives `k *
+think_time` seconds after its start. With `closed_loop`, a chat's next turn is
+sent `think_time` seconds after its previous turn finished, and its history
+holds the replies the model generated (servelab.lab.arrivals): a turn then
+never arrives before the one it continues was served, whatever the machine's
+speed. Seeded like every workload.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ def multi_turn_workload(
     output_len: int = 12,
     num_examples: int = 4,
     example_len: int = 20,
+    arrival: str = "poisson",
     rate: float = 4.0,
     think_time: float = 0.5,
+    closed_loop: bool = False,
     seed: int = 0,
     temperature: float = 0.0,
     ignore_eos: bool = True,
@@ -66,46 +74,62 @@ def multi_turn_workload(
             f"workload multi_turn: think_time must be a finite number >= 0, got {think_time!r}"
         )
     build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
-    starts = arrival_times(num_conversations, "poisson", rate, 1.0, build.rng)
+    starts = arrival_times(num_conversations, arrival, rate, 1.0, build.rng)
     system = build.random_prompt(system_prompt_len)
-    shape = _Turns(turns, message_len, output_len, think)
+    shape = _Turns(turns, message_len, output_len, think, bool(closed_loop))
     if variant == "conversation":
         requests = _conversations(build, system, starts, shape)
     else:
         examples = [build.random_prompt(example_len) for _ in range(num_examples)]
         requests = _few_shot(build, system, examples, starts, shape)
-    return sorted(requests, key=lambda r: r.arrival_time)
+    # timed requests by arrival; follow-ups (closed loop) after them, their times are delays
+    return sorted(requests, key=lambda r: (r.after is not None, r.arrival_time))
 
 
 class _Turns(NamedTuple):
-    """Each conversation's turns: how many, their lengths, the time between them."""
+    """Each conversation's turns: how many, their lengths, the time between them,
+    and whether a turn waits for the previous one's reply (closed loop)."""
 
     turns: int
     message_len: int
     output_len: int
     think: float
+    closed_loop: bool
+
+
+def _timing(start: float, k: int, shape: _Turns, previous: str) -> dict[str, Any]:
+    """Turn k's arrival: k think times after the chat's start (open loop), or
+    one think time after the previous turn finished (closed loop)."""
+    if not shape.closed_loop or k == 0:
+        return {"arrival_time": float(start) + k * shape.think}
+    return {"arrival_time": shape.think, "after": previous}
 
 
 def _conversations(
     build: RequestBuilder, system: list[int], starts: Any, shape: _Turns
 ) -> list[WorkloadRequest]:
-    turns, message_len, output_len, think = shape
+    turns, message_len, output_len = shape.turns, shape.message_len, shape.output_len
     requests = []
     for c, start in enumerate(starts):
         history = list(system)
         for k in range(turns):
-            history += build.random_prompt(message_len)
+            message = build.random_prompt(message_len)
+            history += message
             if build.max_model_len is not None and len(history) + output_len > build.max_model_len:
-                break  # the chat outgrew the engine: it ends here
+                break  # the chat outgrew the engine: it ends here (a reply is at most output_len)
             index = c * turns + k
+            # closed loop, a later turn sends its message only: the runner puts the
+            # history (the previous turn's prompt and generated reply) in front
+            continues = shape.closed_loop and k > 0
             requests.append(
                 build.request(
                     index,
-                    list(history),
+                    message if continues else list(history),
                     output_len,
-                    arrival_time=float(start) + k * think,
                     request_id=f"chat-{c}-turn-{k}",
                     meta={"conversation": c, "turn": k},
+                    continues=continues,
+                    **_timing(start, k, shape, f"chat-{c}-turn-{k - 1}"),
                 )
             )
             history += build.random_prompt(output_len)  # the reply's stand-in
@@ -115,7 +139,7 @@ def _conversations(
 def _few_shot(
     build: RequestBuilder, system: list[int], examples: list[list[int]], starts: Any, shape: _Turns
 ) -> list[WorkloadRequest]:
-    turns, message_len, output_len, think = shape
+    turns, message_len, output_len = shape.turns, shape.message_len, shape.output_len
     requests = []
     for c, start in enumerate(starts):
         for k in range(turns):
@@ -128,9 +152,9 @@ def _few_shot(
                     message_len,
                     output_len,
                     prefix=system + shots,
-                    arrival_time=float(start) + k * think,
                     request_id=f"fewshot-{c}-{k}",
                     meta={"order": order},
+                    **_timing(start, k, shape, f"fewshot-{c}-{k - 1}"),
                 )
             )
     return requests

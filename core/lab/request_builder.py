@@ -27,6 +27,10 @@ class WorkloadRequest:
     request_id: str | None = None
     client: str | None = None  # who sent it (fair schedulers count service per client)
     meta: dict = field(default_factory=dict)
+    # a follow-up (servelab.lab.arrivals): sent `arrival_time` seconds after request `after`
+    # finished; with `continues`, after that request's prompt and reply (a chat's next turn)
+    after: str | None = None
+    continues: bool = False
 
 
 def random_prompt(rng: np.random.Generator, length: int, vocab_size: int) -> list[int]:

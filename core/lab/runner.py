@@ -5,9 +5,10 @@ A request enters the engine when its arrival time has come (seconds after the
 run starts); meanwhile the engine steps, and when it has nothing to do (an
 empty queue, or a batcher waiting for its batch) the runner sleeps briefly.
 The arrival time a request carries is the scheduled one, so a late admission
-counts as queueing. The clock is the executor's: the wall clock for the real
-model; a virtual one for `executor=simulated`, where waiting for the next
-arrival jumps to it instead of sleeping.
+counts as queueing. A follow-up request (`after`) enters once the request it
+follows has finished (servelab.lab.arrivals). The clock is the executor's: the
+wall clock for the real model; a virtual one for `executor=simulated`, where
+waiting for the next arrival jumps to it instead of sleeping.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from servelab.engine.build import build_engine
 from servelab.engine.engine import Engine
 from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.errors import ConfigError
+from servelab.lab.arrivals import ArrivalQueue
 from servelab.lab.fairness import fairness_figures
 from servelab.lab.provenance import provenance
 from servelab.lab.report import report_options
@@ -109,39 +111,41 @@ def serve(
     progress: bool = False,
     idle_sleep: float = RUN_DEFAULTS["idle_sleep"],
 ) -> dict[str, float]:
-    """Feeds `requests` to `engine` as their arrival times come, steps until
+    """Feeds `requests` to `engine` as their arrival times come (a follow-up once
+    the request it follows has finished: servelab.lab.arrivals), steps until
     every request has finished, and returns the run summary."""
-    pending = sorted(requests, key=lambda r: r.arrival_time)
-    bar = ProgressBar(len(pending), enabled=progress)
+    arrivals = ArrivalQueue(requests)
+    bar = ProgressBar(arrivals.total, enabled=progress)
     start = engine.now()
     virtual = engine.executor.virtual_clock
-    next_index = 0
     tokens: dict[str, list[list[int]]] = {}
     with bar:
-        while next_index < len(pending) or engine.has_unfinished():
+        while arrivals or engine.has_unfinished():
             now = engine.now() - start
-            while next_index < len(pending) and pending[next_index].arrival_time <= now:
-                req = pending[next_index]
+            for req in arrivals.pop_due(now):
                 engine.add_request(
                     req.prompt_token_ids,
                     req.params,
-                    request_id=req.request_id or f"req-{next_index}",
+                    request_id=req.request_id,
                     arrival_time=start + req.arrival_time,
                     priority=req.priority,
                     client=req.client,
                 )
-                next_index += 1
+                arrivals.sent(req)
             if engine.has_unfinished():
                 steps_before = len(engine.metrics.steps)
                 for output in engine.step():
                     tokens[output.request_id] = [o.token_ids for o in output.outputs]
+                    arrivals.finished(output.request_id, output.token_ids, engine.now() - start)
                 if len(engine.metrics.steps) == steps_before:  # nothing ran: a batcher waits
                     engine.sleep(idle_sleep)
                 bar.update(engine, now)
-            elif next_index < len(pending):
-                gap = max(0.0, pending[next_index].arrival_time - now)
+            elif arrivals.next_time() is not None:
+                gap = max(0.0, arrivals.next_time() - now)
                 # a real clock wakes up often (arrivals are checked against it); a virtual one jumps
                 engine.sleep(gap if virtual else min(gap, 0.01))
+            elif arrivals:  # cannot happen: every followed request reaches the engine
+                raise RuntimeError("follow-up requests wait for requests that never ran")
     summary = engine.metrics.summary()
     summary["output_digest"] = output_digest(tokens)
     summary.update(client_figures(engine))

@@ -84,6 +84,34 @@ def test_conversation_turns_resend_the_whole_history():
         assert turns[0].prompt_token_ids[:10] == system  # one system prompt for every chat
 
 
+def test_closed_loop_turns_follow_the_previous_turn_and_send_only_their_message():
+    node = {"name": "multi_turn", "num_conversations": 3, "turns": 3, "system_prompt_len": 10}
+    node.update(message_len=4, output_len=5, think_time=0.5, arrival="all_at_once")
+    timed = make_workload(node, VOCAB)
+    closed = make_workload({**node, "closed_loop": True}, VOCAB)
+    assert len(closed) == len(timed) == 9
+    by_id = {r.request_id: r for r in timed}
+    for req in closed:
+        open_loop = by_id[req.request_id]  # the same chats, message for message
+        if req.meta["turn"] == 0:
+            assert req.after is None and not req.continues and req.arrival_time == 0.0
+            assert req.prompt_token_ids == open_loop.prompt_token_ids
+        else:
+            c, k = req.meta["conversation"], req.meta["turn"]
+            assert req.after == f"chat-{c}-turn-{k - 1}" and req.continues
+            assert req.prompt_token_ids == open_loop.prompt_token_ids[-4:]  # the new message
+            assert req.arrival_time == 0.5  # after the previous reply
+    assert [r.after is None for r in closed] == [True] * 3 + [False] * 6  # timed ones first
+
+
+def test_closed_loop_few_shot_prompts_wait_for_the_previous_one():
+    node = {"name": "multi_turn", "variant": "few_shot", "num_conversations": 2, "turns": 2}
+    requests = make_workload({**node, "closed_loop": True, "think_time": 0.0}, VOCAB)
+    followers = {r.request_id: r.after for r in requests if r.after}
+    assert followers == {"fewshot-0-1": "fewshot-0-0", "fewshot-1-1": "fewshot-1-0"}
+    assert not any(r.continues for r in requests)  # a whole prompt each: no history to carry
+
+
 def test_a_conversation_ends_where_it_would_outgrow_the_engine():
     node = {"name": "multi_turn", "num_conversations": 1, "turns": 10, "system_prompt_len": 10}
     requests = make_workload({**node, "message_len": 4, "output_len": 4}, VOCAB, max_model_len=40)

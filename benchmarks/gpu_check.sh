@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_check.sh --vendor   # here, once: copy the pure-Python packages the
 #                                           # GPU image lacks (omegaconf, antlr4) into .pydeps/
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, with .pydeps/ copied beside the tree
+#   COMPILE_ROW=1 bash benchmarks/gpu_check.sh   # ... plus a row of triton_paged with engine.compile
+#                                           # and graphs on (60 s more: past the 8-minute plan)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -111,6 +113,9 @@ TEST_PHASES=("tests:executor 80 tests/executor --ignore=tests/executor/test_comp
 BENCH_PHASES=("bench:triton_paged-off 45 triton_paged off 20" "bench:triton_paged-on 60 triton_paged on 20"
     "bench:flash_varlen-off 50 flash_varlen off 30" "bench:padded-off 25 padded off 10"
     "bench:per_request-off 25 per_request off 10")
+# COMPILE_ROW=1 adds triton_paged with engine.compile and graphs on: torch.compile of the
+# model (about a minute at the Qwen3-0.6B shape) does not fit the 8-minute plan beside the rest
+[ "${COMPILE_ROW:-0}" = 1 ] && BENCH_PHASES+=("bench:triton_paged-on+compile 60 triton_paged on 15 --compile")
 # the dry run's few tests: one quick test of each file (names as pytest -k takes them)
 declare -A DRY_TESTS=([tests:executor]="test_graph_buckets_rejects_an_empty_engine"
     [tests:triton_kernels]="test_empty_batch_returns_empty_output"
@@ -164,10 +169,11 @@ runs=$(mktemp -d)
 tiny=()
 [ "$DRY" -eq 1 ] && tiny=(--tiny --requests 2 --min-len 2 --max-len 8 --variants)
 for spec in "${BENCH_PHASES[@]}"; do
-    read -r name limit backend graphs seconds <<<"$spec"
+    read -r name limit backend graphs seconds options <<<"$spec"
+    read -ra options <<<"${options:-}"
     phase "$name" "$limit" bench.log "$PYTHON" benchmarks/gpu_throughput.py "${tiny[@]}" \
-        --backends "$backend" --graphs "$graphs" --max-seconds "$seconds" \
-        --out "$runs/$backend-$graphs" || bench_rc=$?
+        --backends "$backend" --graphs "$graphs" --max-seconds "$seconds" "${options[@]}" \
+        --out "$runs/${name#bench:}" || bench_rc=$?
 done
 echo "benchmark: exit $bench_rc in $((SECONDS - begin)) s"
 # one process without torch: merges the runs' reports, then the phases' and theirs

@@ -472,6 +472,20 @@ def test_throughput_benchmark_tiny_smoke(tmp_path):
     ).is_file()
 
 
+def test_throughput_benchmark_compiled_row(tmp_path):
+    """`--compile`: the engine runs the compiled forward, the row says so, and the
+    timed run compiles nothing (every shape compiled in the warm-up)."""
+    bench = load_benchmark()
+    args = ["--tiny", "--backends", "padded", "--graphs", "off", "--compile", "--requests", "3"]
+    (result,) = bench.main([*args, "--out", str(tmp_path)])
+    assert result.status == "ok" and result.graphs == "off+compile"
+    assert (
+        result.output_tokens
+        == bench.make_workload(3, 4, 32, named_config("tiny").vocab_size, seed=0).num_output_tokens
+    )
+    assert "0 dynamo graphs compiled while timed" in result.notes
+
+
 def tiny_args(bench, tmp_path):
     return bench.parse_args(
         ["--tiny", "--backends", "padded", "--requests", "2", "--out", str(tmp_path)]

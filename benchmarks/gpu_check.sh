@@ -2,8 +2,9 @@
 # The one prepared device check of the CUDA path, under 8 minutes on one GPU:
 #   1. tests, compiled for CUDA, stopping at the first failure: the Triton kernels
 #      (tests/plugins/test_triton_kernels.py) and the CUDA path (tests/executor:
-#      decode graphs vs eager, greedy tokens CUDA vs CPU per backend, every
-#      backend's attention at the Qwen3-0.6B heads, KV sizing, pinned staging);
+#      decode graphs vs eager, graphs over the compiled forward (engine.compile)
+#      vs eager, greedy tokens CUDA vs CPU per backend, every backend's attention
+#      at the Qwen3-0.6B heads, KV sizing, pinned staging);
 #   2. benchmarks/gpu_throughput.py: Qwen3-0.6B shape, 256 requests, output tok/s
 #      and decode roofline per attention backend, engine option cuda_graphs off and
 #      on (on: graph-safe backends only), KV cache sized by the engine from
@@ -20,6 +21,8 @@
 #   bash benchmarks/gpu_check.sh --vendor   # here, once: copy the pure-Python packages the
 #                                           # GPU image lacks (omegaconf, antlr4) into .pydeps/
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, with .pydeps/ copied beside the tree
+#   COMPILE_ROW=1 bash benchmarks/gpu_check.sh   # ... plus a row of triton_paged with engine.compile
+#                                           # and graphs on (60 s more: past the 8-minute plan)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -101,13 +104,18 @@ EOF
 # it is built. Each phase is one process under its own `timeout`, recorded in phases.tsv.
 PHASES="$OUT/phases.tsv"
 : >"$PHASES"
-# name, then: time limit, "test" or "bench", what to run (a test path, or backend graphs
-# max-seconds); the dry run takes a few tests of each file and the tiny model
-TEST_PHASES=("tests:executor 80 tests/executor" "tests:triton_kernels 100 tests/plugins/test_triton_kernels.py"
+# name, then: time limit, what to run (a test path and pytest options, or backend graphs
+# max-seconds); the dry run takes a few tests of each file and the tiny model. The executor
+# phase leaves out test_compile.py (CPU engines only, run by the CPU suite); compile with
+# CUDA graphs runs for real in test_compile_graphs.py.
+TEST_PHASES=("tests:executor 80 tests/executor --ignore=tests/executor/test_compile.py" "tests:triton_kernels 100 tests/plugins/test_triton_kernels.py"
     "tests:triton_fused 30 tests/kernels/test_triton_fused.py" "tests:triton_sm90 35 tests/plugins/test_triton_sm90.py")
 BENCH_PHASES=("bench:triton_paged-off 45 triton_paged off 20" "bench:triton_paged-on 60 triton_paged on 20"
     "bench:flash_varlen-off 50 flash_varlen off 30" "bench:padded-off 25 padded off 10"
     "bench:per_request-off 25 per_request off 10")
+# COMPILE_ROW=1 adds triton_paged with engine.compile and graphs on: torch.compile of the
+# model (about a minute at the Qwen3-0.6B shape) does not fit the 8-minute plan beside the rest
+[ "${COMPILE_ROW:-0}" = 1 ] && BENCH_PHASES+=("bench:triton_paged-on+compile 60 triton_paged on 15 --compile")
 # the dry run's few tests: one quick test of each file (names as pytest -k takes them)
 declare -A DRY_TESTS=([tests:executor]="test_graph_buckets_rejects_an_empty_engine"
     [tests:triton_kernels]="test_empty_batch_returns_empty_output"
@@ -140,11 +148,12 @@ tests_rc=0
 # The CPU engines in these tests would first build the C++ CPU kernels (~2 min on a fresh box)
 export SERVELAB_CPU_KERNEL=0
 for spec in "${TEST_PHASES[@]}"; do
-    read -r name limit file <<<"$spec"
+    read -r name limit file options <<<"$spec"
+    read -ra options <<<"${options:-}"
     select=()
     [ "$DRY" -eq 1 ] && select=(-k "${DRY_TESTS[$name]}")
     phase "$name" "$limit" tests.log "$PYTHON" -m pytest -x -q -ra -p no:cacheprovider \
-        "${parallel[@]}" "${select[@]}" "$file" || tests_rc=$?
+        "${parallel[@]}" "${select[@]}" "${options[@]}" "$file" || tests_rc=$?
 done
 unset SERVELAB_CPU_KERNEL
 echo "tests: exit $tests_rc in $((SECONDS - begin)) s"
@@ -160,10 +169,11 @@ runs=$(mktemp -d)
 tiny=()
 [ "$DRY" -eq 1 ] && tiny=(--tiny --requests 2 --min-len 2 --max-len 8 --variants)
 for spec in "${BENCH_PHASES[@]}"; do
-    read -r name limit backend graphs seconds <<<"$spec"
+    read -r name limit backend graphs seconds options <<<"$spec"
+    read -ra options <<<"${options:-}"
     phase "$name" "$limit" bench.log "$PYTHON" benchmarks/gpu_throughput.py "${tiny[@]}" \
-        --backends "$backend" --graphs "$graphs" --max-seconds "$seconds" \
-        --out "$runs/$backend-$graphs" || bench_rc=$?
+        --backends "$backend" --graphs "$graphs" --max-seconds "$seconds" "${options[@]}" \
+        --out "$runs/${name#bench:}" || bench_rc=$?
 done
 echo "benchmark: exit $bench_rc in $((SECONDS - begin)) s"
 # one process without torch: merges the runs' reports, then the phases' and theirs

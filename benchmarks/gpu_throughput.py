@@ -7,6 +7,7 @@ lengths are uniform in [100, 1024], seed 0, `ignore_eos`, bf16.
     python benchmarks/gpu_throughput.py                      # CUDA, every backend
     python benchmarks/gpu_throughput.py --backends triton_paged --graphs on
     python benchmarks/gpu_throughput.py --tiny               # CPU smoke test, tiny model
+    python benchmarks/gpu_throughput.py --backends triton_paged --graphs on --compile
 
 Figures per run:
 - output tok/s: sampled tokens / wall time of the timed run (warm-up excluded);
@@ -16,7 +17,9 @@ Figures per run:
   sum(floors) / sum(wall times) over the decode-only steps.
 
 CUDA graphs are the engine option `cuda_graphs` (the status column adds the
-engine's `graphs_status` and its replay count). On CUDA the engine sizes its KV
+engine's `graphs_status` and its replay count); `--compile` sets `engine.compile`
+(torch.compile over the model's torch ops, attention eager; the graphs column then
+reads `on+compile`). On CUDA the engine sizes its KV
 cache itself from `gpu_memory_utilization`; on the CPU (`--tiny`) it gets
 `kv_cache_memory` = what the workload can hold at once. Every run is warmed up
 first with every kernel variant the timed run can launch (see `warm_up`; with graphs,
@@ -163,6 +166,7 @@ def build_llm(args, backend: str, graphs: bool, kv_bytes: int | None) -> LLM:
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=0,
         cuda_graphs=graphs,
+        compile=args.compile,
     )
     if args.device == "cpu":
         # tiny kernels: one thread, as conf/device/cpu.yaml; spinning threads collapse on shared cores
@@ -229,7 +233,7 @@ def timed_run(llm: LLM, workload: Workload, max_seconds: float) -> tuple[int, fl
 
 
 def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
-    result = RunResult(backend, "on" if graphs else "off")
+    result = RunResult(backend, mode_label(args, graphs))
     config = named_config(args.model)
     llm = None
     try:
@@ -248,8 +252,13 @@ def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
             warm_up(llm, args, config.vocab_size)
             warm_keys = recorder.take() if recorder else set()
             compiled_before = kernel_variants.compiled_variants()
+            dynamo_before = dynamo_graphs()
             done, wall, paired = timed_run(llm, workload, args.max_seconds)
         result.notes += variant_notes(recorder, warm_keys, compiled_before)
+        if args.compile:
+            result.notes.append(
+                f"{dynamo_graphs() - dynamo_before} dynamo graphs compiled while timed"
+            )
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
         result.kv_cache_bytes = llm.engine.kv_cache.device_pool.nbytes
         kv_per_token = config.kv_bytes_per_token(args.dtype)
@@ -274,6 +283,18 @@ def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
         del llm  # no other reference may keep the engine (its KV cache) alive past here
         free_device_memory(args.device)
     return result
+
+
+def mode_label(args, graphs: bool) -> str:
+    """The graphs column: `on` / `off`, `+compile` with `--compile`."""
+    return ("on" if graphs else "off") + ("+compile" if args.compile else "")
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (0 where it never ran)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def variant_notes(recorder, warm_keys: set, compiled_before: int | None) -> list[str]:
@@ -331,6 +352,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--variants",
         action="store_true",
         help="record every Triton launch's variant key (a few us a launch) and report new ones",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="engine.compile=true: torch.compile over the model's torch ops, attention eager",
     )
     p.add_argument("--out", default=None, help="folder for gpu_throughput.{md,json} (default $OUT)")
     p.add_argument(
@@ -395,7 +421,7 @@ def main(argv=None) -> list[RunResult]:
     results = []
     for backend, graphs, skip in plan_runs(args):
         if skip:
-            results.append(RunResult(backend, "on", status=skip))
+            results.append(RunResult(backend, mode_label(args, True), status=skip))
         else:
             results.append(run_one(args, backend, graphs, workload, bandwidth))
             print(table(results[-1:]).splitlines()[-1], flush=True)

@@ -54,7 +54,9 @@ class TorchForward:
         self._eager: tuple[Any, EagerAttention] | None = None
 
     def forward(self, input_ids, positions, kv_caches, backend, attn_plan) -> torch.Tensor:
-        if self.compiled is None:
+        # the compiled code trusts the fused projections (it cannot trace the check):
+        # a parameter replaced since fusing runs the eager model, which falls back
+        if self.compiled is None or not self.model.fused_current():
             return self.model(input_ids, positions, kv_caches, backend, attn_plan)
         if self._eager is None or self._eager[0] is not backend:
             self._eager = (backend, EagerAttention(backend))

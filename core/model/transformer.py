@@ -103,8 +103,11 @@ class FusedLinear:
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """`[..., sum(rows)]`: the linears' outputs side by side."""
-        if self.is_current():
+        """`[..., sum(rows)]`: the linears' outputs side by side. Under
+        `torch.compile` the check is left to the caller (`Transformer.fused_current`,
+        before the compiled call): dynamo cannot trace data pointers, and a graph
+        break at every projection would split each layer into pieces."""
+        if torch.compiler.is_compiling() or self.is_current():
             return F.linear(x, self.weight, self.bias)
         return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
@@ -290,6 +293,15 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    def fused_current(self) -> bool:
+        """Whether every layer's fused projections still read their linears'
+        parameters (see `FusedLinear.is_current`)."""
+        for layer in self.model.layers:
+            for fused in (layer.self_attn.qkv, layer.mlp.gate_up):
+                if fused is not None and not fused.is_current():
+                    return False
+        return True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (and of its V) cache."""

@@ -147,3 +147,37 @@ def scene_runner(scene, device, **options) -> DecodeGraphRunner:
         device=device,
         **options,
     )
+
+
+# ---------------------------------------------------------------- a CPU stand-in for CUDA graphs
+
+
+class ForwardReplay:
+    """A CPU stand-in for a CUDA graph: "capture" records the call and runs it
+    once, its result becoming the graph's output buffer; `replay()` reruns the
+    recorded call on the same static inputs with the same plan and copies the
+    result into that buffer, as a graph replays its kernels on fixed addresses.
+    A plan that read anything but the static device tensors would go stale here
+    as in a real graph."""
+
+    def __init__(self, call):
+        self.call = call
+        self.output = call()
+        self.num_replays = 0
+
+    def replay(self):
+        self.output.copy_(self.call())
+        self.num_replays += 1
+
+
+class CpuReplayRunner(DecodeGraphRunner):
+    """`DecodeGraphRunner` that "captures" on any device with `ForwardReplay`;
+    `captured` lists the buckets in the order they were captured."""
+
+    def _device_has_graphs(self):
+        return True
+
+    def _capture_graph(self, input_ids, positions, plan):
+        self.__dict__.setdefault("captured", []).append(input_ids.shape[0])
+        graph = ForwardReplay(lambda: self.forward(input_ids, positions, plan))
+        return graph, graph.output

@@ -52,6 +52,7 @@ from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
 from tests.executor.decode_scenes import (
     TRITON_DEVICE,
+    CpuReplayRunner,
     assert_same_decode,
     make_scene,
     scene_runner,
@@ -400,31 +401,6 @@ def test_cuda_graphs_on_a_cpu_fall_back_to_eager_with_a_warning(caplog):
     assert graphs.num_eager == ran and graphs.num_replays == 0  # every step went through it
 
 
-class ForwardReplay:
-    """A CPU stand-in for a CUDA graph: `replay()` reruns the captured call on
-    the same static inputs with the same plan into the same output buffer, as
-    a graph replays its kernels on fixed addresses. A plan that read anything
-    but the static device tensors would go stale here as in a real graph."""
-
-    def __init__(self, call):
-        self.call = call
-        self.output = call()
-
-    def replay(self):
-        self.output.copy_(self.call())
-
-
-class CpuReplayRunner(DecodeGraphRunner):
-    """`DecodeGraphRunner` that "captures" on the CPU with `ForwardReplay`."""
-
-    def _device_has_graphs(self):
-        return True
-
-    def _capture_graph(self, input_ids, positions, plan):
-        graph = ForwardReplay(lambda: self.forward(input_ids, positions, plan))
-        return graph, graph.output
-
-
 def test_decode_steps_replay_through_the_model_runner(monkeypatch):
     """The engine with graphs captured (graph-safe `triton_paged`, interpreted;
     graphs stood in for by `ForwardReplay`): every one-token-per-sequence step
@@ -494,6 +470,20 @@ def test_throughput_benchmark_tiny_smoke(tmp_path):
     assert (tmp_path / "gpu_throughput.md").is_file() and (
         tmp_path / "gpu_throughput.json"
     ).is_file()
+
+
+def test_throughput_benchmark_compiled_row(tmp_path):
+    """`--compile`: the engine runs the compiled forward, the row says so, and the
+    timed run compiles nothing (every shape compiled in the warm-up)."""
+    bench = load_benchmark()
+    args = ["--tiny", "--backends", "padded", "--graphs", "off", "--compile", "--requests", "3"]
+    (result,) = bench.main([*args, "--out", str(tmp_path)])
+    assert result.status == "ok" and result.graphs == "off+compile"
+    assert (
+        result.output_tokens
+        == bench.make_workload(3, 4, 32, named_config("tiny").vocab_size, seed=0).num_output_tokens
+    )
+    assert "0 dynamo graphs compiled while timed" in result.notes
 
 
 def tiny_args(bench, tmp_path):

@@ -45,8 +45,18 @@ def workload(seed: int, n: int, prompt: tuple[int, int], output: tuple[int, int]
     return {
         "name": "synthetic",
         "num_requests": n,
-        "prompt_len": {"dist": "uniform", "mean": sum(prompt) / 2, "min": prompt[0], "max": prompt[1]},
-        "output_len": {"dist": "uniform", "mean": sum(output) / 2, "min": output[0], "max": output[1]},
+        "prompt_len": {
+            "dist": "uniform",
+            "mean": sum(prompt) / 2,
+            "min": prompt[0],
+            "max": prompt[1],
+        },
+        "output_len": {
+            "dist": "uniform",
+            "mean": sum(output) / 2,
+            "min": output[0],
+            "max": output[1],
+        },
         "seed": seed,
         "ignore_eos": True,
         **arrival,
@@ -115,15 +125,20 @@ def calibrate(out: Path, threads: int, repeats: int) -> Path:
     return path
 
 
-def compare(cases, profile: Path, threads: int) -> list[dict]:
+def compare(cases, profile: Path, threads: int, repeats: int) -> list[dict]:
+    """Each case served `repeats` times for real (its measured figure: their median,
+    as a step of this CPU's time wobbles by a third between runs) and once simulated."""
     rows = []
     for name, scheduler, allocator, preemption, kv, work in cases:
         cfg = config(scheduler, allocator, preemption, kv, work, threads)
-        real = run_config(cfg).summary
+        reals = [run_config(cfg).summary for _ in range(repeats)]
+        real = reals[0]
         sim = run_config({**cfg, "executor": "simulated", "hardware": str(profile)}).summary
         row = {"workload": name, "preemptions": real["preemptions"]}
         for key in FIGURES:
-            row[key] = {"measured": real[key], "predicted": sim[key]}
+            measured = [r[key] for r in reals]
+            row[key] = {"measured": float(np.median(measured)), "predicted": sim[key],
+                        "runs": measured}  # fmt: skip
         # the simulator must have made the run the real engine made
         row["same_tokens_out"] = real["output_tokens"] == sim["output_tokens"]
         rows.append(row)
@@ -153,6 +168,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", type=int, help="pin this process to this core")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="calibration grid repeats")
+    parser.add_argument("--real-repeats", type=int, default=3, help="real runs per workload")
     parser.add_argument("--profile", type=Path, help="skip calibration: use this profile")
     parser.add_argument("--out", type=Path, default=Path("simulation-accuracy"))
     parser.add_argument("--only", help="run only the workloads whose name contains this")
@@ -167,7 +183,7 @@ def main(argv=None) -> int:
     if args.only:
         cases = [c for c in cases if args.only in c[0]]
     profile = args.profile or calibrate(args.out, args.threads, 1 if smoke else args.repeats)
-    rows = compare(cases, profile, args.threads)
+    rows = compare(cases, profile, args.threads, 1 if smoke else args.real_repeats)
     (args.out / "accuracy.json").write_text(json.dumps(rows, indent=1))
     table = markdown(rows)
     (args.out / "accuracy.md").write_text(table)

@@ -180,45 +180,60 @@ def measure(
     runs += [("chunked", {"chunk_size": c}, 8, length, 16) for c, length in GRID_CHUNKED]
     engine = None
 
-    def keep(recorded: list) -> None:
-        for plan, step in zip(recorded, engine.metrics.steps):
+    def keep(recorded: list, slept: set[int]) -> None:
+        """Each step's time is its period: from its start to the next step's start,
+        so the host work between steps (outputs, arrivals) is in it, as a virtual
+        clock that moves only by step costs needs; a step followed by a sleep (an
+        idle wait for an arrival) or by nothing counts its own wall time."""
+        steps = engine.metrics.steps
+        for i, (plan, step) in enumerate(zip(recorded, steps)):
             shapes.append(step_shape(plan, padded=False))
-            seconds.append(step.wall_time)
+            follows = i + 1 < len(steps) and (i + 1) not in slept
+            seconds.append(steps[i + 1].start_time - step.start_time if follows else step.wall_time)
 
     for repeat in range(repeats):
         for scheduler, options, batch, length, out in runs:
             engine = _engine(model, dtype, threads, scheduler, options)
-            recorded = _record(engine)
+            recorded, slept = _record(engine)
             params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
             rng = np.random.default_rng(length * 1000 + batch)
             vocab = engine.model_config.vocab_size
             prompts = [rng.integers(4, vocab, length).tolist() for _ in range(batch)]
             engine.generate([[2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
             recorded.clear()
+            slept.clear()
             engine.metrics.start_run()
             engine.generate(prompts, params)
-            keep(recorded)
+            keep(recorded, slept)
         for scheduler, options, prompts, outputs, rate in TRAFFIC:
             engine = _engine(model, dtype, threads, scheduler, options)
-            recorded = _record(engine)
+            recorded, slept = _record(engine)
             warm_up(engine)
             recorded.clear()
+            slept.clear()
             serve(engine, _traffic(engine, prompts, outputs, rate, seed=100 + repeat))
-            keep(recorded)
+            keep(recorded, slept)
     return {"shapes": shapes, "seconds": seconds, "shape": Shape.of(engine.model_config)}
 
 
-def _record(engine) -> list:
-    """Keeps each executed plan (in step order) beside the engine's step records."""
+def _record(engine) -> tuple[list, set[int]]:
+    """Keeps each executed plan (in step order) beside the engine's step records,
+    and the indices of the steps that came after an idle sleep."""
     plans: list = []
-    execute = engine.executor.execute
+    slept: set[int] = set()
+    execute, sleep = engine.executor.execute, engine.sleep
 
     def recording(plan):
         plans.append(plan)
         return execute(plan)
 
+    def sleeping(seconds: float) -> None:
+        slept.add(len(engine.metrics.steps))
+        sleep(seconds)
+
     engine.executor.execute = recording
-    return plans
+    engine.sleep = sleeping
+    return plans, slept
 
 
 def write_profile(profile: HardwareProfile, path: Path, note: str) -> None:

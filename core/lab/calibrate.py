@@ -149,12 +149,13 @@ TRAFFIC = [
 TRAFFIC_REQUESTS = 24
 
 
-def _engine(model: str, dtype: str, threads: int | None, scheduler: str, options: dict):
+def _engine(model: str, dtype: str, threads: int | None, scheduler: str, options: dict,
+            device: str = "cpu"):  # fmt: skip
     return build_engine({
         "model": model,
         "scheduler": {"name": scheduler, **options},
         "engine": {"dtype": dtype, "kv_cache_memory": "256MiB", "max_model_len": 1024,
-                   "num_threads": threads},
+                   "num_threads": threads, "device": device},
     })  # fmt: skip
 
 
@@ -169,7 +170,11 @@ def _traffic(engine, prompts: tuple, outputs: tuple, rate: float, seed: int) -> 
 
 
 def measure(
-    model: str = "bench", dtype: str = "float32", repeats: int = 2, threads: int | None = None
+    model: str = "bench",
+    dtype: str = "float32",
+    repeats: int = 2,
+    threads: int | None = None,
+    device: str = "cpu",
 ) -> dict:
     """Serves the grid and the traffic through the real engine; each step's shape and seconds."""
     from servelab.lab.runner import serve, warm_up
@@ -193,7 +198,7 @@ def measure(
 
     for repeat in range(repeats):
         for scheduler, options, batch, length, out in runs:
-            engine = _engine(model, dtype, threads, scheduler, options)
+            engine = _engine(model, dtype, threads, scheduler, options, device)
             recorded, slept = _record(engine)
             params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
             rng = np.random.default_rng(length * 1000 + batch)
@@ -206,7 +211,7 @@ def measure(
             engine.generate(prompts, params)
             keep(recorded, slept)
         for scheduler, options, prompts, outputs, rate in TRAFFIC:
-            engine = _engine(model, dtype, threads, scheduler, options)
+            engine = _engine(model, dtype, threads, scheduler, options, device)
             recorded, slept = _record(engine)
             warm_up(engine)
             recorded.clear()
@@ -272,14 +277,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda to fit a GPU profile (e.g. --profile h200)"
+    )
     parser.add_argument("--out", type=Path, default=Path("cpu-local.yaml"))
     parser.add_argument("--save-steps", type=Path, help="also write the measured steps (.npz)")
     args = parser.parse_args(argv)
     base = load_profile(args.profile)
-    data = measure(args.model, args.dtype, args.repeats, args.threads)
+    data = measure(args.model, args.dtype, args.repeats, args.threads, args.device)
     if args.save_steps:
         _save_steps(args.save_steps, data)
-    size = np.dtype(args.dtype).itemsize
+    size = 2 if args.dtype in ("bfloat16", "float16") else np.dtype(args.dtype).itemsize
     fitted = fit_profile(base, data["shape"], data["shapes"], data["seconds"], args.dtype, size)
     measured = np.array(data["seconds"])
     predicted = predict(fitted, data["shape"], data["shapes"], args.dtype, size)

@@ -35,8 +35,8 @@ from servelab.serve.text import ChatTemplate
 POLL_S = 0.25  # how often a response that does not stream checks for a gone client
 
 
-def create_app(aengine: AsyncEngine, options: dict, model_name: str,
-               template: ChatTemplate, metrics: ServerMetrics) -> FastAPI:  # fmt: skip
+def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: ChatTemplate,
+               metrics: ServerMetrics, choices: dict | None = None) -> FastAPI:  # fmt: skip
     engine = aengine.engine
     app = FastAPI(title="servelab")
     api_key = options.get("api_key")
@@ -65,7 +65,8 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str,
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                 "created": 0, "owned_by": "servelab", "max_model_len": engine.max_model_len,
-                "vocab_size": engine.model_config.vocab_size}]}  # fmt: skip
+                "vocab_size": engine.model_config.vocab_size,
+                "servelab_choices": choices or {}}]}  # fmt: skip
 
     def parse(model, body: bytes):
         try:

@@ -134,19 +134,28 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
             usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(_sse(events, choices, head, chat, usage, echo),
                                      media_type="text/event-stream")  # fmt: skip
+        # wait for the next Delta without cancelling it when the poll for a gone client
+        # comes first (wait_for would cancel it, and a cancelled stream aborts its request)
+        following = None
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(events.__anext__(), POLL_S)
-                except asyncio.TimeoutError:
+                following = following or asyncio.ensure_future(events.__anext__())
+                done, _ = await asyncio.wait({following}, timeout=POLL_S)
+                if not done:
                     if await request.is_disconnected():
                         return Response(status_code=499)
                     continue
+                try:
+                    item = following.result()
                 except StopAsyncIteration:
                     break
+                following = None
                 _check(*item)
                 choices.apply(*item)
         finally:
+            if following is not None and not following.done():
+                following.cancel()  # the client went away: the stream aborts its requests
+                await asyncio.wait({following})
             await events.aclose()
         if choices.error:
             raise ApiError(500, f"the engine failed: {choices.error}")

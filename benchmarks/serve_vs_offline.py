@@ -1,97 +1,231 @@
-"""Throughput through the server against the offline engine, side by side in one
-run: the reference workload (64 requests at once) served by `serve_all` on a
-fresh engine, then by `servelab serve`'s app in this process, driven by 64
-concurrent streaming HTTP clients. Prints output tok/s of both, their ratio and
-the median time to first token each request gained through the server, and
-checks that every stream got the offline tokens.
+"""Throughput through the server against the offline engine on the reference
+workload (64 requests at once), each side in its own fresh process.
 
-    python benchmarks/serve_vs_offline.py   (SERVELAB_BENCH_SMOKE=1: a quick check it runs)
+Offline: `engine.generate` (what `LLM.generate` runs; `--offline serve_all` for
+the bare step loop) on a built, warmed-up engine. Server: `servelab serve`'s app
+on uvicorn, driven by one streaming HTTP client per request (64 concurrent),
+all in one process, so the clients' cost is on the same CPU as the engine's.
+The sides alternate (offline, server, server, offline, ...) for `--repeats`
+pairs, pinned to `--cpu` with `--threads` torch threads. Printed: output tok/s
+of both (mean and 95% interval over the repeats), the server/offline ratio with
+the paired bootstrap interval of `servelab.lab.stats.ratio_estimate` (repeat i
+of both sides ran beside each other, so a busy spell cancels), and the median
+over requests of the time to first token the server added (client-measured
+TTFT minus the same request's offline TTFT, paired within a repeat). Exits 1
+unless every stream got exactly the offline tokens.
+
+    python benchmarks/serve_vs_offline.py --repeats 5 --cpu 1 --threads 1 [--json out.json]
+    SERVELAB_BENCH_SMOKE=1 ...: a handful of short requests, a check that it runs
 """
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import json
-import socket
+import os
 import statistics
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_workload import prepared_engine, reference_config, serve_all  # noqa: E402
-
-from servelab.lab.runner import warm_up  # noqa: E402
-from servelab.serve.server import Server  # noqa: E402
+HERE = Path(__file__).resolve()
+SIDES = ("offline", "server")
 
 
-def free_port() -> int:
+def order(repeats: int) -> list[str]:
+    """offline, server, server, offline, offline, server, ...: neither side always first."""
+    pairs = [SIDES if r % 2 == 0 else SIDES[::-1] for r in range(repeats)]
+    return [side for pair in pairs for side in pair]
+
+
+# -- one side, in a fresh process
+
+
+def run_side(side: str, threads: int | None, offline_mode: str) -> dict:
+    """Runs one side once; output tokens, wall time and per-request tokens and TTFT."""
+    sys.path.insert(0, str(HERE.parent))
+    from reference_workload import prepared_engine, reference_config, serve_all
+
+    config = reference_config()
+    if threads is not None:
+        config["engine"]["num_threads"] = threads
+    if side == "offline":
+        engine, requests = prepared_engine(config)
+        if offline_mode == "serve_all":
+            result = serve_all(engine, requests)
+            wall, tokens = result.wall_s, result.outputs
+            ttft = {r.request_id: r.ttft for r in engine.metrics.requests[-len(requests) :]}
+        else:
+            prompts = [r.prompt_token_ids for r in requests]
+            start = time.perf_counter()
+            outs = engine.generate(prompts, [r.params for r in requests])
+            wall = time.perf_counter() - start
+            names = {o.request_id: r.request_id for o, r in zip(outs, requests)}
+            tokens = {r.request_id: o.token_ids for o, r in zip(outs, requests)}
+            ttft = {names[m.request_id]: m.ttft for m in engine.metrics.requests if m.request_id in names}  # fmt: skip
+    else:
+        wall, tokens, ttft = serve_and_stream(config)
+    import torch
+
+    return {"side": side, "wall_s": wall, "output_tokens": sum(len(t) for t in tokens.values()),
+            "tokens": tokens, "ttft_s": ttft, "pid": os.getpid(),
+            "cpus": sorted(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def serve_and_stream(config: dict) -> tuple[float, dict, dict]:
+    """The server on a free port of 127.0.0.1 (uvicorn on a thread), one streaming
+    client per request, all at once: wall time, tokens and client TTFT per request."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+    from reference_workload import reference_requests
+
+    from servelab.lab.runner import warm_up
+    from servelab.serve.server import Server
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def stream(client: httpx.AsyncClient, url: str, req) -> tuple[list[int], float, float]:
-    """One streamed request: its tokens, time to first token, end-to-end."""
-    p = req.params
-    body = {"prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "stream": True,
-            "temperature": p.temperature, "ignore_eos": p.ignore_eos}  # fmt: skip
-    start, first, tokens = time.perf_counter(), None, []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choices = json.loads(line[6:]).get("choices") or []
-            if choices and choices[0].get("token_ids"):
-                first = first or time.perf_counter()
-                tokens += choices[0]["token_ids"]
-    return tokens, first - start, time.perf_counter() - start
-
-
-def main() -> None:
-    config = reference_config()
-    engine, requests = prepared_engine(config)
-    offline = serve_all(engine, requests)
-    offline_ttft = {r.request_id: r.ttft for r in engine.metrics.requests}
-
-    port = free_port()
+        port = s.getsockname()[1]
     server = Server({**config, "serve": {"port": port, "log_level": "warning",
-                                         "max_queued_requests": len(requests)}})  # fmt: skip
-    warm_up(server.engine)
+                                         "max_queued_requests": 100_000}})  # fmt: skip
+    engine = server.engine
+    requests = reference_requests(engine.model_config.vocab_size, engine.max_model_len)
+    warm_up(engine)
     server.aengine.start()
     uv = server.make_uvicorn()
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     while not uv.started:
+        if not thread.is_alive():
+            raise SystemExit("the server did not start")
         time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    async def stream(client: httpx.AsyncClient, req) -> tuple[list[int], float]:
+        p = req.params
+        body = {"prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "stream": True,
+                "temperature": p.temperature, "ignore_eos": p.ignore_eos}  # fmt: skip
+        start, first, tokens = time.perf_counter(), None, []
+        async with client.stream("POST", url, json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if choices and choices[0].get("token_ids"):
+                    first = first or time.perf_counter()
+                    tokens += choices[0]["token_ids"]
+        return tokens, first - start
 
     async def drive():
-        limits = httpx.Limits(max_connections=len(requests))
+        limits = httpx.Limits(
+            max_connections=len(requests), max_keepalive_connections=len(requests)
+        )
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            await stream(client, requests[0])  # the first HTTP request's one-off costs, untimed
             start = time.perf_counter()
-            results = await asyncio.gather(*(stream(client, url, r) for r in requests))
+            results = await asyncio.gather(*(stream(client, r) for r in requests))
             return results, time.perf_counter() - start
 
-    results, wall = asyncio.run(drive())
-    uv.should_exit = True
-    thread.join(30)
-    server.aengine.stop()
+    try:
+        results, wall = asyncio.run(drive())
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        server.aengine.stop()
+    tokens = {r.request_id: t for r, (t, _) in zip(requests, results)}
+    ttft = {r.request_id: first for r, (_, first) in zip(requests, results)}
+    return wall, tokens, ttft
 
-    same = all(
-        tokens == offline.outputs[r.request_id] for r, (tokens, _, _) in zip(requests, results)
+
+def child(args: argparse.Namespace) -> None:
+    result = run_side(args.side, args.threads, args.offline)
+    print("RESULT " + json.dumps(result))
+
+
+def spawn(side: str, args: argparse.Namespace) -> dict:
+    command = [sys.executable, str(HERE), "--side", side, "--offline", args.offline]
+    if args.threads is not None:
+        command += ["--threads", str(args.threads)]
+    pin = {int(c) for c in args.cpu.split(",")} if args.cpu else None
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+        preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None,
     )
-    served = sum(len(t) for t, _, _ in results)
-    added = [ttft - offline_ttft[r.request_id] for r, (_, ttft, _) in zip(requests, results)]
-    print(f"offline: {offline.output_tok_s:.1f} output tok/s ({offline.wall_s:.2f} s)")
-    print(f"server:  {served / wall:.1f} output tok/s ({wall:.2f} s), 64 concurrent streams")
-    print(f"ratio server/offline: {served / wall / offline.output_tok_s:.2f}")
-    print(f"median added TTFT per request: {statistics.median(added) * 1000:.1f} ms")
-    print(f"tokens equal the offline run: {same}")
-    if not same:
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"the {side} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+# -- the comparison
+
+
+def summarise(runs: list[dict]) -> dict:
+    """The figures over paired repeats (repeat i: the i-th run of each side)."""
+    from servelab.lab.stats import interval_text, mean_estimate, ratio_estimate, rounded
+
+    offline = [r for r in runs if r["side"] == "offline"]
+    server = [r for r in runs if r["side"] == "server"]
+    reference = offline[0]["tokens"]
+    identical = all(r["tokens"] == reference for r in runs)
+    tok_s = {side: [r["output_tokens"] / r["wall_s"] for r in group]
+             for side, group in (("offline", offline), ("server", server))}  # fmt: skip
+    ratio = ratio_estimate(tok_s["server"], tok_s["offline"], paired=True)
+    added = [s["ttft_s"][rid] - o["ttft_s"][rid]
+             for o, s in zip(offline, server) for rid in o["ttft_s"] if rid in s["ttft_s"]]  # fmt: skip
+    summary = {
+        "repeats": len(server),
+        "order": [r["side"] for r in runs],
+        "tokens_identical": identical,
+        "offline_tok_s": tok_s["offline"],
+        "server_tok_s": tok_s["server"],
+        "ratio": {"mean": ratio.mean, "low": ratio.low, "high": ratio.high},
+        "median_added_ttft_ms": statistics.median(added) * 1000 if added else None,
+    }
+    lines = [
+        f"offline: {rounded(mean_estimate(tok_s['offline']))} output tok/s",
+        f"server:  {rounded(mean_estimate(tok_s['server']))} output tok/s "
+        f"({len(reference)} concurrent streams)",
+        f"ratio server/offline: {ratio.mean:.3f} {interval_text(ratio)} (paired, 95%)",
+        f"median added TTFT per request: {summary['median_added_ttft_ms']:.1f} ms"
+        if added else "median added TTFT per request: -",
+        f"tokens identical in every run: {identical}",
+    ]  # fmt: skip
+    summary["text"] = "\n".join(lines)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="pairs of runs (default 5)")
+    parser.add_argument("--cpu", default=None, help="CPUs to pin every run to, e.g. 1 or 0,1")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: the reference preset's)")  # fmt: skip
+    parser.add_argument("--offline", choices=("generate", "serve_all"), default="generate")
+    parser.add_argument("--json", default=None, help="also write the runs and figures here")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child run
+    args = parser.parse_args()
+    if args.side:
+        return child(args)
+    runs = []
+    for i, side in enumerate(order(args.repeats)):
+        runs.append(spawn(side, args))
+        run = runs[-1]
+        print(f"run {i + 1}: {side:7s} {run['output_tokens'] / run['wall_s']:9.1f} output tok/s",
+              flush=True)  # fmt: skip
+    summary = summarise(runs)
+    print(summary["text"])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, **summary}, indent=1))
+    if not summary["tokens_identical"]:
         raise SystemExit(1)
 
 

@@ -117,18 +117,23 @@ def report_main(argv: list[str] | None = None) -> None:
 
 def _serve_app(cfg) -> None:
     """`servelab serve ...`: compose as `servelab` does, then serve (servelab.serve)."""
+    from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     from servelab.serve.server import Server
 
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
+    choices = HydraConfig.get().runtime.choices
     try:
-        server = Server(config)
+        server = Server(config, {k: v for k, v in choices.items() if not k.startswith("hydra")})
     except ServelabError as err:
         print(f"servelab serve: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     raise SystemExit(server.run())
+
+
+CLIENT_GROUPS = ("experiment", "workload")  # what `bench serve` chooses; the server, the rest
 
 
 def _bench_app(cfg) -> None:
@@ -141,6 +146,7 @@ def _bench_app(cfg) -> None:
     from omegaconf import OmegaConf
 
     from servelab.lab.bench_serve import bench_summary, replay
+    from servelab.lab.provenance import provenance
     from servelab.lab.runner import RunResult, print_summary, save_run
     from servelab.lab.workload import make_workload
     from servelab.serve.config import serve_options
@@ -161,8 +167,10 @@ def _bench_app(cfg) -> None:
     )
     summary = bench_summary(records, tokens, wall)
     folder = Path(HydraConfig.get().runtime.output_dir)
+    ours = {k: v for k, v in HydraConfig.get().runtime.choices.items() if k in CLIENT_GROUPS}
+    choices = {**ours, **(model.get("servelab_choices") or {}), "model": model["id"]}
     meta = {"overrides": list(HydraConfig.get().overrides.task), "mode": "bench_serve",
-            "choices": {"model": model["id"]}, "server": url}  # fmt: skip
-    save_run(folder, RunResult(None, summary, records, [], {"client": "servelab bench serve"}),
-             config, meta)  # fmt: skip
+            "choices": choices, "server": url}  # fmt: skip
+    record = {**provenance(config, model["id"]), "client": "servelab bench serve"}
+    save_run(folder, RunResult(None, summary, records, [], record), config, meta)
     print_summary(summary, title=f"servelab bench serve against {url} ({model['id']})\n{folder}")

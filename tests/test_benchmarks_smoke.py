@@ -1,6 +1,7 @@
 """The benchmark suite (benchmarks/, not part of the default test run) still
 works: every group runs once at smoke size (`SERVELAB_BENCH_SMOKE=1`), without
-timing (`--benchmark-disable`), in a child pytest.
+timing (`--benchmark-disable`), in a child pytest; the server-vs-offline script
+runs one pair of fresh processes, pinned as asked, and finds equal tokens.
 
 The C++ decode kernel is switched off (`SERVELAB_CPU_KERNEL=0`): building it
 takes half a minute on a fresh machine, and its fallback path is what runs.
@@ -8,6 +9,7 @@ takes half a minute on a fresh machine, and its fallback path is what runs.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,3 +59,28 @@ def test_every_benchmark_group_runs(tmp_path):
             passed[module] = passed.get(module, 0) + 1
     missing = [group for group in GROUPS if not passed.get(group)]
     assert not missing, f"benchmark groups that ran no test: {missing} (ran: {passed})"
+
+
+def test_serve_vs_offline_runs_each_side_in_a_fresh_pinned_process(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from serve_vs_offline import order
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert order(3) == ["offline", "server", "server", "offline", "offline", "server"]
+    cpu = min(os.sched_getaffinity(0))
+    out = tmp_path / "serve_vs_offline.json"
+    env = {**os.environ, "SERVELAB_BENCH_SMOKE": "1", "SERVELAB_CPU_KERNEL": "0"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_vs_offline.py"),
+               "--repeats", "1", "--cpu", str(cpu), "--threads", "1", "--json", str(out)]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    runs = figures["runs"]
+    assert [r["side"] for r in runs] == ["offline", "server"] == figures["order"]
+    assert len({r["pid"] for r in runs} | {os.getpid()}) == 3  # each side its own process
+    assert all(r["cpus"] == [cpu] and r["torch_threads"] == 1 for r in runs)
+    assert figures["tokens_identical"] and runs[0]["tokens"] == runs[1]["tokens"]
+    assert runs[0]["output_tokens"] > 0 and figures["median_added_ttft_ms"] is not None
+    assert "ratio server/offline" in result.stdout

@@ -23,6 +23,7 @@ from servelab.contracts.executor import Executor
 from servelab.contracts.scheduler import Scheduler
 from servelab.engine import requests
 from servelab.engine.failures import fail_step
+from servelab.engine.loop import EngineLoop
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
 from servelab.engine.outputs import after_update
 from servelab.errors import RequestError
@@ -63,10 +64,11 @@ class Engine:
         self._request_ids = itertools.count()
         # live requests with stop strings or logprobs: after_update looks at these only
         self.watched: set[str] = set()
-        # one caller at a time: `generate`, `add_request`, `step` and `abort` may be
-        # called from several threads; each call runs whole (re-entrant: generate steps)
+        # one caller at a time: `add_request`, `step` and `abort` may be called from
+        # several threads; each call runs whole (re-entrant: the loop holds it around a step)
         self._lock = threading.RLock()
         self.finished_elsewhere: list[RequestOutput] = []  # see take_finished
+        self.loop = EngineLoop(self)  # the one loop `generate` and the server submit through
         self.step_failures: dict[tuple[str, str], int] = {}  # (stage, error type) -> count
         self._step_index = 0
         self.clock = executor.now
@@ -147,16 +149,17 @@ class Engine:
             if request_id not in self.groups:
                 return request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Stops a request wherever it is (waiting, running, swapped, forked) and
         frees everything it holds. Returns its final output (finish reason
-        "abort"), or None for an unknown or already finished request."""
+        "abort", `error` set when given), or None for an unknown or already
+        finished request."""
         with self._lock:
             group = self.groups.get(str(request_id))
             if group is None or group.is_finished:
                 return None
             self.scheduler.abort(str(request_id))
-            return self._finish_group(group)
+            return self._finish_group(group, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -213,7 +216,8 @@ class Engine:
         return self.executor.execute(plan)
 
     # -- bookkeeping
-    def _finish_group(self, group: SequenceGroup) -> RequestOutput:
+    def _finish_group(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
+        """The group's final output, recorded; the loop hands it to whoever waits on it."""
         now = self.now()
         first = group.seqs[0]
         for seq in group.seqs:
@@ -264,6 +268,7 @@ class Engine:
             ],
             finished=True,
             metrics=row,
+            error=error,
         )
         del self.groups[group.request_id]
         if group.request_id in self.watched:
@@ -271,6 +276,7 @@ class Engine:
             if not self.watched:
                 self.runner.logprobs_k = -1
         self.notify("servelab_request_end", engine=self, request=dict(row))
+        self.loop.finished(output)
         return output
 
     def _detokenize(self, token_ids: list[int]) -> str | None:
@@ -346,37 +352,12 @@ class Engine:
         prompts: Seq[str | list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Runs prompts to completion, one output per prompt, in order. A request
-        that fails validation comes back with `error` set and finish reason
-        "rejected"; the others still run. Requests added otherwise
-        (`add_request`) that finish meanwhile wait in `take_finished()`."""
-        with self._lock:
-            if params is None or isinstance(params, SamplingParams):
-                params = [params] * len(prompts)
-            if len(params) != len(prompts):
-                raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-            outputs: dict[str, RequestOutput] = {}
-            order: list[str] = []
-            for prompt, p in zip(prompts, params):
-                request_id = self._free_id("gen-")
-                order.append(request_id)
-                try:
-                    self.add_request(prompt, p, request_id=request_id)
-                except RequestError as err:
-                    ids = prompt if isinstance(prompt, list) else []
-                    outputs[request_id] = RequestOutput(request_id, ids, [], True, error=str(err))
-            mine = set(order)
-            while any(r not in outputs for r in order):
-                if not self.has_unfinished():  # gone without an output (an observer aborted it)
-                    for r in order:
-                        outputs.setdefault(r, RequestOutput(r, [], [], True, error="aborted"))
-                    break
-                for out in self.step():
-                    if out.request_id in mine:
-                        outputs[out.request_id] = out
-                    else:
-                        self.finished_elsewhere.append(out)
-            return [outputs[r] for r in order]
+        """Runs prompts to completion through the engine's loop (`self.loop`), one
+        output per prompt, in order. A request that fails validation comes back
+        with `error` set and finish reason "rejected"; the others still run.
+        Requests added otherwise (`add_request`) that finish meanwhile wait in
+        `take_finished()`."""
+        return self.loop.generate(prompts, params)
 
     def take_finished(self) -> list[RequestOutput]:
         """Outputs of requests added with `add_request` that finished while a

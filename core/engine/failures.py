@@ -44,9 +44,7 @@ def fail_step(
     outputs = []
     for group in groups:
         _drop(engine, group)
-        output = engine._finish_group(group)
-        output.error = message
-        outputs.append(output)
+        outputs.append(engine._finish_group(group, error=message))
     return outputs
 
 

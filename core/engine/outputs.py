@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from servelab.engine.stop_strings import find_stop
 from servelab.step.sequence import FinishReason, RequestOutput, SequenceGroup
 
 if TYPE_CHECKING:
@@ -63,16 +64,10 @@ def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[
 def _apply_stops(engine: Engine, group: SequenceGroup) -> bool:
     """Finishes each sample whose text now holds a stop string; True when the
     whole group is finished."""
-    stops = group.params.stop
-    longest = max(len(s) for s in stops)
     for seq in group.unfinished():
-        text = engine.tokenizer.decode(seq.output_token_ids)
-        start = max(0, seq.stop_scanned - longest + 1)
-        found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-        # a trailing replacement character may still become a real one: rescan it next time
-        seq.stop_scanned = len(text.rstrip("\ufffd"))
-        if found:
-            seq.stop_text = text[: min(found)]
+        text = find_stop(seq, engine.tokenizer)
+        if text is not None:
+            seq.stop_text = text
             engine.scheduler.decode_batch = None  # it holds the row; rebuilt next step
             engine.scheduler.finish(seq, FinishReason.STOP)
     return group.is_finished

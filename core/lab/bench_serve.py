@@ -7,13 +7,16 @@ on the client: first token, every streamed step, the end. The records are the
 engine's `RequestRecord`s filled from those times, so `results.json` and
 `requests.csv` read like any run's and `servelab-report` compares them. There
 are no engine steps on the client's side: steps.csv is empty and the step
-figures of the summary are zero; throughput is over the client's wall clock.
+figures of the summary are missing; throughput is over the client's wall clock.
+The server's part choices (from `/v1/models`) are the run's choices, so a
+report lines a served run up beside the offline runs of the same parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Mapping
 
@@ -79,9 +82,19 @@ async def replay(url: str, requests: list[WorkloadRequest], concurrency: int,
     return [d[0] for d in done], {d[0].request_id: [d[1]] for d in done}, wall
 
 
+# what a client measures; the other figures of a summary count engine steps, which a
+# client does not see: they are missing (null, "–" in a report), not zero
+CLIENT_FIGURES = ("requests", "requests_total", "finished_pct", "output_tokens", "prompt_tokens",
+                  "wall_time_s", "request_throughput", "output_tok_s", "total_tok_s")  # fmt: skip
+CLIENT_LATENCIES = ("ttft_", "tpot_", "itl_", "e2e_", "queue_")
+
+
 def bench_summary(records: list[RequestRecord], tokens: Mapping, wall: float) -> dict:
     """The runner's summary over the client's records and wall clock."""
-    summary = summarize(records, [])
+    summary = {
+        k: v if k in CLIENT_FIGURES or k.startswith(CLIENT_LATENCIES) else math.nan
+        for k, v in summarize(records, []).items()
+    }
     done = [r for r in records if r.completed]
     out = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done)

@@ -18,7 +18,8 @@ from typing import Any
 from servelab.errors import ConfigError
 
 # the preset is the same in every run of it; a repeat is the same configuration again
-IGNORED_PARAMS = ("experiment", "run.repeat")
+# not a configuration: a repeat's index, a server's address and key (`bench serve`)
+IGNORED_PARAMS = ("experiment", "run.repeat", "serve.host", "serve.port", "serve.api_key")
 
 
 @dataclass
@@ -139,6 +140,8 @@ def run_params(results: Mapping) -> dict[str, str]:
             params[key] = normalize(value)
     for key, value in (results.get("choices") or {}).items():
         params.setdefault(key, normalize(value))
+    if results.get("mode"):  # how the run was measured (`bench_serve`: by a client)
+        params.setdefault("mode", normalize(results["mode"]))
     return {k: v for k, v in params.items() if k not in IGNORED_PARAMS}
 
 

@@ -35,8 +35,8 @@ from servelab.serve.text import ChatTemplate
 POLL_S = 0.25  # how often a response that does not stream checks for a gone client
 
 
-def create_app(aengine: AsyncEngine, options: dict, model_name: str,
-               template: ChatTemplate, metrics: ServerMetrics) -> FastAPI:  # fmt: skip
+def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: ChatTemplate,
+               metrics: ServerMetrics, choices: dict | None = None) -> FastAPI:  # fmt: skip
     engine = aengine.engine
     app = FastAPI(title="servelab")
     api_key = options.get("api_key")
@@ -65,7 +65,8 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str,
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                 "created": 0, "owned_by": "servelab", "max_model_len": engine.max_model_len,
-                "vocab_size": engine.model_config.vocab_size}]}  # fmt: skip
+                "vocab_size": engine.model_config.vocab_size,
+                "servelab_choices": choices or {}}]}  # fmt: skip
 
     def parse(model, body: bytes):
         try:
@@ -133,19 +134,28 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str,
             usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(_sse(events, choices, head, chat, usage, echo),
                                      media_type="text/event-stream")  # fmt: skip
+        # wait for the next Delta without cancelling it when the poll for a gone client
+        # comes first (wait_for would cancel it, and a cancelled stream aborts its request)
+        following = None
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(events.__anext__(), POLL_S)
-                except asyncio.TimeoutError:
+                following = following or asyncio.ensure_future(events.__anext__())
+                done, _ = await asyncio.wait({following}, timeout=POLL_S)
+                if not done:
                     if await request.is_disconnected():
                         return Response(status_code=499)
                     continue
+                try:
+                    item = following.result()
                 except StopAsyncIteration:
                     break
+                following = None
                 _check(*item)
                 choices.apply(*item)
         finally:
+            if following is not None and not following.done():
+                following.cancel()  # the client went away: the stream aborts its requests
+                await asyncio.wait({following})
             await events.aclose()
         if choices.error:
             raise ApiError(500, f"the engine failed: {choices.error}")

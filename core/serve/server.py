@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from servelab.contracts.kinds import KINDS
 from servelab.engine.build import build_engine
 from servelab.serve.app import create_app
 from servelab.serve.async_engine import AsyncEngine
@@ -23,6 +24,25 @@ from servelab.serve.text import ChatTemplate
 
 log = logging.getLogger(__name__)
 NOT_ENGINE_NODES = ("serve", "workload", "run", "report")
+PART_NODES = ("scheduler", "allocator", "preemption", "attention", "executor")
+NOT_ENGINE_GROUPS = ("experiment", "workload", "model")  # the model's name is served apart
+
+
+def engine_choices(config: Mapping, hydra_choices: Mapping | None) -> dict:
+    """The config-group choices that made the engine (`scheduler: chunked`, ...):
+    Hydra's when composed by `servelab serve`, else each part node's name (the
+    kind's default where absent), the device and the simulated hardware."""
+    if hydra_choices is not None:
+        return {k: v for k, v in hydra_choices.items() if k not in NOT_ENGINE_GROUPS}
+    choices = {}
+    for kind in PART_NODES:
+        node = config.get(kind) or KINDS[kind].default
+        choices[kind] = str(node.get("name") if isinstance(node, Mapping) else node)
+    device = str((config.get("engine") or {}).get("device", "cpu"))
+    choices["device"] = "cuda" if device.startswith("cuda") else device
+    hardware = config.get("hardware")
+    choices["hardware"] = hardware.get("name") if isinstance(hardware, Mapping) else hardware
+    return choices
 
 
 def model_folder(config: Mapping) -> str | None:
@@ -51,8 +71,9 @@ def _Uvicorn(config):
 class Server:
     """Builds the engine and the app; `run()` serves until told to stop."""
 
-    def __init__(self, config: Mapping) -> None:
+    def __init__(self, config: Mapping, hydra_choices: Mapping | None = None) -> None:
         config = dict(config)
+        self.choices = engine_choices(config, hydra_choices)
         self.options = serve_options(config.get("serve"))
         engine_config = {k: v for k, v in config.items() if k not in NOT_ENGINE_NODES}
         self.engine = build_engine(engine_config)
@@ -69,7 +90,8 @@ class Server:
                 else (node if isinstance(node, str) else node.get("name", "model"))
             )
         self.model_name = name
-        self.app = create_app(self.aengine, self.options, name, ChatTemplate(folder), self.metrics)
+        self.app = create_app(self.aengine, self.options, name, ChatTemplate(folder), self.metrics,
+                              self.choices)  # fmt: skip
         self.uvicorn = None
 
     def make_uvicorn(self):

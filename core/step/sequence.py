@@ -182,7 +182,7 @@ class Sequence:
         self.token_times: list[float] = []
         self.finished_time: float | None = None
         self.stop_text: str | None = None  # the text up to a matched stop string
-        self.stop_scanned = 0  # characters of the text searched for stop strings
+        self.stop_scan = None  # the stop-string search's place (servelab.engine.stop_strings)
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
 
     # -- sizes

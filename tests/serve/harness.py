@@ -22,6 +22,7 @@ VOCAB = 384
 
 def text_model_folder(folder: Path, chat_template: bool = True) -> Path:
     """Saves a 1-layer random Qwen3 with a tokenizer.json (and a chat template)."""
+    import torch
     from tokenizers import ByteLevelBPETokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -30,7 +31,10 @@ def text_model_folder(folder: Path, chat_template: bool = True) -> Path:
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=16, max_position_embeddings=256, eos_token_id=None)  # fmt: skip
-    Qwen3ForCausalLM(config).save_pretrained(folder)
+    with torch.random.fork_rng():  # the same weights every session, the tests' RNG untouched
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(folder)
     tok.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|endoftext|>"}
     if chat_template:

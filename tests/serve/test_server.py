@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from servelab import LLM, SamplingParams
+from servelab.serve.app import POLL_S
 from tests.serve.harness import Running, boundary_stop, server_config
 
 PROMPTS = ["hello world", "the quick brown fox", "caf\u00e9 r\u00e9sum\u00e9 \u65e5\u672c"]
@@ -42,7 +43,9 @@ def wait_idle(server, timeout=20.0) -> None:
 
 
 def greedy(n=1, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=n, **kw)
+    return SamplingParams(
+        **{"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "n": n, **kw}
+    )
 
 
 def test_models_and_health(server, client):
@@ -176,16 +179,27 @@ def test_wrong_api_key_is_401_and_reaches_no_engine_code(model_folder, monkeypat
         assert good.completions.create(model="m", prompt="hi", max_tokens=2).choices[0].token_ids
 
 
-def slow_steps(monkeypatch, server) -> None:
+def slow_steps(monkeypatch, server, seconds: float = 0.05) -> None:
     """Each step sleeps a little, so a long request is surely still running."""
     runner = server.engine.runner
     real = runner.execute
 
     def slow(plan):
-        time.sleep(0.05)
+        time.sleep(seconds)
         return real(plan)
 
     monkeypatch.setattr(runner, "execute", slow)
+
+
+def test_a_response_that_does_not_stream_outlasts_slow_steps(server, client, offline,
+                                                             monkeypatch):  # fmt: skip
+    # each step is slower than the app's poll for a gone client: polling must not cancel it
+    slow_steps(monkeypatch, server, seconds=2 * POLL_S)
+    want = offline.generate(PROMPTS[0], greedy(max_tokens=3))[0]
+    got = client.completions.create(model=server.model_name, prompt=PROMPTS[0], max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert got.choices[0].token_ids == want.token_ids and got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == "length"
 
 
 def test_disconnect_mid_stream_aborts_and_frees(server, client, monkeypatch):
@@ -212,7 +226,10 @@ def test_full_queue_is_429_then_serves_again(model_folder, monkeypatch):
                 # the long request holds the one place (checked, not assumed)
                 assert s.aengine.num_pending == 1, "the long request already ended"
                 full = http.post(s.url + "/v1/completions", json={"prompt": "hi"})
-                assert full.status_code == 429 and "full" in full.json()["error"]["message"]
+                ended = [(r.request_id, r.finish_reason, r.output_tokens)
+                         for r in s.engine.metrics.requests]  # fmt: skip
+                assert full.status_code == 429, (full.status_code, s.aengine.num_pending, ended)
+                assert "full" in full.json()["error"]["message"]
         wait_idle(s)
         assert (
             httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=30).status_code

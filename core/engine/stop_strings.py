@@ -1,0 +1,59 @@
+"""Stop strings, searched incrementally: each step decodes only the new tokens
+and searches only the text that can hold a new match.
+
+A sample's text is its output tokens decoded as a whole (what the final output
+carries). Decoding all of it every step costs in proportion to its length, so
+instead each sequence keeps its place (`StopScan`, on `seq.stop_scan`), as
+vLLM's incremental detokeniser does: the text of the tokens from `prefix` on,
+minus that of the tokens from `prefix` to `read`, is the new text; decoding a
+window that starts a few tokens back keeps what a token's text depends on (a
+leading space, the bytes of a character split across tokens). A window ending
+in a replacement character (an unfinished UTF-8 character) is not settled: its
+text before that character is searched, and the window waits for more tokens.
+A new match lies in the last `longest stop - 1` settled characters plus the new
+text. On a match the text is decoded once, whole, and ends before the first
+match (vLLM's rule); the token that completed the match is the last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelab.step.sequence import Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class StopScan:
+    prefix: int = 0  # output tokens before the decode window
+    read: int = 0  # output tokens whose text is settled
+    tail: str = ""  # the settled text's last (longest stop - 1) characters
+
+
+def find_stop(seq: Sequence, tokenizer) -> str | None:
+    """The sample's text up to its first stop string, if its new tokens
+    completed one; None otherwise (the scan's place moves on)."""
+    stops = seq.params.stop
+    scan = seq.stop_scan
+    if scan is None:
+        scan = seq.stop_scan = StopScan()
+    start = seq.num_prompt_tokens
+    ids = seq.token_ids
+    settled = tokenizer.decode(ids[start + scan.prefix : start + scan.read])
+    window = tokenizer.decode(ids[start + scan.prefix :])
+    new = window[len(settled) :] if len(window) > len(settled) else ""
+    unfinished = new.endswith(REPLACEMENT)
+    searched = scan.tail + (new.rstrip(REPLACEMENT) if unfinished else new)
+    if any(stop in searched for stop in stops):
+        return _text_before_first_stop(tokenizer.decode(seq.output_token_ids), stops)
+    if new and not unfinished:
+        keep = max(len(s) for s in stops) - 1
+        scan.tail = searched[max(0, len(searched) - keep) :]
+        scan.prefix, scan.read = scan.read, seq.num_output_tokens
+    return None
+
+
+def _text_before_first_stop(text: str, stops: list[str]) -> str | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(found)] if found else None

@@ -14,7 +14,12 @@ over requests of the time to first token the server added (client-measured
 TTFT minus the same request's offline TTFT, paired within a repeat). Exits 1
 unless every stream got exactly the offline tokens.
 
+With `--client-cpu C` the clients run in their own process on CPU C and the server
+alone on `--cpu`, as a load generator on another machine would drive it: the
+server then has exactly the CPU the offline side has.
+
     python benchmarks/serve_vs_offline.py --repeats 5 --cpu 1 --threads 1 [--json out.json]
+    python benchmarks/serve_vs_offline.py --repeats 5 --cpu 1 --client-cpu 0 --threads 1
     SERVELAB_BENCH_SMOKE=1 ...: a handful of short requests, a check that it runs
 """
 
@@ -39,10 +44,44 @@ def order(repeats: int) -> list[str]:
     return [side for pair in pairs for side in pair]
 
 
+# -- the clients
+
+
+async def stream(client, url: str, req) -> tuple[list[int], float]:
+    p = req.params
+    body = {"prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "stream": True,
+            "temperature": p.temperature, "ignore_eos": p.ignore_eos}  # fmt: skip
+    start, first, tokens = time.perf_counter(), None, []
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if choices and choices[0].get("token_ids"):
+                first = first or time.perf_counter()
+                tokens += choices[0]["token_ids"]
+    return tokens, first - start
+
+
+async def drive_clients(url: str, requests) -> tuple[list, float]:
+    """One streaming client per request, all at once (after one untimed request)."""
+    import asyncio
+
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await stream(client, url, requests[0])  # the first HTTP request's one-off costs, untimed
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream(client, url, r) for r in requests))
+        return results, time.perf_counter() - start
+
+
 # -- one side, in a fresh process
 
 
-def run_side(side: str, threads: int | None, offline_mode: str) -> dict:
+def run_side(side: str, threads: int | None, offline_mode: str, server_cpu=None) -> dict:
     """Runs one side once; output tokens, wall time and per-request tokens and TTFT."""
     sys.path.insert(0, str(HERE.parent))
     from reference_workload import prepared_engine, reference_config, serve_all
@@ -64,8 +103,10 @@ def run_side(side: str, threads: int | None, offline_mode: str) -> dict:
             names = {o.request_id: r.request_id for o, r in zip(outs, requests)}
             tokens = {r.request_id: o.token_ids for o, r in zip(outs, requests)}
             ttft = {names[m.request_id]: m.ttft for m in engine.metrics.requests if m.request_id in names}  # fmt: skip
-    else:
+    elif server_cpu is None:
         wall, tokens, ttft = serve_and_stream(config)
+    else:
+        wall, tokens, ttft = stream_to_server_process(config, threads, server_cpu)
     import torch
 
     return {"side": side, "wall_s": wall, "output_tokens": sum(len(t) for t in tokens.values()),
@@ -80,7 +121,6 @@ def serve_and_stream(config: dict) -> tuple[float, dict, dict]:
     import socket
     import threading
 
-    import httpx
     from reference_workload import reference_requests
 
     from servelab.lab.runner import warm_up
@@ -104,34 +144,8 @@ def serve_and_stream(config: dict) -> tuple[float, dict, dict]:
         time.sleep(0.02)
     url = f"http://127.0.0.1:{port}/v1/completions"
 
-    async def stream(client: httpx.AsyncClient, req) -> tuple[list[int], float]:
-        p = req.params
-        body = {"prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "stream": True,
-                "temperature": p.temperature, "ignore_eos": p.ignore_eos}  # fmt: skip
-        start, first, tokens = time.perf_counter(), None, []
-        async with client.stream("POST", url, json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choices = json.loads(line[6:]).get("choices") or []
-                if choices and choices[0].get("token_ids"):
-                    first = first or time.perf_counter()
-                    tokens += choices[0]["token_ids"]
-        return tokens, first - start
-
-    async def drive():
-        limits = httpx.Limits(
-            max_connections=len(requests), max_keepalive_connections=len(requests)
-        )
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            await stream(client, requests[0])  # the first HTTP request's one-off costs, untimed
-            start = time.perf_counter()
-            results = await asyncio.gather(*(stream(client, r) for r in requests))
-            return results, time.perf_counter() - start
-
     try:
-        results, wall = asyncio.run(drive())
+        results, wall = asyncio.run(drive_clients(url, requests))
     finally:
         uv.should_exit = True
         thread.join(30)
@@ -141,8 +155,74 @@ def serve_and_stream(config: dict) -> tuple[float, dict, dict]:
     return wall, tokens, ttft
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_only(config: dict, port: int) -> None:
+    """The server alone (a process of its own): warmed up, serving until SIGTERM."""
+    from servelab.lab.runner import warm_up
+    from servelab.serve.server import Server
+
+    server = Server({**config, "serve": {"port": port, "log_level": "warning",
+                                         "max_queued_requests": 100_000}})  # fmt: skip
+    warm_up(server.engine)
+    raise SystemExit(server.run())
+
+
+def stream_to_server_process(config: dict, threads, server_cpu: set[int]) -> tuple:
+    """`serve_only` in a process pinned to `server_cpu`; this process (pinned
+    elsewhere) is the 64 clients. Returns what `serve_and_stream` returns."""
+    import asyncio
+    import signal
+
+    import httpx
+    from reference_workload import reference_requests
+
+    from servelab.model.config import named_config
+
+    port = _free_port()
+    command = [sys.executable, str(HERE), "--side", "serve-only", "--port", str(port)]
+    if threads is not None:
+        command += ["--threads", str(threads)]
+    proc = subprocess.Popen(command, preexec_fn=lambda: os.sched_setaffinity(0, server_cpu))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # up once /health answers
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server process did not start")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        model = named_config(config["model"]["name"])  # the reference preset names a shape
+        requests = reference_requests(model.vocab_size, config["engine"]["max_model_len"])
+        results, wall = asyncio.run(drive_clients(base + "/v1/completions", requests))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    tokens = {r.request_id: t for r, (t, _) in zip(requests, results)}
+    ttft = {r.request_id: first for r, (_, first) in zip(requests, results)}
+    return wall, tokens, ttft
+
+
 def child(args: argparse.Namespace) -> None:
-    result = run_side(args.side, args.threads, args.offline)
+    if args.side == "serve-only":
+        sys.path.insert(0, str(HERE.parent))
+        from reference_workload import reference_config
+
+        config = reference_config()
+        if args.threads is not None:
+            config["engine"]["num_threads"] = args.threads
+        return serve_only(config, args.port)
+    server_cpu = {int(c) for c in args.cpu.split(",")} if args.client_cpu else None
+    result = run_side(args.side, args.threads, args.offline, server_cpu)
     print("RESULT " + json.dumps(result))
 
 
@@ -150,7 +230,13 @@ def spawn(side: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, str(HERE), "--side", side, "--offline", args.offline]
     if args.threads is not None:
         command += ["--threads", str(args.threads)]
+    if args.cpu:
+        command += ["--cpu", args.cpu]
+    if args.client_cpu:
+        command += ["--client-cpu", args.client_cpu]
     pin = {int(c) for c in args.cpu.split(",")} if args.cpu else None
+    if side == "server" and args.client_cpu:  # this process is the clients; it pins the server
+        pin = {int(c) for c in args.client_cpu.split(",")}
     done = subprocess.run(
         command,
         capture_output=True,
@@ -211,7 +297,10 @@ def main() -> None:
     parser.add_argument("--offline", choices=("generate", "serve_all"), default="generate")
     parser.add_argument("--json", default=None, help="also write the runs and figures here")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child run
+    parser.add_argument("--client-cpu", default=None,
+                        help="run the clients in their own process on these CPUs")  # fmt: skip
+    parser.add_argument("--side", choices=(*SIDES, "serve-only"), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         return child(args)

@@ -61,7 +61,8 @@ def test_every_benchmark_group_runs(tmp_path):
     assert not missing, f"benchmark groups that ran no test: {missing} (ran: {passed})"
 
 
-def test_serve_vs_offline_runs_each_side_in_a_fresh_pinned_process(tmp_path):
+@pytest.mark.parametrize("own_client_process", [False, True])
+def test_serve_vs_offline_runs_each_side_in_a_fresh_pinned_process(tmp_path, own_client_process):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from serve_vs_offline import order
@@ -73,6 +74,8 @@ def test_serve_vs_offline_runs_each_side_in_a_fresh_pinned_process(tmp_path):
     env = {**os.environ, "SERVELAB_BENCH_SMOKE": "1", "SERVELAB_CPU_KERNEL": "0"}
     command = [sys.executable, str(ROOT / "benchmarks" / "serve_vs_offline.py"),
                "--repeats", "1", "--cpu", str(cpu), "--threads", "1", "--json", str(out)]  # fmt: skip
+    if own_client_process:  # the server in a process of its own (here on the same CPU)
+        command += ["--client-cpu", str(cpu)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -21,6 +21,7 @@ from servelab.errors import ConfigError
 from servelab.executor.parallel import current_group
 from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.testing.oracle import (
+    ENGINE_OPTIONS,
     assert_matches_reference,
     combinations,
     combo_id,
@@ -133,9 +134,15 @@ def test_cpu_kernels_and_torch_path(cases, cpu_kernels, spy):
 def test_logits_match_single_process(cases, spy, num_kv_heads, cpu_kernels):
     case = cases("qwen3", num_kv_heads)
     combo = {**ONE_SAP, "attention": {"name": ONE_BACKEND}}
-    single = drive(case, combo, cpu_kernels=cpu_kernels)
+    # a replicated KV head takes memory on both ranks: the single process gets half
+    # the budget, so both hold as many tokens and every decision (preemption included)
+    # is the same
+    scale = 2 if num_kv_heads < TP["tensor_parallel_size"] else 1
+    budget = {k: ENGINE_OPTIONS[k] // scale for k in ("kv_cache_memory", "swap_space")}
+    single = drive(case, combo, cpu_kernels=cpu_kernels, **budget)
     single_logits = spy.logits
     split = drive(case, combo, cpu_kernels=cpu_kernels, **TP)
+    assert split.num_steps == single.num_steps and split.preempted == single.preempted > 0
     assert split.tokens == single.tokens == case.expected
     assert len(spy.logits) == len(single_logits) > 0
     for step, (a, b) in enumerate(zip(single_logits, spy.logits)):

@@ -179,7 +179,10 @@ class KernelForward:
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         cos, sin = model.rope_cos, model.rope_sin
         embed = model.model.embed_tokens.weight
-        all_reduce = model.all_reduce
+        # tensor parallelism's all-reduce, read from a layer (the model's property would be
+        # one more call per step); None in one process
+        blocks = model.model.layers
+        all_reduce = blocks[0].mlp.all_reduce if len(blocks) else None
         if (
             self._decoder is not None
             and all_reduce is None

@@ -103,9 +103,14 @@ class ModelExecutor(Executor):
             num_threads=opts["num_threads"],
         )
         self.group.send(LOAD, message)
-        self.model, self.model_forward, self.model_config, self.tokenizer = load_shard(
-            message, 0, self.tp, self.device, self.group.all_reduce
-        )
+        try:
+            self.model, self.model_forward, self.model_config, self.tokenizer = load_shard(
+                message, 0, self.tp, self.device, self.group.all_reduce
+            )
+        except Exception:
+            # the workers are now out of step with rank 0: the next engine starts afresh
+            self.group.stop(graceful=False)
+            raise
         self.group.barrier()  # every worker loaded its shard (or the error names the one that failed)
 
     @property

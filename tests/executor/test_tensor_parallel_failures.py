@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,35 @@ def test_exit_and_ctrl_c_leave_no_worker(tmp_path, how):
     # an unhandled KeyboardInterrupt ends Python by SIGINT itself, after its atexit handlers
     assert child.returncode == (0 if how == "exit" else -signal.SIGINT), child.stderr.read()
     assert not [p for p in pids if is_running(p)], "a worker outlived its engine's process"
+
+
+TORCHRUN_PROGRAM = """
+import os
+from servelab import LLM, SamplingParams
+from servelab.executor.parallel.worker import serve_worker
+
+if serve_worker(device="cpu"):
+    raise SystemExit
+llm = LLM(model="tiny", tensor_parallel_size=int(os.environ["WORLD_SIZE"]), dtype="float64",
+          num_threads=1)
+print("tokens", *llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].outputs[0].token_ids)
+"""
+
+
+def test_torchrun_two_processes_give_the_single_process_tokens(tmp_path):
+    """docs/parallel.md's torchrun example: rank 1 joins through `serve_worker`."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    script = tmp_path / "generate.py"
+    script.write_text(textwrap.dedent(TORCHRUN_PROGRAM))
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("tokens"))
+    single = LLM(model="tiny", dtype="float64", num_threads=1).generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=6)
+    )
+    assert [int(t) for t in line.split()[1:]] == single[0].outputs[0].token_ids

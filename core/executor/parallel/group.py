@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from servelab.errors import ConfigError, WorkerError
-from servelab.executor.parallel import worker
+from servelab.executor.parallel import common
 from servelab.executor.parallel.protocol import RELEASE, SHUTDOWN, send_message
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class WorkerGroup:
         else:
             self._spawn(timeout)
         self.control = dist.new_group(
-            list(range(size)), backend="gloo", timeout=worker.CONTROL_TIMEOUT
+            list(range(size)), backend="gloo", timeout=common.CONTROL_TIMEOUT
         )
 
     # -- starting
@@ -83,7 +83,7 @@ class WorkerGroup:
                 "(the other ranks call servelab.executor.parallel.serve_worker())"
             )
         dist.init_process_group(
-            worker.data_backend(self.device_type), init_method="env://", rank=0,
+            common.data_backend(self.device_type), init_method="env://", rank=0,
             world_size=world, timeout=timeout,
         )  # fmt: skip
         self.store = dist.distributed_c10d._get_default_store()
@@ -110,7 +110,7 @@ class WorkerGroup:
             self.processes.append(subprocess.Popen(command))
         self._wait_started()
         dist.init_process_group(
-            worker.data_backend(self.device_type), store=self.store, rank=0,
+            common.data_backend(self.device_type), store=self.store, rank=0,
             world_size=self.size, timeout=timeout,
         )  # fmt: skip
 
@@ -121,7 +121,7 @@ class WorkerGroup:
         pending = set(range(1, self.size))
         while pending:
             for rank in sorted(pending):
-                if self.store.check([worker.started_key(rank)]):
+                if self.store.check([common.started_key(rank)]):
                     pending.discard(rank)
                 elif self.processes[rank - 1].poll() is not None:
                     raise self._fail(f"worker rank {rank} did not start: {self._cause(rank)}")
@@ -173,8 +173,8 @@ class WorkerGroup:
     def _cause(self, rank: int) -> str | None:
         """What happened to worker `rank`: its reported exception, its exit, or None."""
         try:
-            if self.store.check([worker.error_key(rank)]):
-                return "raised " + self.store.get(worker.error_key(rank)).decode()
+            if self.store.check([common.error_key(rank)]):
+                return "raised " + self.store.get(common.error_key(rank)).decode()
         except Exception:  # noqa: BLE001 (a store that is gone says nothing)
             pass
         if rank - 1 < len(self.processes):
@@ -214,8 +214,12 @@ class WorkerGroup:
                 pass
 
     def stop(self, graceful: bool = True) -> None:
-        """Ends every worker (asked first when `graceful` and no step is cut
-        short, else SIGTERM at once) and the process groups."""
+        """Ends every worker and the process groups: spawned workers by SIGTERM
+        (SIGKILL after a grace period), torchrun's by a `shutdown` message when
+        `graceful` and no step was cut short."""
+        # spawned workers hold nothing to flush: SIGTERM, never a message that a worker
+        # stuck in a collective would not read; torchrun's workers are asked to return
+        graceful = graceful and not self.processes
         if graceful and self.broken is None and not self.in_step:
             try:
                 send_message((SHUTDOWN, None), self.control)
@@ -256,6 +260,7 @@ def acquire(size: int, device: torch.device, timeout_s: float) -> WorkerGroup:
     group = _current
     if group is not None and (
         group.broken is not None
+        or any(p.poll() is not None for p in group.processes)
         or (group.size, group.device_type, group.timeout_s) != (size, device.type, timeout_s)
     ):
         group.stop()

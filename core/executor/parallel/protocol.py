@@ -6,8 +6,8 @@ one `step` per engine step, `release` when the engine is replaced, `shutdown`
 at the end. A step carries everything a worker's forward needs and nothing it
 must decide: the block copies since the last step (run in order), the packed
 token ids and the attention metadata rank 0 built; each rank plans attention
-for its own heads. `ShardRuntime` is one rank's model, KV cache and backend;
-rank 0's executor and every worker build theirs with the same functions.
+for its own heads. Rank 0's executor and every worker build their shard with
+the same functions (`load_shard`, `shard_kv_cache`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from servelab.executor.forward import choose_forward
 from servelab.executor.kv_cache import KVCache
 from servelab.model.loader import load_model, resolve_dtype
 from servelab.model.transformer import AllReduce, Transformer
-from servelab.registry.construct import construct
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.plan import BlockCopies
 
@@ -141,53 +140,3 @@ def shard_kv_cache(model: Transformer, bind: BindMessage, device: torch.device) 
         device,
         num_host_blocks=bind.num_host_blocks,
     )
-
-
-def shard_backend(model: Transformer, node: dict) -> Any:
-    """The attention backend of `node`, shaped for one rank's heads."""
-    c = model.config
-    return construct(
-        "attention",
-        node,
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        scale=c.attention_scale,
-    )
-
-
-class ShardRuntime:
-    """A worker's model shard, KV cache and backend; `handle` runs one message."""
-
-    def __init__(self, rank: int, size: int, device: torch.device, all_reduce: AllReduce):
-        self.rank, self.size, self.device = rank, size, device
-        self.all_reduce = all_reduce
-        self.model: Transformer | None = None
-        self.forward: Any = None
-        self.kv_cache: KVCache | None = None
-        self.backend: Any = None
-
-    def load(self, message: LoadMessage) -> None:
-        self.release()
-        self.model, self.forward, _, _ = load_shard(
-            message, self.rank, self.size, self.device, self.all_reduce
-        )
-
-    def bind(self, message: BindMessage) -> None:
-        self.kv_cache = shard_kv_cache(self.model, message, self.device)
-        self.backend = shard_backend(self.model, message.attention)
-
-    @torch.inference_mode()
-    def step(self, message: StepMessage) -> None:
-        for copies in message.copies:
-            self.kv_cache.apply(copies)
-        meta = device_metadata(message.meta, self.device)
-        input_ids = message.input_ids.to(self.device)
-        attn_plan = self.backend.plan(meta)
-        # the hidden states are rank 0's to sample from; a worker's part ends at the all-reduces
-        self.forward.forward(
-            input_ids, meta.positions, self.kv_cache.layers, self.backend, attn_plan
-        )
-
-    def release(self) -> None:
-        self.model = self.forward = self.kv_cache = self.backend = None

@@ -19,56 +19,37 @@ import signal
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from servelab.executor.kv_cache import KVCache
+from servelab.executor.parallel.common import (
+    CONTROL_TIMEOUT,
+    PARENT_POLL_SECONDS,
+    data_backend,
+    error_key,
+    make_all_reduce,
+    rank_device,
+    started_key,
+)
 from servelab.executor.parallel.protocol import (
     BIND,
     LOAD,
     RELEASE,
     SHUTDOWN,
     STEP,
-    ShardRuntime,
+    BindMessage,
+    LoadMessage,
+    StepMessage,
+    device_metadata,
+    load_shard,
     receive_message,
+    shard_kv_cache,
 )
-
-# Workers wait for the next step on the control group for as long as the engine
-# stays idle; rank 0 going away closes the connection, which ends the wait at once.
-CONTROL_TIMEOUT = datetime.timedelta(days=7)
-PARENT_POLL_SECONDS = 0.5
-ERROR_KEY = "servelab/tp/error/{rank}"
-STARTED_KEY = "servelab/tp/started/{rank}"
-
-
-def error_key(rank: int) -> str:
-    return ERROR_KEY.format(rank=rank)
-
-
-def started_key(rank: int) -> str:
-    return STARTED_KEY.format(rank=rank)
-
-
-def data_backend(device_type: str) -> str:
-    """The collectives' backend: NCCL between CUDA devices, gloo on CPUs."""
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
-def rank_device(device_type: str, local_rank: int) -> torch.device:
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def make_all_reduce(group=None):
-    """The model's all-reduce: the sum over every rank, in place."""
-
-    def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    return all_reduce
+from servelab.model.transformer import AllReduce, Transformer
+from servelab.registry.construct import construct
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -132,6 +113,56 @@ def serve_worker(device: str = "cpu", timeout_s: float = 300.0) -> bool:
         raise SystemExit(code)
     dist.destroy_process_group()
     return True
+
+
+def shard_backend(model: Transformer, node: dict) -> Any:
+    """The attention backend of `node`, shaped for one rank's heads."""
+    c = model.config
+    return construct(
+        "attention",
+        node,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        scale=c.attention_scale,
+    )
+
+
+class ShardRuntime:
+    """A worker's model shard, KV cache and backend; `handle` runs one message."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, all_reduce: AllReduce):
+        self.rank, self.size, self.device = rank, size, device
+        self.all_reduce = all_reduce
+        self.model: Transformer | None = None
+        self.forward: Any = None
+        self.kv_cache: KVCache | None = None
+        self.backend: Any = None
+
+    def load(self, message: LoadMessage) -> None:
+        self.release()
+        self.model, self.forward, _, _ = load_shard(
+            message, self.rank, self.size, self.device, self.all_reduce
+        )
+
+    def bind(self, message: BindMessage) -> None:
+        self.kv_cache = shard_kv_cache(self.model, message, self.device)
+        self.backend = shard_backend(self.model, message.attention)
+
+    @torch.inference_mode()
+    def step(self, message: StepMessage) -> None:
+        for copies in message.copies:
+            self.kv_cache.apply(copies)
+        meta = device_metadata(message.meta, self.device)
+        input_ids = message.input_ids.to(self.device)
+        attn_plan = self.backend.plan(meta)
+        # the hidden states are rank 0's to sample from; a worker's part ends at the all-reduces
+        self.forward.forward(
+            input_ids, meta.positions, self.kv_cache.layers, self.backend, attn_plan
+        )
+
+    def release(self) -> None:
+        self.model = self.forward = self.kv_cache = self.backend = None
 
 
 def serve(rank: int, size: int, device: torch.device, store, control) -> int:

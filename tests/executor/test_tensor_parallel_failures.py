@@ -95,9 +95,9 @@ def test_exit_and_ctrl_c_leave_no_worker(tmp_path, how):
     if how == "interrupt":
         assert child.stdout.readline().strip() == "running"
         child.send_signal(signal.SIGINT)
-    child.communicate(timeout=120)
+    out, err = child.communicate(timeout=300)
     # an unhandled KeyboardInterrupt ends Python by SIGINT itself, after its atexit handlers
-    assert child.returncode == (0 if how == "exit" else -signal.SIGINT), child.stderr.read()
+    assert child.returncode == (0 if how == "exit" else -signal.SIGINT), err[-3000:]
     assert not [p for p in pids if is_running(p)], "a worker outlived its engine's process"
 
 

@@ -15,3 +15,8 @@ class RequestError(ServelabError, ValueError):
 
 class PluginError(ServelabError):
     """A plugin broke a rule of the plugin system (duplicate name, missing methods)."""
+
+
+class WorkerError(ServelabError, RuntimeError):
+    """A tensor-parallel worker failed (died, raised or stopped answering); the
+    message names its rank and the cause. The engine cannot continue."""

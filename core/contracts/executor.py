@@ -76,6 +76,12 @@ class Executor(abc.ABC):
         """Waits (a real clock) or moves the clock on (a virtual one)."""
         time.sleep(seconds)
 
+    @property
+    def attention_config(self) -> Any:
+        """The shape the attention backend is built for: the heads one device
+        attends over (a tensor-parallel rank's share), `model_config` otherwise."""
+        return self.model_config
+
     def describe(self) -> dict[str, Any]:
         """What a run's provenance records about this executor (e.g. its hardware profile)."""
         return {}

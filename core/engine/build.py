@@ -42,8 +42,10 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # None: the KV cache takes kv_cache_memory; a fraction in (0, 1]: it takes what this
     # share of the CUDA device leaves after the weights and an activation estimate
     "gpu_memory_utilization": None,
-    # devices one model is split over (tensor parallelism); executor=model runs on one
+    # processes (devices) one model is split over: tensor parallelism (docs/parallel.md)
     "tensor_parallel_size": 1,
+    # seconds any tensor-parallel collective may wait before the engine reports its workers
+    "distributed_timeout": 300.0,
 }
 
 # what each engine option must be (sizes take bytes or "64MiB"-style strings)
@@ -62,6 +64,7 @@ ENGINE_TYPES: dict[str, Any] = {
     "cuda_graphs": bool,
     "gpu_memory_utilization": float | None,
     "tensor_parallel_size": int,
+    "distributed_timeout": float,
 }
 POSITIVE = (
     "max_num_seqs",
@@ -69,6 +72,7 @@ POSITIVE = (
     "max_model_len",
     "num_threads",
     "tensor_parallel_size",
+    "distributed_timeout",
 )
 
 
@@ -172,7 +176,7 @@ def build_engine(config: Mapping) -> Engine:
     if executor.virtual_clock and hasattr(scheduler, "clock"):
         # a scheduler that reads time (static's batch timeout) reads the executor's
         scheduler.clock = executor.now
-    backend = attention_backend(parts["attention"], model_config)
+    backend = attention_backend(parts["attention"], executor.attention_config)
     executor.bind(allocator, backend)
     described = {"model": config.get("model", "tiny"), "engine": opts, **parts}
     if config.get("hardware") is not None:

@@ -26,7 +26,7 @@ from servelab.engine.failures import fail_step
 from servelab.engine.loop import EngineLoop
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
 from servelab.engine.outputs import after_update
-from servelab.errors import RequestError
+from servelab.errors import RequestError, WorkerError
 from servelab.step.plan import StepPlan
 from servelab.step.sequence import (
     CompletionOutput,
@@ -187,7 +187,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduled step; the requests that finished in it. A step that raises
         (a part's bug, a kernel error) fails only the requests it touched
-        (`servelab.engine.failures`); the engine goes on serving the rest."""
+        (`servelab.engine.failures`); the engine goes on serving the rest. A
+        `WorkerError` (a tensor-parallel worker failed) ends the engine: it propagates."""
         with self._lock:
             stage, plan = "scheduler.schedule", None
             try:
@@ -201,6 +202,8 @@ class Engine:
                 finished = self.scheduler.update(plan, sampled, self.now())
                 stage = "stop strings and logprobs"
                 stopped = after_update(self, sampled) if self.watched and sampled else []
+            except WorkerError:
+                raise  # the tensor-parallel group is gone: no request can run again
             except Exception as exc:
                 return fail_step(self, stage, plan, exc)
             outputs = [self._finish_group(g) for g in finished] + stopped

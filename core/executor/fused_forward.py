@@ -84,6 +84,7 @@ class FusedForward:
         x = self.model.model.embed_tokens(input_ids)
         residual = None
         num_tokens = x.shape[0]
+        all_reduce = self.model.all_reduce  # tensor parallelism: sum the row-parallel outputs
         for w, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = ops.add_rms_norm(x, residual, w.input_norm, eps)
             qkv = F.linear(h, w.qkv_weight, w.qkv_bias).view(
@@ -93,8 +94,12 @@ class FusedForward:
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
             out = backend.forward(q, k, v, kv_cache, attn_plan)
             x = w.o_proj(out.reshape(num_tokens, heads * head_dim))
+            if all_reduce is not None:
+                x = all_reduce(x)
             h, residual = ops.add_rms_norm(x, residual, w.post_norm, eps)
             x = w.down_proj(ops.silu_mul(F.linear(h, w.gate_up)))
+            if all_reduce is not None:
+                x = all_reduce(x)
         return ops.add_rms_norm(x, residual, self.final_norm, eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@ so Python's share is visible. A backend that implements `PagedKernelAttention`
 lets a step run every layer in one C++ call (`cpu_decoder`, bit for bit the
 same). The program packs the weights once (a second copy of each projection)
 and packs them again whenever any parameter was replaced or changed in place.
+Under tensor parallelism (the model's `all_reduce` set) the o and down matmuls'
+partial sums are all-reduced, so the one-call decoder, which has no such step
+between its layers, is not used.
 """
 
 from __future__ import annotations
@@ -176,7 +179,16 @@ class KernelForward:
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         cos, sin = model.rope_cos, model.rope_sin
         embed = model.model.embed_tokens.weight
-        if self._decoder is not None and kv_caches and kv_caches[0][0].dtype == embed.dtype:
+        # tensor parallelism's all-reduce, read from a layer (the model's property would be
+        # one more call per step); None in one process
+        blocks = model.model.layers
+        all_reduce = blocks[0].mlp.all_reduce if len(blocks) else None
+        if (
+            self._decoder is not None
+            and all_reduce is None
+            and kv_caches
+            and kv_caches[0][0].dtype == embed.dtype
+        ):
             if self._paged_backend[0] is not backend:  # a Protocol isinstance costs microseconds
                 self._paged_backend = (backend, isinstance(backend, PagedKernelAttention))
             paged = (
@@ -213,8 +225,12 @@ class KernelForward:
             q, k, v = qkv.view(num_tokens, qk_heads + num_kv_heads, head_dim).split(head_split, 1)
             out = backend.forward(q, k, v, kv_cache, attn_plan)
             delta = linear(out.reshape(num_tokens, num_heads * head_dim), *layer.o)
+            if all_reduce is not None:
+                delta = all_reduce(delta)
             h = fused.add_rms_norm(residual, delta, layer.mlp_norm, layer.mlp_eps)
             delta = linear(gated(h, *layer.gate_up), *layer.down)
+            if all_reduce is not None:
+                delta = all_reduce(delta)
         weight, eps = self._final
         if delta is None:  # a model without layers
             return fused.rms_norm(residual, weight, eps)

@@ -7,7 +7,11 @@ Rules:
 - a checkpoint must provide exactly the model's tensors: missing, unexpected or
   misshapen tensors are one `ConfigError` naming them (a tied model may carry a
   redundant `lm_head.weight`; RoPE `inv_freq` buffers of old checkpoints are ignored);
-- the tokenizer is `tokenizer.json` read with `tokenizers` when present, else None.
+- the tokenizer is `tokenizer.json` read with `tokenizers` when present, else None;
+- with a tensor-parallel `Shard`, the model is built with the rank's heads and
+  MLP width and each tensor is read as the rank's slice only (safetensors'
+  `get_slice`); random weights are drawn whole, then sliced, so every rank
+  holds its part of the same model.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from safetensors import safe_open
 
 from servelab.errors import ConfigError
 from servelab.model.config import NAMED_SHAPES, ModelConfig, named_config, resolve_dtype
+from servelab.model.sharding import Shard
 from servelab.model.transformer import Transformer
 
 __all__ = [
@@ -76,33 +81,48 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: torch.device | str = "cpu",
     seed: int = 0,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[Transformer, ModelConfig, Any]:
-    """`source` is a named shape (see `NAMED_SHAPES`) or a checkpoint folder.
-    Returns (model in eval mode, its config, tokenizer or None)."""
+    """`source` is a named shape (see `NAMED_SHAPES`) or a checkpoint folder;
+    `shard` is `(rank, size)` of a tensor-parallel group (None: the whole model).
+    Returns (model in eval mode, the whole model's config, tokenizer or None)."""
     torch_dtype = resolve_dtype(dtype)
     config = load_shape(source)
+    part = None if shard is None else Shard(config, *shard)
+    local = config if part is None else part.local_config
+    model = Transformer(local, torch_dtype, device)
     if source in NAMED_SHAPES:
-        model = Transformer(config, torch_dtype, device)
-        init_random_weights(model, seed)
+        init_random_weights(model, seed, part)
         return model.eval().requires_grad_(False), config, None
     folder = Path(source)
-    model = Transformer(config, torch_dtype, device)
-    load_checkpoint_weights(model, folder)
+    load_checkpoint_weights(model, folder, part)
     return model.eval().requires_grad_(False), config, load_tokenizer(folder)
 
 
 @torch.no_grad()
-def init_random_weights(model: Transformer, seed: int) -> None:
+def init_random_weights(model: Transformer, seed: int, shard: Shard | None = None) -> None:
     """N(0, INIT_STD) for linear, bias and embedding weights; 1 + N(0, NORM_JITTER)
-    for norm weights. Deterministic in (parameter names and shapes, seed)."""
+    for norm weights. Deterministic in (parameter names and shapes, seed); a
+    shard draws the whole tensors and keeps its slices."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
-        values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        shape = tuple(param.shape) if shard is None else shard.full_shape(name, param.shape)
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
         if name.endswith("norm.weight"):
             values = 1.0 + NORM_JITTER * values
         else:
             values = INIT_STD * values
-        param.copy_(values)
+        param.copy_(_shard_of(values, name, shard))
+
+
+def _shard_of(values: torch.Tensor, name: str, shard: Shard | None) -> torch.Tensor:
+    """`values` (the whole tensor), or the part `shard` holds of it."""
+    if shard is None:
+        return values
+    if shard.is_zeroed(name):
+        return torch.zeros_like(values)
+    index = shard.slices(name, tuple(values.shape))
+    return values if index is None else values[index]
 
 
 def checkpoint_files(folder: Path) -> dict[Path, list[str]]:
@@ -165,8 +185,11 @@ def _is_ignored(name: str, model: Transformer) -> bool:
 
 
 @torch.no_grad()
-def load_checkpoint_weights(model: Transformer, folder: Path | str) -> None:
-    """Copies every tensor of the checkpoint into the parameter of the same name."""
+def load_checkpoint_weights(
+    model: Transformer, folder: Path | str, part: Shard | None = None
+) -> None:
+    """Copies every tensor of the checkpoint into the parameter of the same name
+    (with `part`, only the rank's slice of it is read)."""
     folder = Path(folder)
     params = dict(model.named_parameters())
     shards = checkpoint_files(folder)
@@ -179,24 +202,41 @@ def load_checkpoint_weights(model: Transformer, folder: Path | str) -> None:
             f"missing tensors: {', '.join(missing) or 'none'}; "
             f"unexpected tensors: {', '.join(unexpected) or 'none'}"
         )
-    for shard, shard_names in shards.items():
-        if not shard.is_file():
-            raise ConfigError(f"checkpoint shard {shard} listed in {INDEX_FILE} does not exist")
-        with open_safetensors(shard) as f:
+    for shard_file, shard_names in shards.items():
+        if not shard_file.is_file():
+            raise ConfigError(
+                f"checkpoint shard {shard_file} listed in {INDEX_FILE} does not exist"
+            )
+        with open_safetensors(shard_file) as f:
             for name in shard_names:
                 if _is_ignored(name, model):
                     continue
                 try:
-                    tensor = f.get_tensor(name)
+                    tensor = _read_tensor(f, name, part)
                 except Exception as err:  # a truncated or corrupted file
-                    raise ConfigError(f"{shard}: cannot read tensor {name} ({err})") from None
+                    raise ConfigError(f"{shard_file}: cannot read tensor {name} ({err})") from None
                 param = params[name]
                 if tensor.shape != param.shape:
                     raise ConfigError(
                         f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, "
                         f"model expects {tuple(param.shape)}"
+                        + ("" if part is None else f" on rank {part.rank} of {part.size}")
                     )
                 param.copy_(tensor)
+
+
+def _read_tensor(f: Any, name: str, shard: Shard | None) -> torch.Tensor:
+    """Tensor `name` of an open safetensors file, or only `shard`'s slice of it."""
+    if shard is None:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    full_shape = tuple(view.get_shape())
+    if shard.is_zeroed(name):
+        return torch.zeros(full_shape)  # copied into the parameter's dtype
+    index = shard.slices(name, full_shape)
+    if index is None:
+        return f.get_tensor(name)
+    return view[index]
 
 
 def load_tokenizer(folder: Path):

@@ -7,12 +7,16 @@ Rules:
   RoPE), so logits match `transformers` to rounding; a float64 model stays float64 throughout;
 - per-step work (the RoPE cos/sin gather) runs once in `forward`, never in a layer;
 - q/k/v and gate/up run as one matmul each: their parameters are row views of one fused
-  weight (`FusedLinear`; a parameter replaced later falls back to separate matmuls).
+  weight (`FusedLinear`; a parameter replaced later falls back to separate matmuls);
+- under tensor parallelism (`set_all_reduce`) the model holds one rank's heads and MLP
+  width (`servelab.model.sharding`); o_proj and down_proj then give partial sums,
+  which the all-reduce the executor installs completes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +27,7 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.model.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks, in place
 
 
 class RMSNorm(nn.Module):
@@ -173,6 +178,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: FusedLinear | None = None  # set by `fuse()` once parameters exist
+        self.all_reduce: AllReduce | None = None  # tensor parallelism: o_proj's partial sums
 
     def fuse(self) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -207,7 +213,8 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         out = backend.forward(q, k, v, kv_cache, attn_plan)
-        return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
+        out = self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -220,15 +227,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(inner, hidden, bias=False, dtype=dtype)
         self.gate_up: FusedLinear | None = None  # set by `fuse()` once parameters exist
+        self.all_reduce: AllReduce | None = None  # tensor parallelism: down_proj's partial sums
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -289,6 +299,19 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def all_reduce(self) -> AllReduce | None:
+        """The all-reduce completing the row-parallel outputs (None: one process)."""
+        layers = self.model.layers
+        return layers[0].mlp.all_reduce if len(layers) else None
+
+    def set_all_reduce(self, all_reduce: AllReduce | None) -> None:
+        """Makes this model one rank of a tensor-parallel group: every o_proj and
+        down_proj output is summed over the ranks by `all_reduce`."""
+        for layer in self.model.layers:
+            layer.self_attn.all_reduce = all_reduce
+            layer.mlp.all_reduce = all_reduce
 
     @property
     def device(self) -> torch.device:

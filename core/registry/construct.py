@@ -29,4 +29,6 @@ def construct(kind: str, spec: Any, **context: Any) -> Any:
     check_option_types(cls, kind, name, options)
     part = cls(**options, **context)
     part.name = name  # the registered name, for error messages and reports
+    # the node it was built from: another process (a tensor-parallel worker) builds its twin
+    part.config_node = {"name": name, **options}
     return part

@@ -86,9 +86,10 @@ def build_tiny_hf(
     vocab_size: int = 128,
     hidden_size: int = 64,
     head_dim: int = 16,
+    num_kv_heads: int = 2,
 ):
-    """A tiny random float64 HF model (2 layers, 4 heads, 2 KV heads) with
-    randomised norms and biases, patched to exact float64. EOS is token 2."""
+    """A tiny random float64 HF model (2 layers, 4 heads, `num_kv_heads` KV heads)
+    with randomised norms and biases, patched to exact float64. EOS is token 2."""
     config_cls, model_cls = HF_CLASSES[arch]
     kwargs = dict(
         vocab_size=vocab_size,
@@ -96,7 +97,7 @@ def build_tiny_hf(
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,

@@ -92,16 +92,16 @@ def _first_new_token(run: list[int], after: int, avoid: set[int]) -> int | None:
     return None
 
 
-def make_case(arch: str, folder: Path, seed: int = 0) -> OracleCase:
-    """Saves a checkpoint whose EOS is a token some prompt really reaches mid-way,
-    gives another prompt a stop token it hits mid-way, and records
-    transformers' outputs for the final parameters."""
+def make_case(arch: str, folder: Path, seed: int = 0, num_kv_heads: int = 2) -> OracleCase:
+    """Saves a checkpoint (4 query heads, `num_kv_heads` KV heads) whose EOS is a
+    token some prompt really reaches mid-way, gives another prompt a stop token
+    it hits mid-way, and records transformers' outputs for the final parameters."""
     with restored_num_threads(1):
-        return _make_case(arch, folder, seed)
+        return _make_case(arch, folder, seed, num_kv_heads)
 
 
-def _make_case(arch: str, folder: Path, seed: int) -> OracleCase:
-    model = build_tiny_hf(arch, seed)
+def _make_case(arch: str, folder: Path, seed: int, num_kv_heads: int) -> OracleCase:
+    model = build_tiny_hf(arch, seed, num_kv_heads=num_kv_heads)
     free_runs = [hf_greedy(model, p, m, None) for p, m in zip(PROMPTS, MAX_TOKENS)]
     eos = next(t for run in free_runs if (t := _first_new_token(run, 2, set())) is not None)
     model.config.eos_token_id = eos

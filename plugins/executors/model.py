@@ -1,6 +1,10 @@
 """`executor=model`: the real forward. It loads the weights, allocates the KV
 tensors and runs each step through the `ModelRunner` (inputs, forward, sampling);
 its clock is the wall clock. The default: every token is the model's own.
+
+With `engine.tensor_parallel_size=N > 1` this process is rank 0 of N: it holds
+rank 0's shard (`servelab.executor.parallel`), sends every step's copies and
+inputs to the workers before its own forward, and samples alone.
 """
 
 from __future__ import annotations
@@ -17,9 +21,20 @@ from servelab.executor.forward import choose_forward
 from servelab.executor.host_memory import keep_freed_memory
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.model_runner import ModelRunner
+from servelab.executor.parallel import group as tp_group
+from servelab.executor.parallel.protocol import (
+    BIND,
+    LOAD,
+    BindMessage,
+    LoadMessage,
+    load_shard,
+    shard_kv_cache,
+)
+from servelab.executor.parallel.runner import TensorParallelRunner
 from servelab.executor.sizing import kv_cache_bytes
-from servelab.model.loader import load_model, model_source, resolve_dtype
+from servelab.model.loader import load_model, load_shape, model_source, resolve_dtype
 from servelab.model.sampler import Sampler
+from servelab.model.sharding import check_tensor_parallel
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -38,10 +53,11 @@ class ModelExecutor(Executor):
 
     def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
         opts = engine_options
-        if int(opts.get("tensor_parallel_size", 1)) != 1:
+        self.tp = int(opts.get("tensor_parallel_size", 1))
+        if self.tp > 1 and opts["cuda_graphs"]:
             raise ConfigError(
-                "executor=model runs on one device: engine.tensor_parallel_size must be 1, "
-                f"got {opts['tensor_parallel_size']}; executor=simulated models tensor parallelism"
+                "engine.cuda_graphs=true runs on one device; with tensor_parallel_size > 1 "
+                "set cuda_graphs=false"
             )
         self.opts = opts
         self.device = resolve_device(opts["device"])
@@ -55,44 +71,80 @@ class ModelExecutor(Executor):
         # what torch already held on the device is not counted as weights
         sizes_from_device = opts["gpu_memory_utilization"] is not None
         self.allocated_before = allocated_before_weights(self.device) if sizes_from_device else 0
-        self.model, self.model_config, self.tokenizer = load_model(
-            source, self.dtype, self.device, seed=opts["seed"]
-        )
-        self.model_forward = choose_forward(self.model, opts["cpu_kernels"], bool(opts["compile"]))
+        self.group = None
+        if self.tp > 1:
+            self._load_tensor_parallel(source)
+        else:
+            self.model, self.model_config, self.tokenizer = load_model(
+                source, self.dtype, self.device, seed=opts["seed"]
+            )
+            self.model_forward = choose_forward(
+                self.model, opts["cpu_kernels"], bool(opts["compile"])
+            )
         # unseeded rows' noise is drawn where the logits are: no [N, vocab] upload per step
         self.generator = torch.Generator(device=self.device).manual_seed(int(opts["seed"]))
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
 
+    def _load_tensor_parallel(self, source: str) -> None:
+        """Rank 0's shard; the workers load theirs at the same time."""
+        opts = self.opts
+        # the shape is checked before any worker starts: a bad size fails in milliseconds
+        check_tensor_parallel(load_shape(source), self.tp)
+        self.group = tp_group.acquire(self.tp, self.device, float(opts["distributed_timeout"]))
+        self.lease = self.group.lease
+        message = LoadMessage(
+            source=source,
+            dtype=str(opts["dtype"]),
+            seed=int(opts["seed"]),
+            cpu_kernels=str(opts["cpu_kernels"]),
+            compile=bool(opts["compile"]),
+            num_threads=opts["num_threads"],
+        )
+        self.group.send(LOAD, message)
+        try:
+            self.model, self.model_forward, self.model_config, self.tokenizer = load_shard(
+                message, 0, self.tp, self.device, self.group.all_reduce
+            )
+        except Exception:
+            # the workers are now out of step with rank 0: the next engine starts afresh
+            self.group.stop(graceful=False)
+            raise
+        self.group.barrier()  # every worker loaded its shard (or the error names the one that failed)
+
+    @property
+    def attention_config(self):
+        """One rank's heads: what every rank's attention backend is built for."""
+        return self.model.config
+
     def kv_bytes_per_token(self) -> int:
-        c = self.model_config
-        return KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        c = self.model.config  # one rank's KV heads; every rank holds as many
+        per_rank = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return per_rank * self.tp
 
     def kv_cache_bytes(self, max_num_batched_tokens: int) -> int:
+        # with gpu_memory_utilization: rank 0's device, its shard, as every rank's share
+        per_device = self.opts["gpu_memory_utilization"] is not None
         return kv_cache_bytes(
             self.opts,
             self.device,
-            self.model_config,
+            self.model.config if per_device else self.model_config,
             self.dtype,
             max_num_batched_tokens,
             self.allocated_before,
-        )
+        ) * (self.tp if per_device else 1)
 
     def bind(self, allocator, backend) -> None:
         backend.check(allocator, self.device, self.dtype)
-        c = self.model_config
-        self.kv_cache = KVCache(
-            c.num_layers,
-            allocator.num_blocks,
-            allocator.block_size,
-            c.num_kv_heads,
-            c.head_dim,
-            self.dtype,
-            self.device,
+        bind = BindMessage(
+            num_blocks=allocator.num_blocks,
+            block_size=allocator.block_size,
             num_host_blocks=getattr(allocator, "num_host_blocks", 0),
+            attention=getattr(backend, "config_node", {"name": backend.name}),
         )
-        self.runner = ModelRunner(
+        self.kv_cache = shard_kv_cache(self.model, bind, self.device)
+        runner_args = (
             self.model_forward,
             backend,
             self.kv_cache,
@@ -101,6 +153,12 @@ class ModelExecutor(Executor):
             self.device,
             self.generator,
         )
+        if self.group is None:
+            self.runner = ModelRunner(*runner_args)
+        else:
+            self.group.send(BIND, bind)
+            self.group.barrier()
+            self.runner = TensorParallelRunner(*runner_args, group=self.group, lease=self.lease)
         if self.opts["cuda_graphs"]:
             # captured before the first step (and before engine_ready): the capture runs
             # every bucket once, so Triton compiles outside any measured step
@@ -119,9 +177,16 @@ class ModelExecutor(Executor):
 
     def apply(self, copies) -> None:
         self.kv_cache.apply(copies)
+        if self.group is not None and copies:
+            self.runner.pending_copies.append(copies)  # the workers run them before the next step
 
     def execute(self, plan):
         return self.runner.execute(plan)
+
+    def describe(self) -> dict:
+        if self.group is None:
+            return {}
+        return {"tensor_parallel_size": self.tp, "tensor_parallel_workers": self.group.pids}
 
 
 @hookimpl

@@ -115,8 +115,9 @@ def test_the_padded_backend_costs_more_on_mixed_lengths():
 
 
 def test_tensor_parallelism_is_checked():
-    with pytest.raises(ConfigError, match="executor=model runs on one device"):
-        LLM(model="tiny", tensor_parallel_size=2)
+    # the real executor checks the split before starting a worker (tests/executor/test_tensor_parallel.py)
+    with pytest.raises(ConfigError, match="must divide the model's shape: its 4 attention heads"):
+        LLM(model="tiny", tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="must divide"):
         simulated(tensor_parallel_size=3)
 

@@ -1,0 +1,10 @@
+"""`python -m servelab.executor.parallel RANK SIZE HOST PORT DEVICE TIMEOUT PARENT_PID`:
+one tensor-parallel worker, as rank 0's engine starts it (`group.WorkerGroup`)."""
+
+import sys
+
+from servelab.executor.parallel.worker import spawned_main
+
+if __name__ == "__main__":
+    rank, size, host, port, device, timeout, parent = sys.argv[1:8]
+    spawned_main(int(rank), int(size), host, int(port), device, float(timeout), int(parent))

@@ -1,0 +1,159 @@
+"""Tensor parallelism 2 on the CPU (gloo, float64): exactly transformers' tokens
+and the single-process logits, over the oracle's combinations; failures reported
+with the rank and cause; no worker left behind.
+
+Cost: starting a worker group costs seconds (a fresh interpreter imports torch),
+an engine on a running group milliseconds. So the whole module shares one
+group: `servelab.executor.parallel.group.acquire` hands the running group to each
+new engine of the same size, whose workers then load its checkpoint. The
+scheduler, allocator and preemption policy live on rank 0 only, so one group
+serves every combination. The tests that break a group (a killed worker) are
+in test_tensor_parallel_failures.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelab import LLM, hookimpl
+from servelab.errors import ConfigError
+from servelab.executor.parallel import current_group
+from servelab.registry.plugin_manager import get_plugin_manager
+from servelab.testing.oracle import (
+    ENGINE_OPTIONS,
+    assert_matches_reference,
+    combinations,
+    combo_id,
+    drive,
+    make_case,
+)
+from tests.executor.tp_helpers import no_stray_workers, one_group_then_none  # noqa: F401
+
+TP = dict(tensor_parallel_size=2)
+# the oracle's enumeration: every scheduler x allocator x preemption variant under
+# one backend, and every backend variant under one scheduler, allocator and policy
+ONE_BACKEND = "per_request"
+SAP = [c for c in combinations() if c["attention"]["name"] == ONE_BACKEND]
+ONE_SAP = {
+    "scheduler": {"name": "chunked", "admission": "on_demand", "chunk_size": 8},
+    "allocator": {"name": "paged", "block_size": 4},
+    "preemption": {"name": "swap"},
+}
+BACKENDS = [c for c in combinations() if all(c[k] == v for k, v in ONE_SAP.items())]
+
+
+class LogitsSpy:
+    """A runtime plugin that records every step's logits of the latest engine."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.logits: list[torch.Tensor] = []
+
+    @hookimpl
+    def servelab_engine_ready(self, engine) -> None:
+        self.engine, self.logits = engine, []
+        forward = engine.runner.model_forward
+        logits = forward.logits
+
+        def recorded(hidden):
+            out = logits(hidden)
+            self.logits.append(out.clone())
+            return out
+
+        forward.logits = recorded
+
+
+@pytest.fixture(scope="module")
+def spy():
+    manager = get_plugin_manager()
+    watcher = LogitsSpy()
+    manager.register(watcher, name="test-tp-logits-spy")
+    yield watcher
+    manager.unregister(watcher)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    made = {}
+
+    def get(arch: str, num_kv_heads: int = 2):
+        key = (arch, num_kv_heads)
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"{arch}-kv{num_kv_heads}")
+            made[key] = make_case(arch, folder, num_kv_heads=num_kv_heads)
+        return made[key]
+
+    return get
+
+
+def check_tokens(case, combo, **engine):
+    run = drive(case, combo, **TP, **engine)
+    assert_matches_reference(case, combo, run)
+    on_demand = combo["scheduler"].get("admission", "on_demand") == "on_demand"
+    allocator = combo["allocator"]
+    if on_demand and (allocator["name"] == "paged" or allocator.get("page_size", 1) > 1):
+        # as in the oracle: the budget preempts, so swap / recompute ran on every rank
+        assert run.preempted > 0, f"[{combo_id(combo)}] nothing was preempted"
+    return run
+
+
+# -- tokens: Qwen3 with its 2 KV heads split, one per rank
+@pytest.mark.parametrize("combo", SAP, ids=combo_id)
+def test_every_scheduler_allocator_preemption(cases, combo, spy):
+    check_tokens(cases("qwen3"), combo)
+    assert spy.engine.executor.group is current_group()
+
+
+@pytest.mark.parametrize("combo", BACKENDS, ids=combo_id)
+def test_every_attention_backend(cases, combo, spy):
+    check_tokens(cases("qwen3"), combo)
+
+
+# Qwen2 (q/k/v biases) and Llama (tied embeddings) differ inside the model only;
+# one KV head on 2 ranks is replicated (each rank holds it for its query heads)
+@pytest.mark.parametrize(
+    "arch, num_kv_heads", [("qwen2", 2), ("llama", 2), ("qwen3", 1), ("llama", 1)]
+)
+@pytest.mark.parametrize("combo", [BACKENDS[0], SAP[0]], ids=combo_id)
+def test_architectures_and_kv_replication(cases, arch, num_kv_heads, combo):
+    check_tokens(cases(arch, num_kv_heads), combo)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["on", "off"])
+def test_cpu_kernels_and_torch_path(cases, cpu_kernels, spy):
+    """The C++ kernels' forward (all-reduce between its matmuls) and torch's own."""
+    combo = {**ONE_SAP, "attention": {"name": ONE_BACKEND}}
+    check_tokens(cases("qwen3"), combo, cpu_kernels=cpu_kernels)
+    assert spy.engine.runner.cpu_kernels == (cpu_kernels == "on")
+
+
+# -- logits: within 1e-9 of the single-process run (same decisions, same steps)
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_logits_match_single_process(cases, spy, num_kv_heads, cpu_kernels):
+    case = cases("qwen3", num_kv_heads)
+    combo = {**ONE_SAP, "attention": {"name": ONE_BACKEND}}
+    # a replicated KV head takes memory on both ranks: the single process gets half
+    # the budget, so both hold as many tokens and every decision (preemption included)
+    # is the same
+    scale = 2 if num_kv_heads < TP["tensor_parallel_size"] else 1
+    budget = {k: ENGINE_OPTIONS[k] // scale for k in ("kv_cache_memory", "swap_space")}
+    single = drive(case, combo, cpu_kernels=cpu_kernels, **budget)
+    single_logits = spy.logits
+    split = drive(case, combo, cpu_kernels=cpu_kernels, **TP)
+    assert split.num_steps == single.num_steps and split.preempted == single.preempted > 0
+    assert split.tokens == single.tokens == case.expected
+    assert len(spy.logits) == len(single_logits) > 0
+    for step, (a, b) in enumerate(zip(single_logits, spy.logits)):
+        assert a.shape == b.shape, f"step {step}"
+        assert a.dtype == torch.float64
+        assert (a - b).abs().max().item() <= 1e-9, f"step {step}"
+
+
+# -- configuration errors come before any worker starts
+def test_shapes_that_cannot_be_split(cases):
+    with pytest.raises(ConfigError, match="its 4 attention heads"):
+        LLM(model=str(cases("qwen3").folder), tensor_parallel_size=3, dtype="float64")
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        LLM(model="tiny", tensor_parallel_size=2, cuda_graphs=True)

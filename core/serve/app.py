@@ -35,23 +35,50 @@ from servelab.serve.text import ChatTemplate
 POLL_S = 0.25  # how often a response that does not stream checks for a gone client
 
 
+def _no_telemetry() -> dict:
+    """FastAPI's native OpenTelemetry instrumentation off (FastAPI versions that have
+    it wrap every ASGI message, so every streamed chunk, even with no exporter set);
+    the server's figures are its Prometheus `/metrics`."""
+    import inspect
+
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    off = ("tracing", "metrics", "logs", "operation_spans")
+    return {"telemetry": dict.fromkeys(off, False)}
+
+
+class BearerAuth:
+    """Answers 401 to a /v1 request without `Authorization: Bearer <key>`, before any
+    route or engine code runs. A plain ASGI middleware: Starlette's `BaseHTTPMiddleware`
+    (`@app.middleware("http")`) would relay every streamed chunk through an extra
+    memory stream and task switch, a cost paid per token of every stream."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope.get("headers") or ())
+            if headers.get(b"authorization", b"") != self.expected:
+                err = ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: ChatTemplate,
                metrics: ServerMetrics, choices: dict | None = None) -> FastAPI:  # fmt: skip
     engine = aengine.engine
-    app = FastAPI(title="servelab")
+    app = FastAPI(title="servelab", **_no_telemetry())
     api_key = options.get("api_key")
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                err = ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.get("/health")
     async def health():

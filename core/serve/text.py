@@ -1,8 +1,10 @@
 """Text around the engine: incremental detokenisation for streams and the chat
-template. A stream's text grows by the decoded suffix of all tokens so far, held
-back while it ends in a replacement character (an unfinished UTF-8 sequence)
-or could still be the start of a stop string; the engine's final text (stop
-string excluded) closes it. Chat templates are rendered with jinja2 in a
+template. A stream decodes only a window of its newest tokens each step (as the
+engine's stop-string scan does, `servelab.engine.stop_strings`): the window's
+text past that of its already settled tokens is the new text, settled unless it
+ends in a replacement character (an unfinished UTF-8 sequence: it waits for the
+next tokens). Text that could still be the start of a stop string is held back;
+the engine's final text (stop string excluded) closes the stream. Chat templates are rendered with jinja2 in a
 sandbox, as Hugging Face's `apply_chat_template` does."""
 
 from __future__ import annotations
@@ -20,13 +22,21 @@ class StreamText:
         self.tokenizer = tokenizer
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.token_ids: list[int] = []
+        self.prefix = self.read = 0  # the decode window starts at prefix; read: settled
+        self.text = ""  # the settled text
         self.sent = ""
 
     def push(self, token_ids: list[int]) -> str:
         self.token_ids += token_ids
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.token_ids).rstrip("\ufffd")
+        settled = self.tokenizer.decode(self.token_ids[self.prefix : self.read])
+        window = self.tokenizer.decode(self.token_ids[self.prefix :])
+        new = window[len(settled) :] if len(window) > len(settled) else ""
+        if new and not new.endswith("\ufffd"):
+            self.text += new
+            self.prefix, self.read = self.read, len(self.token_ids)
+        text = self.text
         safe = text[: len(text) - self.hold] if self.hold else text
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""

@@ -26,7 +26,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from servelab.errors import RequestError
+from servelab.errors import RequestError, WorkerError
 from servelab.step.sequence import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -105,6 +105,9 @@ class EngineLoop:
         self._stopping = False
         self._pending_lock = threading.Lock()
         self.num_pending = 0  # requests submitted and not yet finished (any thread reads it)
+        # a failure that ends the engine (a tensor-parallel worker died): its requests fail
+        # with its message, and `generate` raises it, since no later step can succeed
+        self.fatal: WorkerError | None = None
 
     # -- from any thread
     def submit(self, request_id: str, prompt, params: SamplingParams | None, priority: int,
@@ -135,7 +138,10 @@ class EngineLoop:
         for request_id, prompt, p in zip(order, prompts, params):
             self.submit(request_id, prompt, p, 0, collector)
         self._run_until(lambda: collector.done)
-        return [collector.outputs[r] for r in order]
+        outputs = [collector.outputs[r] for r in order]
+        if self.fatal is not None and any(o.error for o in outputs):
+            raise self.fatal
+        return outputs
 
     def _free_id(self) -> str:
         while True:
@@ -233,6 +239,8 @@ class EngineLoop:
                     self._send_new_tokens(request_id, tracked)
             except Exception as exc:  # the engine catches a step's errors; this is a last guard
                 log.exception("servelab: the engine loop's step raised")
+                if isinstance(exc, WorkerError):
+                    self.fatal = exc
                 for request_id in list(self._tracked):
                     engine.abort(request_id, error=f"{type(exc).__name__}: {exc}")
             if self.on_step is not None:

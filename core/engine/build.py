@@ -18,7 +18,7 @@ from servelab.errors import ConfigError
 from servelab.executor.device_memory import check_utilization
 from servelab.executor.forward import CPU_KERNEL_CHOICES
 from servelab.executor.sizing import kv_cache_bytes, parse_bytes  # noqa: F401 (re-exported)
-from servelab.registry.construct import construct
+from servelab.registry.construct import attention_backend, construct  # noqa: F401 (re-exported)
 from servelab.registry.plugin_manager import get_plugin_manager, notify
 from servelab.registry.typed import check_value
 
@@ -110,19 +110,6 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
             f"got {options['cpu_kernels']!r}"
         )
     return options
-
-
-def attention_backend(spec: Any, model_config) -> Any:
-    """The attention backend `spec` names (a name or `{name: ..., **options}`),
-    shaped for `model_config`'s heads."""
-    return construct(
-        "attention",
-        spec,
-        num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        scale=model_config.attention_scale,
-    )
 
 
 def build_engine(config: Mapping) -> Engine:

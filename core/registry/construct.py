@@ -32,3 +32,16 @@ def construct(kind: str, spec: Any, **context: Any) -> Any:
     # the node it was built from: another process (a tensor-parallel worker) builds its twin
     part.config_node = {"name": name, **options}
     return part
+
+
+def attention_backend(spec: Any, model_config) -> Any:
+    """The attention backend `spec` names (a name or `{name: ..., **options}`),
+    shaped for `model_config`'s heads (one rank's under tensor parallelism)."""
+    return construct(
+        "attention",
+        spec,
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        scale=model_config.attention_scale,
+    )

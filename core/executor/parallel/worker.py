@@ -49,7 +49,7 @@ from servelab.executor.parallel.protocol import (
     shard_kv_cache,
 )
 from servelab.model.transformer import AllReduce, Transformer
-from servelab.registry.construct import construct
+from servelab.registry.construct import attention_backend
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -115,19 +115,6 @@ def serve_worker(device: str = "cpu", timeout_s: float = 300.0) -> bool:
     return True
 
 
-def shard_backend(model: Transformer, node: dict) -> Any:
-    """The attention backend of `node`, shaped for one rank's heads."""
-    c = model.config
-    return construct(
-        "attention",
-        node,
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        scale=c.attention_scale,
-    )
-
-
 class ShardRuntime:
     """A worker's model shard, KV cache and backend; `handle` runs one message."""
 
@@ -147,7 +134,7 @@ class ShardRuntime:
 
     def bind(self, message: BindMessage) -> None:
         self.kv_cache = shard_kv_cache(self.model, message, self.device)
-        self.backend = shard_backend(self.model, message.attention)
+        self.backend = attention_backend(message.attention, self.model.config)
 
     @torch.inference_mode()
     def step(self, message: StepMessage) -> None:

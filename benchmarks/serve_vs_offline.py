@@ -114,6 +114,14 @@ def run_side(side: str, threads: int | None, offline_mode: str, server_cpu=None)
             "cpus": sorted(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}  # fmt: skip
 
 
+def bench_server(config: dict, port: int):
+    """The server of `config` on `port`, quiet, with room for every request at once."""
+    from servelab.serve.server import Server
+
+    serve = {"port": port, "log_level": "warning", "max_queued_requests": 100_000}
+    return Server({**config, "serve": serve})
+
+
 def serve_and_stream(config: dict) -> tuple[float, dict, dict]:
     """The server on a free port of 127.0.0.1 (uvicorn on a thread), one streaming
     client per request, all at once: wall time, tokens and client TTFT per request."""
@@ -124,13 +132,11 @@ def serve_and_stream(config: dict) -> tuple[float, dict, dict]:
     from reference_workload import reference_requests
 
     from servelab.lab.runner import warm_up
-    from servelab.serve.server import Server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = Server({**config, "serve": {"port": port, "log_level": "warning",
-                                         "max_queued_requests": 100_000}})  # fmt: skip
+    server = bench_server(config, port)
     engine = server.engine
     requests = reference_requests(engine.model_config.vocab_size, engine.max_model_len)
     warm_up(engine)
@@ -166,10 +172,8 @@ def _free_port() -> int:
 def serve_only(config: dict, port: int) -> None:
     """The server alone (a process of its own): warmed up, serving until SIGTERM."""
     from servelab.lab.runner import warm_up
-    from servelab.serve.server import Server
 
-    server = Server({**config, "serve": {"port": port, "log_level": "warning",
-                                         "max_queued_requests": 100_000}})  # fmt: skip
+    server = bench_server(config, port)
     warm_up(server.engine)
     raise SystemExit(server.run())
 

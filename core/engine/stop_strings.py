@@ -31,6 +31,14 @@ class StopScan:
     tail: str = ""  # the settled text's last (longest stop - 1) characters
 
 
+def new_text(tokenizer, ids, prefix: int, read: int) -> str:
+    """The text `ids[read:]` adds, decoded in a window from `prefix` (< read keeps
+    a token of context): the window's text past that of `ids[prefix:read]`."""
+    settled = tokenizer.decode(ids[prefix:read])
+    window = tokenizer.decode(ids[prefix:])
+    return window[len(settled) :] if len(window) > len(settled) else ""
+
+
 def find_stop(seq: Sequence, tokenizer) -> str | None:
     """The sample's text up to its first stop string, if its new tokens
     completed one; None otherwise (the scan's place moves on)."""
@@ -40,9 +48,7 @@ def find_stop(seq: Sequence, tokenizer) -> str | None:
         scan = seq.stop_scan = StopScan()
     start = seq.num_prompt_tokens
     ids = seq.token_ids
-    settled = tokenizer.decode(ids[start + scan.prefix : start + scan.read])
-    window = tokenizer.decode(ids[start + scan.prefix :])
-    new = window[len(settled) :] if len(window) > len(settled) else ""
+    new = new_text(tokenizer, ids, start + scan.prefix, start + scan.read)
     unfinished = new.endswith(REPLACEMENT)
     searched = scan.tail + (new.rstrip(REPLACEMENT) if unfinished else new)
     if any(stop in searched for stop in stops):

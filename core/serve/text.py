@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from servelab.engine.stop_strings import new_text
 from servelab.serve.protocol import ApiError
 
 
@@ -30,9 +31,7 @@ class StreamText:
         self.token_ids += token_ids
         if self.tokenizer is None:
             return ""
-        settled = self.tokenizer.decode(self.token_ids[self.prefix : self.read])
-        window = self.tokenizer.decode(self.token_ids[self.prefix :])
-        new = window[len(settled) :] if len(window) > len(settled) else ""
+        new = new_text(self.tokenizer, self.token_ids, self.prefix, self.read)
         if new and not new.endswith("\ufffd"):
             self.text += new
             self.prefix, self.read = self.read, len(self.token_ids)

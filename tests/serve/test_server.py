@@ -4,6 +4,7 @@ chat, streamed and not, n=2, stop strings, logprobs, usage; and every error case
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -216,9 +217,27 @@ def test_disconnect_mid_stream_aborts_and_frees(server, client, monkeypatch):
     assert client.completions.create(model="m", prompt="hi", max_tokens=3).choices[0].token_ids
 
 
+def held_steps(monkeypatch, server) -> threading.Event:
+    """Steps after the first wait for the returned event, so a long request is
+    surely still running, however slow or fast the machine is."""
+    runner = server.engine.runner
+    real = runner.execute
+    release = threading.Event()
+    steps = []
+
+    def held(plan):
+        steps.append(1)
+        if len(steps) > 1:
+            assert release.wait(60), "the test never released the held steps"
+        return real(plan)
+
+    monkeypatch.setattr(runner, "execute", held)
+    return release
+
+
 def test_full_queue_is_429_then_serves_again(model_folder, monkeypatch):
     with Running(server_config({"path": str(model_folder)}, {"max_queued_requests": 1})) as s:
-        slow_steps(monkeypatch, s)
+        release = held_steps(monkeypatch, s)
         body = {"prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", s.url + "/v1/completions", json=body) as r:
@@ -230,6 +249,7 @@ def test_full_queue_is_429_then_serves_again(model_folder, monkeypatch):
                          for r in s.engine.metrics.requests]  # fmt: skip
                 assert full.status_code == 429, (full.status_code, s.aengine.num_pending, ended)
                 assert "full" in full.json()["error"]["message"]
+                release.set()
         wait_idle(s)
         assert (
             httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=30).status_code

@@ -90,7 +90,7 @@ class ModelRunner:
         )
         if runner.enabled:
             begin = time.perf_counter()
-            runner.capture()
+            self.capture_graphs(runner, max_num_seqs, max_model_len)
             self.graphs_status = (
                 f"captured: batch sizes {list(runner.buckets)} "
                 f"in {time.perf_counter() - begin:.1f} s"
@@ -102,6 +102,12 @@ class ModelRunner:
             )
         self.graphs = runner
         return self.graphs_status
+
+    def capture_graphs(
+        self, graphs: DecodeGraphRunner, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        """Captures `graphs` (a tensor-parallel runner has every rank capture with it)."""
+        graphs.capture()
 
     @property
     def cpu_kernels(self) -> bool:

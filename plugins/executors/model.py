@@ -54,11 +54,6 @@ class ModelExecutor(Executor):
     def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
         opts = engine_options
         self.tp = int(opts.get("tensor_parallel_size", 1))
-        if self.tp > 1 and opts["cuda_graphs"]:
-            raise ConfigError(
-                "engine.cuda_graphs=true runs on one device; with tensor_parallel_size > 1 "
-                "set cuda_graphs=false"
-            )
         self.opts = opts
         self.device = resolve_device(opts["device"])
         self.dtype = resolve_dtype(opts["dtype"])

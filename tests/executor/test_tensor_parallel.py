@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelab import LLM, hookimpl
+from servelab import LLM, SamplingParams, hookimpl
 from servelab.errors import ConfigError
 from servelab.executor.parallel import current_group
 from servelab.registry.plugin_manager import get_plugin_manager
@@ -155,5 +155,15 @@ def test_logits_match_single_process(cases, spy, num_kv_heads, cpu_kernels):
 def test_shapes_that_cannot_be_split(cases):
     with pytest.raises(ConfigError, match="its 4 attention heads"):
         LLM(model=str(cases("qwen3").folder), tensor_parallel_size=3, dtype="float64")
-    with pytest.raises(ConfigError, match="cuda_graphs"):
-        LLM(model="tiny", tensor_parallel_size=2, cuda_graphs=True)
+
+
+def test_cuda_graphs_on_the_cpu_leave_every_rank_eager():
+    """Where graphs cannot run, rank 0 asks no worker to capture: every rank runs
+    eagerly (test_tensor_parallel_graphs.py replays them, with a stand-in)."""
+    options = dict(model="tiny", dtype="float64", num_threads=1)
+    llm = LLM(**options, cuda_graphs=True, **TP)
+    status = llm.engine.runner.graphs_status
+    assert status.startswith("eager:") and "CUDA device" in status, status
+    params = SamplingParams(max_tokens=5)
+    tokens = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    assert tokens == LLM(**options).generate([[5, 6, 7]], params)[0].outputs[0].token_ids

@@ -1,8 +1,9 @@
 """What rank 0 tells its tensor-parallel workers, and the shard every rank runs.
 
 Messages travel as `(kind, payload)` tuples on the control group, in this order:
-`load` (a model's shard), `bind` (the KV cache and the attention backend), then
-one `step` per engine step, `release` when the engine is replaced, `shutdown`
+`load` (a model's shard), `bind` (the KV cache and the attention backend),
+`capture` (the decode graphs, with `engine.cuda_graphs`), then one `step` per
+engine step, `release` when the engine is replaced, `shutdown`
 at the end. A step carries everything a worker's forward needs and nothing it
 must decide: the block copies since the last step (run in order), the packed
 token ids and the attention metadata rank 0 built; each rank plans attention
@@ -27,7 +28,8 @@ from servelab.model.transformer import AllReduce, Transformer
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.plan import BlockCopies
 
-LOAD, BIND, STEP, RELEASE, SHUTDOWN = "load", "bind", "step", "release", "shutdown"
+LOAD, BIND, CAPTURE, STEP = "load", "bind", "capture", "step"
+RELEASE, SHUTDOWN = "release", "shutdown"
 
 # A message goes in one broadcast of this many bytes (length, then the pickle),
 # a larger one in a second broadcast: a collective costs milliseconds where the
@@ -79,6 +81,12 @@ class BindMessage:
     block_size: int
     num_host_blocks: int
     attention: dict  # the backend's config node: `{"name": ..., **options}`
+
+
+@dataclass
+class CaptureMessage:
+    max_num_seqs: int  # the decode buckets: `cuda_graphs.graph_buckets(max_num_seqs)`
+    max_model_len: int
 
 
 @dataclass

@@ -7,8 +7,15 @@ every rank runs the same layers at once and meets at the same all-reduces.
 from __future__ import annotations
 
 from servelab.errors import WorkerError
+from servelab.executor.cuda_graphs import DecodeGraphRunner
 from servelab.executor.model_runner import ModelRunner, StepBatch
-from servelab.executor.parallel.protocol import STEP, StepMessage, host_metadata
+from servelab.executor.parallel.protocol import (
+    CAPTURE,
+    STEP,
+    CaptureMessage,
+    StepMessage,
+    host_metadata,
+)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -18,13 +25,28 @@ class TensorParallelRunner(ModelRunner):
         self.lease = lease  # the group's lease this engine holds; a newer engine's ends it
         self.pending_copies: list = []  # BlockCopies rank 0 ran since the last step
 
-    def run_model(self, batch: StepBatch):
-        group = self.group
-        if group.lease != self.lease:
+    def check_lease(self) -> None:
+        if self.group.lease != self.lease:
             raise WorkerError(
                 "this engine's tensor-parallel workers now serve a newer engine in this "
                 "process; build the engine again to use it"
             )
+
+    def capture_graphs(
+        self, graphs: DecodeGraphRunner, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        """Every rank captures the same buckets in the same order, at once: the
+        warm-up forwards meet at their all-reduces, as the replays will."""
+        self.check_lease()
+        self.group.send(CAPTURE, CaptureMessage(max_num_seqs, max_model_len))
+        self.group.in_step = True  # the workers sit in collectives until the capture ends
+        graphs.capture()
+        self.group.in_step = False
+        self.group.barrier()  # every worker captured (or the error names the one that failed)
+
+    def run_model(self, batch: StepBatch):
+        self.check_lease()
+        group = self.group
         message = StepMessage(
             copies=self.pending_copies,
             input_ids=batch.input_ids.cpu(),

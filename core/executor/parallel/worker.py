@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from servelab.executor.cuda_graphs import DecodeGraphRunner
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.parallel.common import (
     CONTROL_TIMEOUT,
@@ -36,11 +37,13 @@ from servelab.executor.parallel.common import (
 )
 from servelab.executor.parallel.protocol import (
     BIND,
+    CAPTURE,
     LOAD,
     RELEASE,
     SHUTDOWN,
     STEP,
     BindMessage,
+    CaptureMessage,
     LoadMessage,
     StepMessage,
     device_metadata,
@@ -116,7 +119,7 @@ def serve_worker(device: str = "cpu", timeout_s: float = 300.0) -> bool:
 
 
 class ShardRuntime:
-    """A worker's model shard, KV cache and backend; `handle` runs one message."""
+    """A worker's model shard, KV cache, backend and decode graphs; one method per message."""
 
     def __init__(self, rank: int, size: int, device: torch.device, all_reduce: AllReduce):
         self.rank, self.size, self.device = rank, size, device
@@ -125,6 +128,8 @@ class ShardRuntime:
         self.forward: Any = None
         self.kv_cache: KVCache | None = None
         self.backend: Any = None
+        self.block_size = 0
+        self.graphs: DecodeGraphRunner | None = None
 
     def load(self, message: LoadMessage) -> None:
         self.release()
@@ -135,6 +140,28 @@ class ShardRuntime:
     def bind(self, message: BindMessage) -> None:
         self.kv_cache = shard_kv_cache(self.model, message, self.device)
         self.backend = attention_backend(message.attention, self.model.config)
+        self.block_size = message.block_size
+        self.graphs = None
+
+    def run_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_plan: Any):
+        return self.forward.forward(
+            input_ids, positions, self.kv_cache.layers, self.backend, attn_plan
+        )
+
+    def capture(self, message: CaptureMessage) -> None:
+        """The same buckets as rank 0's, captured in the same order as rank 0's."""
+        graphs = DecodeGraphRunner(
+            self.run_forward,
+            self.backend,
+            max_num_seqs=message.max_num_seqs,
+            max_model_len=message.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        if not graphs.enabled:  # rank 0 captures only where every rank can: never expected
+            raise RuntimeError(f"cannot capture decode graphs here: {graphs.disabled_reason}")
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def step(self, message: StepMessage) -> None:
@@ -142,14 +169,14 @@ class ShardRuntime:
             self.kv_cache.apply(copies)
         meta = device_metadata(message.meta, self.device)
         input_ids = message.input_ids.to(self.device)
-        attn_plan = self.backend.plan(meta)
         # the hidden states are rank 0's to sample from; a worker's part ends at the all-reduces
-        self.forward.forward(
-            input_ids, meta.positions, self.kv_cache.layers, self.backend, attn_plan
-        )
+        if self.graphs is not None:  # replays the bucket rank 0 replays, or runs eagerly as it does
+            self.graphs.run(input_ids, meta)
+        else:
+            self.run_forward(input_ids, meta.positions, self.backend.plan(meta))
 
     def release(self) -> None:
-        self.model = self.forward = self.kv_cache = self.backend = None
+        self.model = self.forward = self.kv_cache = self.backend = self.graphs = None
 
 
 def serve(rank: int, size: int, device: torch.device, store, control) -> int:
@@ -158,6 +185,7 @@ def serve(rank: int, size: int, device: torch.device, store, control) -> int:
     handlers = {
         LOAD: runtime.load,
         BIND: runtime.bind,
+        CAPTURE: runtime.capture,
         STEP: runtime.step,
         RELEASE: lambda _: runtime.release(),
     }
@@ -170,7 +198,7 @@ def serve(rank: int, size: int, device: torch.device, store, control) -> int:
             return 0
         try:
             handlers[kind](payload)
-            if kind in (LOAD, BIND):
+            if kind in (LOAD, BIND, CAPTURE):
                 dist.barrier()  # rank 0 learns here that the shard loaded (or that it failed)
         except BaseException as exc:  # noqa: BLE001 (a worker reports every failure, then exits)
             cause = f"{type(exc).__name__}: {exc}"

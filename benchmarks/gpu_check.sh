@@ -106,9 +106,15 @@ PHASES="$OUT/phases.tsv"
 : >"$PHASES"
 # name, then: time limit, what to run (a test path and pytest options, or backend graphs
 # max-seconds); the dry run takes a few tests of each file and the tiny model. The executor
-# phase leaves out test_compile.py (CPU engines only, run by the CPU suite); compile with
-# CUDA graphs runs for real in test_compile_graphs.py.
-TEST_PHASES=("tests:executor 80 tests/executor --ignore=tests/executor/test_compile.py" "tests:triton_kernels 100 tests/plugins/test_triton_kernels.py"
+# phase leaves out test_compile.py and the CPU tensor-parallel modules (CPU engines only, run
+# by the CPU suite); compile with CUDA graphs runs for real in test_compile_graphs.py, tensor
+# parallelism on CUDA in test_tensor_parallel_cuda.py (two ranks over gloo on one device,
+# NCCL and per-rank graphs where there are two).
+CPU_ONLY=""
+for module in compile tensor_parallel tensor_parallel_failures tensor_parallel_graphs; do
+    CPU_ONLY+=" --ignore=tests/executor/test_$module.py"
+done
+TEST_PHASES=("tests:executor 80 tests/executor$CPU_ONLY" "tests:triton_kernels 100 tests/plugins/test_triton_kernels.py"
     "tests:triton_fused 30 tests/kernels/test_triton_fused.py" "tests:triton_sm90 35 tests/plugins/test_triton_sm90.py")
 BENCH_PHASES=("bench:triton_paged-off 45 triton_paged off 20" "bench:triton_paged-on 60 triton_paged on 20"
     "bench:flash_varlen-off 50 flash_varlen off 30" "bench:padded-off 25 padded off 10"

@@ -10,6 +10,13 @@ the ranks take turns and gloo's waits dominate).
 
     python benchmarks/tp_allreduce.py [--model bench] [--batch 8] [--steps 64]
     SERVELAB_BENCH_SMOKE=1 python benchmarks/tp_allreduce.py   (a quick check it runs)
+    python benchmarks/tp_allreduce.py --device cuda [--distributed-backend gloo]
+
+On CUDA the timed collectives synchronise the device before and after each
+call, so they report the collective's own time rather than its launch (which
+serialises the stream a little: the step times then include that wait too).
+With one CUDA device, `--distributed-backend gloo` puts both ranks on it: it
+checks the code path, its figures are not NCCL's.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import os
 import statistics
 import time
 
+import torch
+
 from servelab import LLM, SamplingParams
 from servelab.executor.parallel import current_group, shutdown_workers
 
@@ -26,20 +35,24 @@ from servelab.executor.parallel import current_group, shutdown_workers
 class Timed:
     """Wraps a bound method, adding up its wall time and calls."""
 
-    def __init__(self, method) -> None:
+    def __init__(self, method, cuda: bool = False) -> None:
         self.method, self.seconds, self.calls = method, 0.0, 0
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def __call__(self, *args, **kwargs):
+        self.sync()
         start = time.perf_counter()
         try:
             return self.method(*args, **kwargs)
         finally:
+            self.sync()
             self.seconds += time.perf_counter() - start
             self.calls += 1
 
 
-def run(model: str, tp: int, batch: int, steps: int, prompt_len: int) -> dict:
-    llm = LLM(model=model, tensor_parallel_size=tp, num_threads=1, max_num_seqs=batch)
+def run(model: str, tp: int, batch: int, steps: int, prompt_len: int, **engine) -> dict:
+    llm = LLM(model=model, tensor_parallel_size=tp, num_threads=1, max_num_seqs=batch, **engine)
+    cuda = llm.engine.runner.device.type == "cuda"
     engine = llm.engine
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     llm.generate([[5] * prompt_len], SamplingParams(max_tokens=2))  # warm-up
@@ -48,9 +61,9 @@ def run(model: str, tp: int, batch: int, steps: int, prompt_len: int) -> dict:
     engine.step()  # the prefill, not measured
     group = current_group() if tp > 1 else None
     if group is not None:  # the model and runner hold these bound methods: wrap them there
-        reduce = Timed(group.all_reduce)
+        reduce = Timed(group.all_reduce, cuda)
         engine.model.set_all_reduce(reduce)
-        send = Timed(group.send)
+        send = Timed(group.send, cuda)
         group.send = send
     times = []
     while engine.has_unfinished():
@@ -76,10 +89,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2 if smoke else 8)
     parser.add_argument("--steps", type=int, default=4 if smoke else 64)
     parser.add_argument("--prompt-len", type=int, default=8 if smoke else 64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--distributed-backend", default="auto", choices=["auto", "nccl", "gloo"])
     args = parser.parse_args()
+    engine = dict(
+        device=args.device, dtype=args.dtype, distributed_backend=args.distributed_backend
+    )
     try:
         for tp in (1, 2):
-            r = run(args.model, tp, args.batch, args.steps, args.prompt_len)
+            r = run(args.model, tp, args.batch, args.steps, args.prompt_len, **engine)
             line = f"tp={r['tp']}  {r['steps']} decode steps  step {r['step_ms']:.3f} ms"
             if tp > 1:
                 line += (

@@ -87,3 +87,15 @@ def test_serve_vs_offline_runs_each_side_in_a_fresh_pinned_process(tmp_path, own
     assert figures["tokens_identical"] and runs[0]["tokens"] == runs[1]["tokens"]
     assert runs[0]["output_tokens"] > 0 and figures["median_added_ttft_ms"] is not None
     assert "ratio server/offline" in result.stdout
+
+
+def test_tp_allreduce_reports_both_sizes_and_leaves_no_worker():
+    env = {**os.environ, "SERVELAB_BENCH_SMOKE": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tp_allreduce.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("tp=")]
+    assert [line.split()[0] for line in lines] == ["tp=1", "tp=2"], result.stdout
+    assert "all-reduce" in lines[1] and "(4 per step)" in lines[1]  # two per layer, tiny: 2 layers

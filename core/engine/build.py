@@ -17,6 +17,7 @@ from servelab.engine.engine import Engine
 from servelab.errors import ConfigError
 from servelab.executor.device_memory import check_utilization
 from servelab.executor.forward import CPU_KERNEL_CHOICES
+from servelab.executor.parallel.common import DISTRIBUTED_BACKENDS
 from servelab.executor.sizing import kv_cache_bytes, parse_bytes  # noqa: F401 (re-exported)
 from servelab.registry.construct import attention_backend, construct  # noqa: F401 (re-exported)
 from servelab.registry.plugin_manager import get_plugin_manager, notify
@@ -46,6 +47,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "tensor_parallel_size": 1,
     # seconds any tensor-parallel collective may wait before the engine reports its workers
     "distributed_timeout": 300.0,
+    # tensor parallelism's collectives: auto (NCCL between CUDA devices, gloo on CPUs),
+    # nccl, or gloo (on CUDA too: ranks may then share a device, to check the code path)
+    "distributed_backend": "auto",
 }
 
 # what each engine option must be (sizes take bytes or "64MiB"-style strings)
@@ -65,6 +69,7 @@ ENGINE_TYPES: dict[str, Any] = {
     "gpu_memory_utilization": float | None,
     "tensor_parallel_size": int,
     "distributed_timeout": float,
+    "distributed_backend": str,
 }
 POSITIVE = (
     "max_num_seqs",
@@ -108,6 +113,11 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
         raise ConfigError(
             f"engine option cpu_kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}, "
             f"got {options['cpu_kernels']!r}"
+        )
+    if options["distributed_backend"] not in DISTRIBUTED_BACKENDS:
+        raise ConfigError(
+            "engine option distributed_backend must be one of "
+            f"{', '.join(DISTRIBUTED_BACKENDS)}, got {options['distributed_backend']!r}"
         )
     return options
 

@@ -22,6 +22,7 @@ from servelab.executor.host_memory import keep_freed_memory
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.model_runner import ModelRunner
 from servelab.executor.parallel import group as tp_group
+from servelab.executor.parallel.common import data_backend
 from servelab.executor.parallel.protocol import (
     BIND,
     LOAD,
@@ -87,7 +88,16 @@ class ModelExecutor(Executor):
         opts = self.opts
         # the shape is checked before any worker starts: a bad size fails in milliseconds
         check_tensor_parallel(load_shape(source), self.tp)
-        self.group = tp_group.acquire(self.tp, self.device, float(opts["distributed_timeout"]))
+        backend = data_backend(self.device.type, opts["distributed_backend"])
+        if backend == "gloo" and self.device.type == "cuda" and opts["cuda_graphs"]:
+            raise ConfigError(
+                "engine.cuda_graphs=true under tensor parallelism captures the all-reduces "
+                "in the graphs, which NCCL can and gloo cannot: set "
+                "distributed_backend=nccl (or auto), or cuda_graphs=false"
+            )
+        self.group = tp_group.acquire(
+            self.tp, self.device, float(opts["distributed_timeout"]), backend
+        )
         self.lease = self.group.lease
         message = LoadMessage(
             source=source,

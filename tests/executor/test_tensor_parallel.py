@@ -167,3 +167,21 @@ def test_cuda_graphs_on_the_cpu_leave_every_rank_eager():
     params = SamplingParams(max_tokens=5)
     tokens = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
     assert tokens == LLM(**options).generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+
+
+def test_the_collectives_backend_is_checked_before_any_worker_starts():
+    with pytest.raises(ConfigError, match="distributed_backend must be one of auto, nccl, gloo"):
+        LLM(model="tiny", tensor_parallel_size=2, distributed_backend="mpi")
+    with pytest.raises(ConfigError, match="distributed_backend=nccl needs CUDA devices"):
+        LLM(model="tiny", tensor_parallel_size=2, distributed_backend="nccl")
+
+
+def test_gloo_named_explicitly_is_the_cpu_default_and_keeps_the_group():
+    before = current_group()
+    llm = LLM(model="tiny", dtype="float64", num_threads=1, distributed_backend="gloo", **TP)
+    assert llm.engine.executor.group.backend == "gloo"
+    assert before is None or current_group() is before  # the same workers, not a new start
+    params = SamplingParams(max_tokens=4)
+    tokens = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    alone = LLM(model="tiny", dtype="float64", num_threads=1).generate([[5, 6, 7]], params)
+    assert tokens == alone[0].outputs[0].token_ids

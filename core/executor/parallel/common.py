@@ -11,6 +11,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from servelab.errors import ConfigError
+
 # Workers wait for the next step on the control group for as long as the engine
 # stays idle; rank 0 going away closes the connection, which ends the wait at once.
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
@@ -27,15 +29,34 @@ def started_key(rank: int) -> str:
     return STARTED_KEY.format(rank=rank)
 
 
-def data_backend(device_type: str) -> str:
-    """The collectives' backend: NCCL between CUDA devices, gloo on CPUs."""
-    return "nccl" if device_type == "cuda" else "gloo"
+DISTRIBUTED_BACKENDS = ("auto", "nccl", "gloo")
 
 
-def rank_device(device_type: str, local_rank: int) -> torch.device:
+def data_backend(device_type: str, requested: str = "auto") -> str:
+    """The collectives' backend (`engine.distributed_backend`): `auto` is NCCL
+    between CUDA devices and gloo on CPUs; NCCL on a CPU is a ConfigError."""
+    if requested not in DISTRIBUTED_BACKENDS:
+        raise ConfigError(
+            f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
+            f"got {requested!r}"
+        )
+    if requested == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if requested == "nccl" and device_type != "cuda":
+        raise ConfigError(
+            f"distributed_backend=nccl needs CUDA devices, the engine's device is "
+            f"{device_type}; use gloo (or auto)"
+        )
+    return requested
+
+
+def rank_device(device_type: str, local_rank: int, backend: str = "nccl") -> torch.device:
+    """A rank's device: `cuda:local_rank`; under gloo, ranks past the machine's
+    device count share devices round-robin (NCCL refuses two ranks on one)."""
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank if backend == "nccl" else local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -49,10 +49,13 @@ class WorkerGroup:
     rank 0 talks to them on: the default group (the all-reduces, with the
     engine's timeout) and a gloo control group (the messages)."""
 
-    def __init__(self, size: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, size: int, device: torch.device, timeout_s: float, backend: str = "auto"
+    ) -> None:
         self.size = size
         self.device_type = device.type
         self.timeout_s = timeout_s
+        self.backend = common.data_backend(device.type, backend)
         self.processes: list[subprocess.Popen] = []  # spawned workers, rank i + 1 at index i
         self.lease = 0  # which engine uses the group now (acquire increments it)
         self.broken: str | None = None  # why the group stopped working
@@ -83,16 +86,16 @@ class WorkerGroup:
                 "(the other ranks call servelab.executor.parallel.serve_worker())"
             )
         dist.init_process_group(
-            common.data_backend(self.device_type), init_method="env://", rank=0,
-            world_size=world, timeout=timeout,
-        )  # fmt: skip
+            self.backend, init_method="env://", rank=0, world_size=world, timeout=timeout
+        )
         self.store = dist.distributed_c10d._get_default_store()
 
     def _spawn(self, timeout: datetime.timedelta) -> None:
-        if self.device_type == "cuda" and torch.cuda.device_count() < self.size:
+        if self.backend == "nccl" and torch.cuda.device_count() < self.size:
             raise ConfigError(
-                f"tensor_parallel_size={self.size} needs {self.size} CUDA devices on this "
-                f"machine, found {torch.cuda.device_count()}"
+                f"tensor_parallel_size={self.size} over NCCL needs {self.size} CUDA devices "
+                f"on this machine, found {torch.cuda.device_count()} (distributed_backend=gloo "
+                "runs several ranks on one device, to check the code path)"
             )
         host = "127.0.0.1"
         # port 0: the OS picks a free port, so parallel test runs never collide
@@ -105,14 +108,13 @@ class WorkerGroup:
             command = [
                 sys.executable, "-m", "servelab.executor.parallel",
                 str(rank), str(self.size), host, str(self.store.port), self.device_type,
-                repr(self.timeout_s), str(os.getpid()),
+                repr(self.timeout_s), str(os.getpid()), self.backend,
             ]  # fmt: skip
             self.processes.append(subprocess.Popen(command))
         self._wait_started()
         dist.init_process_group(
-            common.data_backend(self.device_type), store=self.store, rank=0,
-            world_size=self.size, timeout=timeout,
-        )  # fmt: skip
+            self.backend, store=self.store, rank=0, world_size=self.size, timeout=timeout
+        )
 
     def _wait_started(self) -> None:
         """Waits until every worker is up, so one that fails to start (an import
@@ -253,20 +255,24 @@ def _wait(process: subprocess.Popen, seconds: float) -> None:
 _current: WorkerGroup | None = None
 
 
-def acquire(size: int, device: torch.device, timeout_s: float) -> WorkerGroup:
-    """The process's worker group for `size` ranks on `device`'s type, started if
-    needed; the engine that held it before loses it (its next step raises)."""
+def acquire(
+    size: int, device: torch.device, timeout_s: float, backend: str = "auto"
+) -> WorkerGroup:
+    """The process's worker group for `size` ranks on `device`'s type over
+    `backend`, started if needed; the engine that held it before loses it (its
+    next step raises)."""
     global _current
     group = _current
+    wanted = (size, device.type, timeout_s, common.data_backend(device.type, backend))
     if group is not None and (
         group.broken is not None
         or any(p.poll() is not None for p in group.processes)
-        or (group.size, group.device_type, group.timeout_s) != (size, device.type, timeout_s)
+        or (group.size, group.device_type, group.timeout_s, group.backend) != wanted
     ):
         group.stop()
         group = None
     if group is None:
-        group = _current = WorkerGroup(size, device, timeout_s)
+        group = _current = WorkerGroup(size, device, timeout_s, backend)
     group.lease += 1
     return group
 

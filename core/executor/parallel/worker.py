@@ -72,6 +72,7 @@ def spawned_main(
     device_type: str,
     timeout_s: float,
     parent_pid: int,
+    backend: str,
 ) -> None:
     """A worker started by rank 0's engine (`torch.multiprocessing`'s spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -79,16 +80,14 @@ def spawned_main(
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
     store.set(started_key(rank), "1")
-    device = rank_device(device_type, rank)
-    dist.init_process_group(
-        data_backend(device_type), store=store, rank=rank, world_size=size, timeout=timeout
-    )
+    device = rank_device(device_type, rank, backend)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(list(range(size)), backend="gloo", timeout=CONTROL_TIMEOUT)
     code = serve(rank, size, device, store, control)
     os._exit(code)  # no interpreter teardown: the group is gone, nothing is left to flush
 
 
-def serve_worker(device: str = "cpu", timeout_s: float = 300.0) -> bool:
+def serve_worker(device: str = "cpu", timeout_s: float = 300.0, backend: str = "auto") -> bool:
     """For a program launched by `torchrun`: on ranks 1..N-1, joins rank 0's engine,
     serves it until it shuts down, and returns True; on rank 0, returns False
     at once (rank 0 goes on to build the engine with `tensor_parallel_size=N`).
@@ -101,9 +100,10 @@ def serve_worker(device: str = "cpu", timeout_s: float = 300.0) -> bool:
     if rank == 0:
         return False
     device_type = torch.device(device).type
-    local_device = rank_device(device_type, int(os.environ.get("LOCAL_RANK", rank)))
+    backend = data_backend(device_type, backend)
+    local_device = rank_device(device_type, int(os.environ.get("LOCAL_RANK", rank)), backend)
     dist.init_process_group(
-        data_backend(device_type),
+        backend,
         init_method="env://",
         rank=rank,
         world_size=size,

@@ -1,11 +1,12 @@
 """Tensor parallelism's communication against its step time, on this machine:
 the same decode workload at tensor_parallel_size=1 and 2 (CPU, gloo), with
-rank 0's time in its all-reduces and in the step message measured inside the
-step (wrapped around `WorkerGroup.all_reduce` and `WorkerGroup.send`).
+rank 0's time in its all-reduces (the embeddings' and two per layer), in the
+gather of the logits and in the step message measured inside the step (wrapped
+around `WorkerGroup.all_reduce`, `gather_columns` and `send`).
 
 Prints, per configuration: the mean step time, and at TP=2 the per-step
-all-reduce time, the message time, their count per step and their share of the
-step. Pin it for figures (`taskset -c 0,1` gives each rank a core; on one core
+all-reduce time and count, the gather and message times, and their share of
+the step. Pin it for figures (`taskset -c 0,1` gives each rank a core; on one core
 the ranks take turns and gloo's waits dominate).
 
     python benchmarks/tp_allreduce.py [--model bench] [--batch 8] [--steps 64]
@@ -65,6 +66,8 @@ def run(model: str, tp: int, batch: int, steps: int, prompt_len: int, **engine) 
         engine.model.set_all_reduce(reduce)
         send = Timed(group.send, cuda)
         group.send = send
+        gather = Timed(group.gather_columns, cuda)
+        group.gather_columns = gather
     times = []
     while engine.has_unfinished():
         start = time.perf_counter()
@@ -76,9 +79,11 @@ def run(model: str, tp: int, batch: int, steps: int, prompt_len: int, **engine) 
         result.update(
             all_reduce_ms=1e3 * reduce.seconds / n,
             all_reduces_per_step=reduce.calls / n,
+            gather_ms=1e3 * gather.seconds / n,
             message_ms=1e3 * send.seconds / n,
         )
-        result["comm_share"] = (result["all_reduce_ms"] + result["message_ms"]) / result["step_ms"]
+        comm = result["all_reduce_ms"] + result["gather_ms"] + result["message_ms"]
+        result["comm_share"] = comm / result["step_ms"]
     return result
 
 
@@ -103,7 +108,8 @@ def main() -> None:
             if tp > 1:
                 line += (
                     f"  all-reduce {r['all_reduce_ms']:.3f} ms/step "
-                    f"({r['all_reduces_per_step']:.0f} per step)  message {r['message_ms']:.3f} ms"
+                    f"({r['all_reduces_per_step']:.0f} per step)  gather {r['gather_ms']:.3f} ms"
+                    f"  message {r['message_ms']:.3f} ms"
                     f"  communication {100 * r['comm_share']:.1f}% of the step"
                 )
             print(line, flush=True)

@@ -98,4 +98,5 @@ def test_tp_allreduce_reports_both_sizes_and_leaves_no_worker():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("tp=")]
     assert [line.split()[0] for line in lines] == ["tp=1", "tp=2"], result.stdout
-    assert "all-reduce" in lines[1] and "(4 per step)" in lines[1]  # two per layer, tiny: 2 layers
+    # the embeddings' and two per layer (tiny: 2 layers), then the logits' gather
+    assert "(5 per step)" in lines[1] and "gather" in lines[1], lines[1]

@@ -25,7 +25,9 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
 - all-reduce, two per layer when p > 1 (after o and down), ring:
   latency + 2 (p - 1) / p x e T h / interconnect bandwidth;
 - once per step: the embedding gather (e T h), the final norm and LM head on the
-  sampling rows (flops 2 S h V/p), reading their logits to sample;
+  sampling rows (flops 2 S h V/p), reading their logits to sample; when p > 1
+  also the vocabulary-parallel embedding's all-reduce and the gather of the
+  logits' chunks to rank 0: latency + (p - 1) / p x e S V / interconnect bandwidth;
 - host: step_overhead + seq_overhead x sequences.
 Block copies: swap bytes over the host link, copy-on-write reads and writes
 each block in device memory, each share split over the p devices.
@@ -212,6 +214,15 @@ class CostModel:
         prof = self.profile
         return prof.interconnect_latency + 2 * (p - 1) / p * data / prof.interconnect_bandwidth
 
+    def gather_time(self, rows: float) -> float:
+        """Rank 0 gathering every other rank's chunk of `rows` rows of logits; 0 on one device."""
+        p = self.tp
+        if p == 1 or not rows:
+            return 0.0
+        data = self.e * rows * self.shape.vocab_size
+        prof = self.profile
+        return prof.interconnect_latency + (p - 1) / p * data / prof.interconnect_bandwidth
+
     def step_ops(self, step: StepShape) -> list[Op]:
         """The once-per-step operations: embedding, final norm, LM head, sampling."""
         c, e, s = self.shape, self.e, step.sampling
@@ -233,6 +244,8 @@ class CostModel:
         layer = sum(self.op_time(op) for op in self.layer_ops(step))
         layer += 2 * self.all_reduce_time(step.num_tokens)
         once = sum(self.op_time(op) for op in self.step_ops(step))
+        # tensor parallelism's once-a-step collectives: the embeddings, the logits
+        once += self.all_reduce_time(step.num_tokens) + self.gather_time(step.sampling)
         return self.shape.num_layers * layer + once + self.host_time(step)
 
     def copy_time(self, swap_bytes: float, copy_bytes: float) -> float:

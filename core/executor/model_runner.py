@@ -244,6 +244,10 @@ class ModelRunner:
         return self.graphs.run(batch.input_ids, batch.meta, batch.attn_plan)
 
     # -- tokens
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The LM head on the sampling rows: [N, hidden] -> [N, vocab]."""
+        return self.model_forward.logits(rows)
+
     def sample(self, hidden: torch.Tensor, batch: StepBatch) -> SampledTokens:
         """The step's tokens: one per sampling sequence, or n for a prompt that
         forks now, in `sample_owners` order (a decode batch's rows first)."""
@@ -253,7 +257,7 @@ class ModelRunner:
         # one query token per sequence and every one sampling: the rows are in order already
         every_row = batch.meta.max_query_len == 1 and len(indices) == hidden.shape[0]
         rows = hidden if every_row else hidden[indices]
-        logits = self.model_forward.logits(rows)
+        logits = self.logits(rows)
         if len(batch.sample_rows) != logits.shape[0]:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
         if batch.all_greedy:

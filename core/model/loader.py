@@ -90,7 +90,7 @@ def load_model(
     config = load_shape(source)
     part = None if shard is None else Shard(config, *shard)
     local = config if part is None else part.local_config
-    model = Transformer(local, torch_dtype, device)
+    model = Transformer(local, torch_dtype, device, None if part is None else part.vocab_start)
     if source in NAMED_SHAPES:
         init_random_weights(model, seed, part)
         return model.eval().requires_grad_(False), config, None
@@ -122,7 +122,7 @@ def _shard_of(values: torch.Tensor, name: str, shard: Shard | None) -> torch.Ten
     if shard.is_zeroed(name):
         return torch.zeros_like(values)
     index = shard.slices(name, tuple(values.shape))
-    return values if index is None else values[index]
+    return values if index is None else shard.fit(name, values[index])
 
 
 def checkpoint_files(folder: Path) -> dict[Path, list[str]]:
@@ -236,7 +236,7 @@ def _read_tensor(f: Any, name: str, shard: Shard | None) -> torch.Tensor:
     index = shard.slices(name, full_shape)
     if index is None:
         return f.get_tensor(name)
-    return view[index]
+    return shard.fit(name, view[index])
 
 
 def load_tokenizer(folder: Path):

@@ -7,7 +7,12 @@ Megatron's split, by parameter name, so a checkpoint is read slice by slice:
 - row-parallel (split the input columns): o_proj, down_proj; each rank's output
   is a partial sum that an all-reduce completes. A row-parallel bias is added
   once: rank 0 holds it, the others hold zeros;
-- replicated: the embedding, the LM head, every norm (q/k norms are per head_dim).
+- vocabulary-parallel: the embedding and the LM head; each rank holds a
+  `vocab_chunk` of consecutive token rows (the last one padded with zero rows
+  when the ranks do not divide the vocabulary). A rank embeds the tokens in
+  its rows, zeros elsewhere, and an all-reduce completes every embedding; a
+  rank's LM head gives its chunk of the logits, and rank 0 gathers the chunks;
+- replicated: every norm (q/k norms are per head_dim).
 KV heads: split when their count is a multiple of the ranks; with fewer KV heads
 than ranks (and ranks a multiple of them) each KV head is replicated on
 `ranks / kv_heads` consecutive ranks, the ones whose query heads read it.
@@ -17,11 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from servelab.errors import ConfigError
 from servelab.model.config import ModelConfig
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -67,13 +75,25 @@ class Shard:
         return self.rank // (self.size // kv)  # the KV head of this rank's query heads
 
     @property
+    def vocab_chunk(self) -> int:
+        """Token rows of the embedding and the LM head each rank holds (padded)."""
+        return -(-self.config.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        """The first token id of this rank's rows."""
+        return self.rank * self.vocab_chunk
+
+    @property
     def local_config(self) -> ModelConfig:
-        """The shape one rank's modules are built with: its heads, its MLP width."""
+        """The shape one rank's modules are built with: its heads, its MLP width,
+        its rows of the vocabulary."""
         c = self.config
         return c.replace(
             num_heads=c.num_heads // self.size,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=c.intermediate_size // self.size,
+            vocab_size=self.vocab_chunk,
         )
 
     def slices(self, name: str, full_shape: tuple[int, ...]) -> tuple[slice, ...] | None:
@@ -95,7 +115,19 @@ class Shard:
         if proj in ROW_PARALLEL and kind == "weight":
             cols = full_shape[1] // self.size
             return (slice(None), slice(self.rank * cols, (self.rank + 1) * cols))
+        if proj in VOCAB_PARALLEL:
+            start = min(self.vocab_start, full_shape[0])
+            return (slice(start, min(start + self.vocab_chunk, full_shape[0])),)
         return None
+
+    def fit(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        """`part` (this rank's slice of `name`) padded with zero rows to the
+        vocabulary chunk where the last rank's slice is short."""
+        proj = name.rpartition(".")[0].rpartition(".")[2]
+        missing = self.vocab_chunk - part.shape[0]
+        if proj not in VOCAB_PARALLEL or missing <= 0:
+            return part
+        return torch.cat([part, part.new_zeros((missing, *part.shape[1:]))])
 
     def is_zeroed(self, name: str) -> bool:
         """Whether this rank holds zeros for `name`: a row-parallel bias off rank 0,
@@ -116,4 +148,6 @@ class Shard:
             return (c.intermediate_size, *local_shape[1:])
         if proj in ROW_PARALLEL and kind == "weight":
             return (local_shape[0], local_shape[1] * self.size)
+        if proj in VOCAB_PARALLEL:
+            return (c.vocab_size, *local_shape[1:])
         return tuple(local_shape)

@@ -8,9 +8,10 @@ Rules:
 - per-step work (the RoPE cos/sin gather) runs once in `forward`, never in a layer;
 - q/k/v and gate/up run as one matmul each: their parameters are row views of one fused
   weight (`FusedLinear`; a parameter replaced later falls back to separate matmuls);
-- under tensor parallelism (`set_all_reduce`) the model holds one rank's heads and MLP
-  width (`servelab.model.sharding`); o_proj and down_proj then give partial sums,
-  which the all-reduce the executor installs completes.
+- under tensor parallelism (`set_all_reduce`) the model holds one rank's heads, MLP
+  width and vocabulary rows (`servelab.model.sharding`); o_proj, down_proj and the
+  embedding then give partial sums, which the all-reduce the executor installs
+  completes, and `compute_logits` gives the rank's chunk of the logits.
 """
 
 from __future__ import annotations
@@ -254,12 +255,38 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """One rank's rows of the vocabulary, from token `vocab_start` on (tensor
+    parallelism): a token outside them embeds as zeros, and the all-reduce sums
+    the one rank's row that holds it with the others' zeros. One process keeps
+    the plain `nn.Embedding`, so its path (compiled or not) is as it was."""
+
+    def __init__(self, *args, vocab_start: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.vocab_start = vocab_start
+        self.all_reduce: AllReduce | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows.masked_fill_(outside[:, None], 0)
+        return rows if self.all_reduce is None else self.all_reduce(rows)  # None: this rank's share
+
+
 class DecoderStack(nn.Module):
     """HF's `model.` prefix: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, vocab_start: int | None = None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        size = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = (
+            nn.Embedding(*size, dtype=dtype)
+            if vocab_start is None
+            else VocabParallelEmbedding(*size, dtype=dtype, vocab_start=vocab_start)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype) for i in range(config.num_layers)
         )
@@ -268,20 +295,23 @@ class DecoderStack(nn.Module):
 
 class Transformer(nn.Module):
     """The decoder. Parameters are created uninitialised on `device`; fill them
-    with `servelab.model.loader` (a checkpoint or seeded random weights)."""
+    with `servelab.model.loader` (a checkpoint or seeded random weights).
+    `vocab_start`: a tensor-parallel rank's first token row (its `config` holds
+    the rank's share of everything); None: one process, the whole model."""
 
     def __init__(
         self,
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        vocab_start: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         # Build on the meta device, then allocate without running nn's own init:
         # every weight is overwritten by the loader anyway.
         with torch.device("meta"):
-            self.model = DecoderStack(config, dtype)
+            self.model = DecoderStack(config, dtype, vocab_start)
             self.lm_head = (
                 None
                 if config.tie_word_embeddings
@@ -308,7 +338,10 @@ class Transformer(nn.Module):
 
     def set_all_reduce(self, all_reduce: AllReduce | None) -> None:
         """Makes this model one rank of a tensor-parallel group: every o_proj and
-        down_proj output is summed over the ranks by `all_reduce`."""
+        down_proj output, and the embeddings, are summed over the ranks by `all_reduce`."""
+        embed = self.model.embed_tokens
+        if isinstance(embed, VocabParallelEmbedding):
+            embed.all_reduce = all_reduce
         for layer in self.model.layers:
             layer.self_attn.all_reduce = all_reduce
             layer.mlp.all_reduce = all_reduce
@@ -349,7 +382,8 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on the selected rows only: [N, hidden] -> [N, vocab]."""
+        """LM head on the selected rows only: [N, hidden] -> [N, vocab] (under
+        tensor parallelism [N, the rank's vocabulary rows]; rank 0 gathers them)."""
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)

@@ -163,7 +163,12 @@ class ModelExecutor(Executor):
         else:
             self.group.send(BIND, bind)
             self.group.barrier()
-            self.runner = TensorParallelRunner(*runner_args, group=self.group, lease=self.lease)
+            self.runner = TensorParallelRunner(
+                *runner_args,
+                group=self.group,
+                lease=self.lease,
+                vocab_size=self.model_config.vocab_size,
+            )
         if self.opts["cuda_graphs"]:
             # captured before the first step (and before engine_ready): the capture runs
             # every bucket once, so Triton compiles outside any measured step
@@ -191,7 +196,11 @@ class ModelExecutor(Executor):
     def describe(self) -> dict:
         if self.group is None:
             return {}
-        return {"tensor_parallel_size": self.tp, "tensor_parallel_workers": self.group.pids}
+        return {
+            "tensor_parallel_size": self.tp,
+            "distributed_backend": self.group.backend,
+            "tensor_parallel_workers": self.group.pids,
+        }
 
 
 @hookimpl

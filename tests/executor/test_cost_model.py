@@ -128,7 +128,11 @@ def test_tensor_parallel_share_and_all_reduce():
     single, double = model(tp=1).step_time(step()), cost.step_time(step())
     layer_ops = sum(cost.op_time(op) for op in cost.layer_ops(step()))
     once = sum(cost.op_time(op) for op in cost.step_ops(step()))
-    assert double == pytest.approx(2 * (layer_ops + 2 * 0.66) + once + 0.2)
+    # once a step: the embeddings' all-reduce (0.66, as a layer's), and rank 0's gather
+    # of the other rank's half of S = 2 rows of V = 10 logits: 0.02 + 1/2 x 2 x 2 x 10 / 50
+    assert cost.gather_time(2) == pytest.approx(0.02 + 0.4)
+    assert model(tp=1).gather_time(2) == 0.0 and cost.gather_time(0) == 0.0
+    assert double == pytest.approx(2 * (layer_ops + 2 * 0.66) + once + 0.66 + 0.42 + 0.2)
     assert double != single
 
 

@@ -20,6 +20,7 @@ from servelab import LLM, SamplingParams, hookimpl
 from servelab.errors import ConfigError
 from servelab.executor.parallel import current_group
 from servelab.registry.plugin_manager import get_plugin_manager
+from servelab.testing.hf_reference import build_tiny_hf
 from servelab.testing.oracle import (
     ENGINE_OPTIONS,
     assert_matches_reference,
@@ -44,7 +45,8 @@ BACKENDS = [c for c in combinations() if all(c[k] == v for k, v in ONE_SAP.items
 
 
 class LogitsSpy:
-    """A runtime plugin that records every step's logits of the latest engine."""
+    """A runtime plugin that records every step's logits of the latest engine
+    (the whole vocabulary's: under tensor parallelism, after rank 0 gathered them)."""
 
     def __init__(self) -> None:
         self.engine = None
@@ -53,15 +55,15 @@ class LogitsSpy:
     @hookimpl
     def servelab_engine_ready(self, engine) -> None:
         self.engine, self.logits = engine, []
-        forward = engine.runner.model_forward
-        logits = forward.logits
+        runner = engine.runner
+        logits = runner.logits
 
         def recorded(hidden):
             out = logits(hidden)
             self.logits.append(out.clone())
             return out
 
-        forward.logits = recorded
+        runner.logits = recorded
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +187,21 @@ def test_gloo_named_explicitly_is_the_cpu_default_and_keeps_the_group():
     tokens = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
     alone = LLM(model="tiny", dtype="float64", num_threads=1).generate([[5, 6, 7]], params)
     assert tokens == alone[0].outputs[0].token_ids
+
+
+def test_a_vocabulary_the_ranks_do_not_divide(tmp_path, spy):
+    """127 tokens over 2 ranks: 64 rows each, the last one zero-padded; the padding's
+    logits are cut off by rank 0, so the logits and tokens are the single process's."""
+    build_tiny_hf("qwen3", vocab_size=127, tied=True).save_pretrained(tmp_path)
+    prompts = [[5, 6, 7], [126, 64, 63, 1, 0]]  # ids on both ranks, at the edges of the split
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(tmp_path), dtype="float64", num_threads=1, max_model_len=64,
+                  tensor_parallel_size=tp)  # fmt: skip
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runs[tp] = tokens, spy.logits
+    assert runs[2][0] == runs[1][0]
+    for a, b in zip(runs[1][1], runs[2][1], strict=True):
+        assert a.shape == b.shape and a.shape[-1] == 127
+        assert (a - b).abs().max().item() <= 1e-9

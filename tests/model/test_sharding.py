@@ -59,6 +59,11 @@ def expected_slice(name: str, full: torch.Tensor, rank: int, size: int, config) 
         return full.chunk(size, dim=1)[rank]
     if proj == "o_proj" and name.endswith("bias"):
         return full if rank == 0 else torch.zeros_like(full)
+    if proj in ("embed_tokens", "lm_head"):  # token rows, the last rank's padded with zeros
+        rows = -(-config.vocab_size // size)
+        part = full[rank * rows : (rank + 1) * rows]
+        padding = full.new_zeros(rows - part.shape[0], *full.shape[1:])
+        return torch.cat([part, padding])
     assert heads  # replicated
     return full
 
@@ -96,3 +101,26 @@ def test_random_weights_and_row_parallel_bias_sum_to_the_whole():
         partial_sum += o_proj(x.chunk(2, dim=1)[rank])
     want = whole.model.layers[0].self_attn.o_proj(x)
     torch.testing.assert_close(partial_sum, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("vocab_size", [512, 509])  # split evenly, and with the last rank padded
+def test_vocab_parallel_embeddings_sum_and_logits_join_to_the_whole(vocab_size):
+    config = named_config("tiny").replace(vocab_size=vocab_size, tie_word_embeddings=False)
+    whole = Transformer(config, torch.float64)
+    init_random_weights(whole, seed=4)
+    ids = torch.tensor([0, 1, 255, 256, 257, vocab_size - 1, 7, 256])  # both sides of the split
+    hidden = torch.randn(3, config.hidden_size, dtype=torch.float64)
+    embedded, chunks = 0, []
+    for rank in range(2):
+        shard = Shard(config, rank, 2)
+        part = Transformer(shard.local_config, torch.float64, vocab_start=shard.vocab_start)
+        init_random_weights(part, seed=4, shard=shard)
+        part.set_all_reduce(lambda t: t)  # one rank's share; the sum below is the all-reduce
+        embedded = embedded + part.model.embed_tokens(ids)
+        chunks.append(part.compute_logits(hidden))
+    assert torch.equal(embedded, whole.model.embed_tokens(ids))  # one nonzero row per token
+    joined = torch.cat(chunks, dim=-1)
+    assert joined.shape == (3, 2 * -(-vocab_size // 2))
+    torch.testing.assert_close(joined[:, :vocab_size], whole.compute_logits(hidden), rtol=0,
+                               atol=1e-12)  # fmt: skip
+    assert not joined[:, vocab_size:].any()  # the padding rows' logits, cut off by rank 0

@@ -163,6 +163,16 @@ class WorkerGroup:
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc) from exc
 
+    def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (equal shapes), joined along the last dimension in
+        rank order, on rank 0 (a worker sends its part with `dist.gather`)."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        try:
+            dist.gather(tensor, parts, dst=0)
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc) from exc
+        return torch.cat(parts, dim=-1)
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of `tensor` over the ranks, in place (the model's row-parallel outputs)."""
         try:

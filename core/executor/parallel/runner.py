@@ -6,6 +6,8 @@ every rank runs the same layers at once and meets at the same all-reduces.
 
 from __future__ import annotations
 
+import torch
+
 from servelab.errors import WorkerError
 from servelab.executor.cuda_graphs import DecodeGraphRunner
 from servelab.executor.model_runner import ModelRunner, StepBatch
@@ -19,9 +21,10 @@ from servelab.executor.parallel.protocol import (
 
 
 class TensorParallelRunner(ModelRunner):
-    def __init__(self, *args, group, lease: int, **kwargs) -> None:
+    def __init__(self, *args, group, lease: int, vocab_size: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
+        self.vocab_size = vocab_size  # the whole vocabulary: the gathered chunks' padding cut off
         self.lease = lease  # the group's lease this engine holds; a newer engine's ends it
         self.pending_copies: list = []  # BlockCopies rank 0 ran since the last step
 
@@ -43,6 +46,12 @@ class TensorParallelRunner(ModelRunner):
         graphs.capture()
         self.group.in_step = False
         self.group.barrier()  # every worker captured (or the error names the one that failed)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rank 0's chunk of the logits, and every worker's, gathered in rank
+        order: each worker runs its LM head on the same rows (the metadata's
+        `logits_indices`) right after its forward."""
+        return self.group.gather_columns(super().logits(rows))[:, : self.vocab_size]
 
     def run_model(self, batch: StepBatch):
         self.check_lease()

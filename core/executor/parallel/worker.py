@@ -169,11 +169,13 @@ class ShardRuntime:
             self.kv_cache.apply(copies)
         meta = device_metadata(message.meta, self.device)
         input_ids = message.input_ids.to(self.device)
-        # the hidden states are rank 0's to sample from; a worker's part ends at the all-reduces
         if self.graphs is not None:  # replays the bucket rank 0 replays, or runs eagerly as it does
-            self.graphs.run(input_ids, meta)
+            hidden = self.graphs.run(input_ids, meta)
         else:
-            self.run_forward(input_ids, meta.positions, self.backend.plan(meta))
+            hidden = self.run_forward(input_ids, meta.positions, self.backend.plan(meta))
+        if len(meta.logits_indices):  # rank 0 samples: it gathers every rank's logits chunk
+            chunk = self.forward.logits(hidden[meta.logits_indices])
+            dist.gather(chunk.contiguous(), dst=0)
 
     def release(self) -> None:
         self.model = self.forward = self.kv_cache = self.backend = self.graphs = None

@@ -168,7 +168,7 @@ class WorkerGroup:
         rank order, on rank 0 (a worker sends its part with `dist.gather`)."""
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         try:
-            dist.gather(tensor, parts, dst=0)
+            dist.gather(tensor.contiguous(), parts, dst=0)
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc) from exc
         return torch.cat(parts, dim=-1)

@@ -74,7 +74,7 @@ def spawned_main(
     parent_pid: int,
     backend: str,
 ) -> None:
-    """A worker started by rank 0's engine (`torch.multiprocessing`'s spawn)."""
+    """A worker started by rank 0's engine (`python -m servelab.executor.parallel`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -78,9 +78,13 @@ class KVAllocator(abc.ABC):
         `order=lpm` schedulers rank waiting requests by it."""
         return 0
 
-    def commit(self, seq: Sequence) -> None:
+    def commit(self, seq: Sequence) -> bool:
         """Called after a step computed tokens of `seq`: full blocks may now be
-        published to the prefix cache. No-op without prefix caching."""
+        published to the prefix cache. No-op without prefix caching. True when
+        it rewrote the sequence's block table (a cache that swaps a sequence's
+        private copies of blocks another sequence cached first for the cached
+        ones): whoever keeps a copy of the table must read it again."""
+        return False
 
     # -- the decode fast path (servelab.step.decode_batch); the defaults are correct
     # for any allocator, an override only makes them cheap
@@ -102,13 +106,15 @@ class KVAllocator(abc.ABC):
 
     def commit_decodes(
         self, seqs: list[Sequence], written_blocks: list[int], filled_rows: list[int]
-    ) -> None:
+    ) -> bool:
         """After a fast decode step: `seqs[i]` wrote one token into block
         `written_blocks[i]` (its `num_computed_tokens` already counts it); the
         sequences in `filled_rows` filled that block. Same effect as `commit` of
-        every sequence."""
+        every sequence; True when a block table was rewritten (see `commit`)."""
+        rewritten = False
         for seq in seqs:
-            self.commit(seq)
+            rewritten = self.commit(seq) or rewritten
+        return rewritten
 
     @abc.abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:

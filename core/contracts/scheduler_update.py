@@ -89,7 +89,8 @@ class AfterTheForward:
             tokens = [sampled[seq_id][0] for seq_id in batch.seq_ids]
         written, filled = batch.written_blocks(plan.decode_starts)
         candidates = batch.advance(tokens, now)
-        self.allocator.commit_decodes(batch.seqs, written, filled)
+        if self.allocator.commit_decodes(batch.seqs, written, filled):
+            self.decode_batch = None  # its copies of the block tables are stale: rebuilt next step
         ending = []
         for row, seq in candidates:
             reason = self.stop_reason(seq)

@@ -80,13 +80,23 @@ class AllocatorMachine(stateful.RuleBasedStateMachine):
         for src, dst in copies.copy:
             self.device[dst] = list(self.device[src])
 
-    def compute(self, seq: Sequence, upto: int) -> None:
+    def write(self, seq: Sequence, upto: int) -> None:
+        """The forward: the sequence's tokens up to `upto` land in its slots."""
         bs = self.alloc.block_size
         table = self.alloc.block_table(seq)
         for p in range(seq.num_computed_tokens, upto):
             self.device[table[p // bs]][p % bs] = seq.token_ids[p]
         seq.num_computed_tokens = upto
-        self.alloc.commit(seq)
+
+    def commit(self, seq: Sequence) -> None:
+        """The update: the allocator commits; a table it says it kept is unchanged."""
+        before = list(self.alloc.block_table(seq))
+        if not self.alloc.commit(seq):
+            assert self.alloc.block_table(seq) == before, "commit rewrote a table, said it did not"
+
+    def compute(self, seq: Sequence, upto: int) -> None:
+        self.write(seq, upto)
+        self.commit(seq)
 
     def grow(self, seq: Sequence, upto: int) -> bool:
         if not self.alloc.can_allocate(seq, upto):
@@ -103,6 +113,28 @@ class AllocatorMachine(stateful.RuleBasedStateMachine):
         seq = Sequence("r", prefix + tail, SamplingParams())
         if self.grow(seq, seq.num_tokens):
             self.on_device.append(seq)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        tails=st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=2, max_size=3),
+    )
+    def admit_together(self, prefix, tails):
+        """Prompts prefilled in one step: each is allocated before any computes, so
+        none finds the others' shared prefix cached (a prefix cache may keep one
+        copy of it when they commit)."""
+        together = []
+        for tail in tails:
+            seq = Sequence("r", prefix + tail, SamplingParams())
+            if not self.alloc.can_allocate(seq, seq.num_tokens):
+                break
+            seq.num_computed_tokens = self.alloc.allocate(seq, seq.num_tokens)
+            together.append(seq)
+        self.replay()
+        for seq in together:
+            self.write(seq, seq.num_tokens)
+        for seq in together:
+            self.commit(seq)
+        self.on_device += together
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=5))

@@ -66,8 +66,10 @@ class BlockTableAllocator(KVAllocator):
     def _attach(self, seq: Sequence) -> list[int]:
         """A new sequence's first blocks: its matched prefix, each held (`_revive`)."""
 
-    def _publish(self, seq: Sequence, table: list[int]) -> None:
-        """Offers the sequence's computed blocks to the prefix cache."""
+    def _publish(self, seq: Sequence, table: list[int]) -> bool:
+        """Offers the sequence's computed blocks to the prefix cache; True when
+        it rewrote `table` (see `KVAllocator.commit`)."""
+        return False
 
     def _uncache(self, block: int) -> None:
         """A cached block no table held is held again: it is no longer evictable."""
@@ -105,15 +107,15 @@ class BlockTableAllocator(KVAllocator):
     def match_prefix(self, seq: Sequence) -> int:
         return len(self._matched_blocks(seq)) * self.block_size
 
-    def commit(self, seq: Sequence) -> None:
+    def commit(self, seq: Sequence) -> bool:
         table = self.tables.get(seq.seq_id)
         if table is None:
-            return
+            return False
         bs, computed = self.block_size, seq.num_computed_tokens
         for i in range(self.filled_upto.get(seq.seq_id, 0) // bs, cdiv(computed, bs)):
             self._set_fill(table[i], min(bs, computed - i * bs))
         self.filled_upto[seq.seq_id] = computed
-        self._publish(seq, table)
+        return self._publish(seq, table)
 
     # -- allocation
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

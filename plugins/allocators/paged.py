@@ -100,11 +100,12 @@ class PagedAllocator(BlockTableAllocator):
         self.seq_hashes[seq.seq_id] = [self.block_hash[b] for b in matched]
         return matched
 
-    def _publish(self, seq: Sequence, table: list[int]) -> None:
+    def _publish(self, seq: Sequence, table: list[int]) -> bool:
         """Hashes the sequence's full, computed blocks not hashed yet and publishes
-        each under its chain hash unless an equal block already is."""
+        each under its chain hash unless an equal block already is (the table
+        keeps its own copy: False)."""
         if not self.prefix_caching:
-            return
+            return False
         bs = self.block_size
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         for i in range(len(hashes), seq.num_computed_tokens // bs):
@@ -116,6 +117,7 @@ class PagedAllocator(BlockTableAllocator):
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
                 self.block_tokens[block] = tokens
+        return False
 
     # -- the decode fast path
     def extend_decodes(self, seqs: list[Sequence], rows: list[int]) -> list[int] | None:
@@ -134,7 +136,7 @@ class PagedAllocator(BlockTableAllocator):
 
     def commit_decodes(
         self, seqs: list[Sequence], written_blocks: list[int], filled_rows: list[int]
-    ) -> None:
+    ) -> bool:
         # the written blocks are private (extend_decodes made sure): one token each.
         # `filled_upto` may lag now; `commit` catches up idempotently.
         fill = self.fill
@@ -145,6 +147,7 @@ class PagedAllocator(BlockTableAllocator):
             for row in filled_rows:
                 seq = seqs[row]
                 self._publish(seq, self.tables[seq.seq_id])
+        return False  # an equal block cached first leaves this one private: tables stay
 
     # -- per-sequence state beyond the block table
     def allocate(self, seq: Sequence, num_tokens: int) -> int:

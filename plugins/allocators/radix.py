@@ -5,7 +5,10 @@ full page a sequence computes is inserted into a radix tree (`radix_tree`)
 under the path of pages it holds, prompt and output alike, so a later request
 that repeats any prefix of it (the next turn of a chat, a shared few-shot
 example) reuses those blocks, up to the last page boundary before its final
-token. A block's ref count is the number of block tables holding it: tree
+token. Pages another sequence cached while this one computed them too (two
+prompts with a shared prefix prefilled in one step) are kept once: the table
+takes the cached blocks and frees its copies. A block's ref count is the
+number of block tables holding it: tree
 blocks with none are the cache, evicted least-recently-used leaf first when a
 free block is needed. A write into a shared or cached block copies it first;
 block tables, forks and the host pool are `block_table`'s, as in `paged`.
@@ -49,7 +52,7 @@ class RadixAllocator(BlockTableAllocator):
         self.tree = RadixTree(page_size)
         self.num_evictable = 0  # cached blocks no table holds
         # leading pages of a sequence's table that are its path in the tree; None:
-        # it stopped publishing (another sequence cached the same tokens first)
+        # it stopped publishing (its path went through a copy, or it was swapped out)
         self.tree_pages: dict[int, int | None] = {}
 
     # -- the cache's block states
@@ -97,22 +100,64 @@ class RadixAllocator(BlockTableAllocator):
     def _matched_blocks(self, seq: Sequence) -> list[int]:
         return self._blocks(self._match(seq))
 
-    def _publish(self, seq: Sequence, table: list[int]) -> None:
-        """Inserts the sequence's full computed pages past its tree path."""
+    def _publish(self, seq: Sequence, table: list[int]) -> bool:
+        """Inserts the sequence's full computed pages past its tree path. Pages
+        another sequence cached first (two prompts with a shared prefix in one
+        step) are shared instead (`_share_cached`). True when that rewrote the table."""
         done = self.tree_pages.get(seq.seq_id)
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         if done is None or full <= done:
-            return
+            return False
         tree, page = self.tree, self.block_size
-        parent = tree.root if done == 0 else tree.node_of_block[table[done - 1]]
-        if parent is not tree.root and parent.blocks[-1] != table[done - 1]:
-            self.tree_pages[seq.seq_id] = None  # its path ends inside a run: nowhere to hang pages
-            return
+        # the common case, once per step of a decoding sequence: nobody cached these
+        # tokens, they hang under the end of the sequence's own path (no walk from the root)
+        parent = tree.root if done == 0 else tree.node_of_block.get(table[done - 1])
         key = tuple(seq.token_ids[done * page : full * page])
         blocks = table[done:full]
-        if key[:page] in parent.children or any(b in tree.node_of_block for b in blocks):
-            self.tree_pages[seq.seq_id] = None  # cached by another sequence first: stop here
-            return
+        if (
+            parent is not None
+            and (parent is tree.root or parent.blocks[-1] == table[done - 1])
+            and key[:page] not in parent.children
+            and not any(b in tree.node_of_block for b in blocks)
+        ):
+            self._hang(parent, key, blocks)
+            self.tree_pages[seq.seq_id] = full
+            return False
+        return self._share_cached(seq, table, done, full)
+
+    def _share_cached(self, seq: Sequence, table: list[int], done: int, full: int) -> bool:
+        """`_publish` where the tree already holds some of the pages past the
+        sequence's path: its table takes those cached blocks and frees its own
+        copies, and its remaining pages hang under them, as SGLang's cache does."""
+        tree, page = self.tree, self.block_size
+        path = tree.match(seq.token_ids, full * page)
+        cached = self._blocks(path)
+        if cached[:done] != table[:done]:  # never expected: its pages are its tree path
+            self.tree_pages[seq.seq_id] = None
+            return False
+        rewrote = False
+        for i in range(done, len(cached)):
+            if table[i] != cached[i]:
+                self._revive(cached[i])
+                self._release(table[i])
+                table[i] = cached[i]
+                rewrote = True
+        if path and path[-1][1] < len(path[-1][0].blocks):
+            tree.split(*path[-1])  # its path must end a run: later pages hang there
+        parent = path[-1][0] if path else tree.root
+        matched = len(cached)
+        if matched < full:
+            self._hang(
+                parent, tuple(seq.token_ids[matched * page : full * page]), table[matched:full]
+            )
+        else:
+            tree.touch(parent)
+        self.tree_pages[seq.seq_id] = full
+        return rewrote
+
+    def _hang(self, parent: Node, key: tuple[int, ...], blocks: list[int]) -> None:
+        """New pages under `parent`, whose children start with none of them."""
+        tree = self.tree
         if (
             parent is not tree.root
             and not parent.children
@@ -121,7 +166,6 @@ class RadixAllocator(BlockTableAllocator):
             tree.extend(parent, key, blocks)  # a leaf only this sequence holds: grow its run
         else:
             tree.insert(parent, key, blocks)
-        self.tree_pages[seq.seq_id] = full
 
     def _attach(self, seq: Sequence) -> list[int]:
         """The matched prefix's blocks, held (ref +1); a match ending inside an edge splits it."""

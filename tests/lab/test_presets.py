@@ -279,6 +279,9 @@ def test_radix_vs_hashed(tmp_path):
             > runs[f"{allocator}/fcfs"]["prefix_hit_tokens"]
         )
     assert ample["paged/fcfs"]["prefix_hit_tokens"] == hashed_hits_without_eviction()
+    # the radix tree matches at any token (blocks of one), and caches the history of each
+    # of two chats that prefill together, not only the first one's
+    assert ample["radix/fcfs"]["prefix_hit_tokens"] == hashed_hits_without_eviction(block=1)
 
 
 def test_hybrid_preemption(tmp_path):

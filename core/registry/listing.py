@@ -20,10 +20,10 @@ from typing import Any
 from servelab.contracts.kinds import KINDS
 from servelab.errors import PluginError
 from servelab.registry.options import REQUIRED
+from servelab.registry.parts import PartInfo
 from servelab.registry.plugin_manager import (
     EVENT_HOOKS,
     RUNTIME,
-    PartInfo,
     ServelabPluginManager,
     get_plugin_manager,
 )

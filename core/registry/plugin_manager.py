@@ -28,7 +28,7 @@ from servelab.contracts import hookspecs
 from servelab.contracts.kinds import KINDS
 from servelab.contracts.kinds import kind as get_kind
 from servelab.errors import ConfigError, PluginError
-from servelab.registry.options import describe_options
+from servelab.registry.parts import PartInfo, part_info
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +63,6 @@ EVENT_HOOKS: tuple[str, ...] = (
     "servelab_request_end",
     "servelab_run_end",
 )
-
-
-@dataclass(frozen=True)
-class PartInfo:
-    """One registered part: what `servelab-plugins` lists."""
-
-    kind: str
-    name: str
-    cls: type
-    plugin: str  # the plugin that registered it: module or entry-point name
-    origin: str  # "built-in" or "<distribution> <version>"
-    description: str
-    options: dict[str, Any]  # user option -> default (`options.REQUIRED` where none)
-
-    @property
-    def owner(self) -> str:
-        return f"{self.plugin} ({self.origin})"
 
 
 @dataclass(frozen=True)
@@ -221,7 +204,7 @@ class ServelabPluginManager(pluggy.PluginManager):
                 continue
             for name, cls in provided.items():
                 try:
-                    info = _part_info(kind, name, cls, plugin, origin)
+                    info = part_info(kind, name, cls, plugin, origin)
                     if name in parts:
                         raise PluginError(
                             f"{kind} {name!r} is registered twice: by {parts[name].owner} "
@@ -357,41 +340,6 @@ def lookup(kind: str, name: str) -> type:
 def notify(hook_name: str, **kwargs: Any) -> None:
     """Calls the event hook `hook_name` on every plugin, each implementation isolated."""
     get_plugin_manager().notify(hook_name, **kwargs)
-
-
-def _part_info(kind: str, name: Any, cls: Any, plugin: str, origin: str) -> PartInfo:
-    """Checks one registered part against its contract; `PluginError` naming the owner otherwise."""
-    owner = f"{plugin} ({origin})"
-    contract = KINDS[kind].contract
-    if not isinstance(name, str) or not name:
-        raise PluginError(f"{owner} registered a {kind} under {name!r}; a name is a non-empty str")
-    if not (isinstance(cls, type) and issubclass(cls, contract)):
-        raise PluginError(
-            f"{kind} {name!r} of {owner} is {cls!r}, which does not subclass "
-            f"{contract.__module__}.{contract.__name__}"
-        )
-    missing = sorted(getattr(cls, "__abstractmethods__", ()))
-    if missing:
-        raise PluginError(
-            f"{kind} {name!r} of {owner}: class {cls.__module__}.{cls.__qualname__} does not "
-            f"implement {', '.join(missing)} of {contract.__name__}"
-        )
-    return PartInfo(
-        kind=kind,
-        name=name,
-        cls=cls,
-        plugin=plugin,
-        origin=origin,
-        description=_description(cls),
-        options=describe_options(cls, kind),
-    )
-
-
-def _description(cls: type) -> str:
-    if getattr(cls, "description", ""):
-        return cls.description
-    doc = cls.__dict__.get("__doc__") or ""
-    return doc.strip().split("\n", 1)[0]
 
 
 def _distribution_label(entry_point: importlib.metadata.EntryPoint) -> str:

@@ -32,6 +32,13 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 
 
+def parameter_parts(name: str) -> tuple[str, str]:
+    """(the projection or module, the tensor kind) of a parameter name:
+    `model.layers.0.self_attn.q_proj.weight` -> `("q_proj", "weight")`."""
+    module, _, kind = name.rpartition(".")
+    return module.rpartition(".")[2], kind
+
+
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """A ConfigError when `config` cannot be split over `size` ranks, naming the counts."""
     problems = []
@@ -100,8 +107,7 @@ class Shard:
         """The index of this rank's part of parameter `name` (full shape `full_shape`);
         None: the rank holds it whole (replicated; a row-parallel bias off rank 0
         is then zeroed, see `is_zeroed`)."""
-        module, _, kind = name.rpartition(".")
-        proj = module.rpartition(".")[2]
+        proj, kind = parameter_parts(name)
         head_dim = self.config.head_dim
         if proj == "q_proj":
             rows = self.config.num_heads // self.size * head_dim
@@ -123,7 +129,7 @@ class Shard:
     def fit(self, name: str, part: torch.Tensor) -> torch.Tensor:
         """`part` (this rank's slice of `name`) padded with zero rows to the
         vocabulary chunk where the last rank's slice is short."""
-        proj = name.rpartition(".")[0].rpartition(".")[2]
+        proj, _ = parameter_parts(name)
         missing = self.vocab_chunk - part.shape[0]
         if proj not in VOCAB_PARALLEL or missing <= 0:
             return part
@@ -132,13 +138,12 @@ class Shard:
     def is_zeroed(self, name: str) -> bool:
         """Whether this rank holds zeros for `name`: a row-parallel bias off rank 0,
         so the all-reduce adds it once."""
-        module, _, kind = name.rpartition(".")
-        return kind == "bias" and module.rpartition(".")[2] in ROW_PARALLEL and self.rank != 0
+        proj, kind = parameter_parts(name)
+        return kind == "bias" and proj in ROW_PARALLEL and self.rank != 0
 
     def full_shape(self, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The whole tensor's shape for parameter `name` of `local_shape` on this rank."""
-        module, _, kind = name.rpartition(".")
-        proj = module.rpartition(".")[2]
+        proj, kind = parameter_parts(name)
         c = self.config
         if proj == "q_proj":
             return (c.num_heads * c.head_dim, *local_shape[1:])

@@ -205,23 +205,23 @@ class CostModel:
             ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows))
         return ops
 
-    def all_reduce_time(self, tokens: float) -> float:
-        """One ring all-reduce of the step's hidden states; 0 on one device."""
-        p = self.tp
+    def _collective_time(self, data: float, passes: int) -> float:
+        """A collective over the p devices moving `passes` x (p - 1) / p of `data`
+        bytes per device; 0 on one device."""
+        p, prof = self.tp, self.profile
         if p == 1:
             return 0.0
-        data = self.e * tokens * self.shape.hidden_size
-        prof = self.profile
-        return prof.interconnect_latency + 2 * (p - 1) / p * data / prof.interconnect_bandwidth
+        return prof.interconnect_latency + passes * (p - 1) / p * data / prof.interconnect_bandwidth
+
+    def all_reduce_time(self, tokens: float) -> float:
+        """One ring all-reduce of the step's hidden states (reduce-scatter, then all-gather)."""
+        return self._collective_time(self.e * tokens * self.shape.hidden_size, passes=2)
 
     def gather_time(self, rows: float) -> float:
-        """Rank 0 gathering every other rank's chunk of `rows` rows of logits; 0 on one device."""
-        p = self.tp
-        if p == 1 or not rows:
+        """Rank 0 gathering every other rank's chunk of `rows` rows of logits; 0 without rows."""
+        if not rows:
             return 0.0
-        data = self.e * rows * self.shape.vocab_size
-        prof = self.profile
-        return prof.interconnect_latency + (p - 1) / p * data / prof.interconnect_bandwidth
+        return self._collective_time(self.e * rows * self.shape.vocab_size, passes=1)
 
     def step_ops(self, step: StepShape) -> list[Op]:
         """The once-per-step operations: embedding, final norm, LM head, sampling."""

@@ -17,7 +17,7 @@ from servelab.engine.engine import Engine
 from servelab.errors import ConfigError
 from servelab.executor.device_memory import check_utilization
 from servelab.executor.forward import CPU_KERNEL_CHOICES
-from servelab.executor.parallel.common import DISTRIBUTED_BACKENDS
+from servelab.executor.parallel.common import check_backend_name
 from servelab.executor.sizing import kv_cache_bytes, parse_bytes  # noqa: F401 (re-exported)
 from servelab.registry.construct import attention_backend, construct  # noqa: F401 (re-exported)
 from servelab.registry.plugin_manager import get_plugin_manager, notify
@@ -114,11 +114,7 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
             f"engine option cpu_kernels must be one of {', '.join(CPU_KERNEL_CHOICES)}, "
             f"got {options['cpu_kernels']!r}"
         )
-    if options["distributed_backend"] not in DISTRIBUTED_BACKENDS:
-        raise ConfigError(
-            "engine option distributed_backend must be one of "
-            f"{', '.join(DISTRIBUTED_BACKENDS)}, got {options['distributed_backend']!r}"
-        )
+    check_backend_name(options["distributed_backend"], "engine option distributed_backend")
     return options
 
 

@@ -32,14 +32,18 @@ def started_key(rank: int) -> str:
 DISTRIBUTED_BACKENDS = ("auto", "nccl", "gloo")
 
 
+def check_backend_name(requested: str, what: str = "distributed_backend") -> None:
+    """A ConfigError naming the choices unless `requested` is one of them."""
+    if requested not in DISTRIBUTED_BACKENDS:
+        raise ConfigError(
+            f"{what} must be one of {', '.join(DISTRIBUTED_BACKENDS)}, got {requested!r}"
+        )
+
+
 def data_backend(device_type: str, requested: str = "auto") -> str:
     """The collectives' backend (`engine.distributed_backend`): `auto` is NCCL
     between CUDA devices and gloo on CPUs; NCCL on a CPU is a ConfigError."""
-    if requested not in DISTRIBUTED_BACKENDS:
-        raise ConfigError(
-            f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
-            f"got {requested!r}"
-        )
+    check_backend_name(requested)
     if requested == "auto":
         return "nccl" if device_type == "cuda" else "gloo"
     if requested == "nccl" and device_type != "cuda":

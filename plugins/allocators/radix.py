@@ -8,9 +8,8 @@ example) reuses those blocks, up to the last page boundary before its final
 token. Pages another sequence cached while this one computed them too (two
 prompts with a shared prefix prefilled in one step) are kept once: the table
 takes the cached blocks and frees its copies. A block's ref count is the
-number of block tables holding it: tree
-blocks with none are the cache, evicted least-recently-used leaf first when a
-free block is needed. A write into a shared or cached block copies it first;
+number of block tables holding it: tree blocks with none are the cache,
+evicted least-recently-used leaf first when a free block is needed. A write into a shared or cached block copies it first;
 block tables, forks and the host pool are `block_table`'s, as in `paged`.
 Written against the public contract only.
 """

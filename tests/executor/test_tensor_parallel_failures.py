@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -25,6 +24,7 @@ from tests.executor.tp_helpers import (  # noqa: F401
     is_running,
     no_stray_workers,
     one_group_then_none,
+    run_torchrun,
     worker_children,
 )
 
@@ -116,16 +116,7 @@ print("tokens", *llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].outp
 
 def test_torchrun_two_processes_give_the_single_process_tokens(tmp_path):
     """docs/parallel.md's torchrun example: rank 1 joins through `serve_worker`."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to this interpreter")
-    script = tmp_path / "generate.py"
-    script.write_text(textwrap.dedent(TORCHRUN_PROGRAM))
-    result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node=2", str(script)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_torchrun(tmp_path, TORCHRUN_PROGRAM, timeout=240)
     line = next(x for x in result.stdout.splitlines() if x.startswith("tokens"))
     single = LLM(model="tiny", dtype="float64", num_threads=1).generate(
         [[5, 6, 7]], SamplingParams(max_tokens=6)

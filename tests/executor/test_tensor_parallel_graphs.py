@@ -13,18 +13,18 @@ That patch has to reach the worker's interpreter, so the two ranks run under
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 from servelab import LLM
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
 from tests.executor.decode_scenes import skip_unless_triton_interpreted
-from tests.executor.tp_helpers import no_stray_workers, one_group_then_none  # noqa: F401
+from tests.executor.tp_helpers import (  # noqa: F401
+    no_stray_workers,
+    one_group_then_none,
+    run_torchrun,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = dict(
@@ -95,15 +95,7 @@ def test_every_rank_captures_and_replays_the_same_buckets(tmp_path):
         params=case.params[:NUM_PROMPTS],
     )
     (tmp_path / "job.pkl").write_bytes(pickle.dumps(job))
-    script = tmp_path / "graphs.py"
-    script.write_text(textwrap.dedent(PROGRAM))
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node=2", str(script), str(ROOT),
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=420, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_torchrun(tmp_path, PROGRAM, str(ROOT), str(tmp_path), timeout=420)
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
     assert lines["status"].startswith("captured: batch sizes [1, 2, 4]"), lines["status"]
 

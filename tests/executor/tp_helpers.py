@@ -1,10 +1,15 @@
 """Helpers of the tensor-parallel tests: the worker processes this process has,
 read from /proc (not from servelab's own bookkeeping, which is what is tested),
-and the fixtures that check none is left behind after each test and module."""
+the fixtures that check none is left behind after each test and module, and a
+two-process `torchrun` of a test's program."""
 
 from __future__ import annotations
 
 import glob
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -63,3 +68,22 @@ def no_stray_workers(one_group_then_none):
     pids = set(group.pids) if group is not None else set()
     one_group_then_none.update(pids)
     assert worker_children() == pids, "a worker process was left behind"
+
+
+def run_torchrun(
+    folder: Path, program: str, *args: str, timeout: float
+) -> subprocess.CompletedProcess:
+    """`program` (dedented, written into `folder`) on two local ranks under
+    `torchrun`, each on one torch thread; its exit status is asserted zero."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    script = folder / "program.py"
+    script.write_text(textwrap.dedent(program))
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node=2", str(script), *args],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result

@@ -5,7 +5,6 @@ run that was not pinned fail the comparison."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,19 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_cpu_ab():
-    spec = importlib.util.spec_from_file_location("cpu_ab", ROOT / "benchmarks" / "cpu_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_mapped_copy_imports_ahead_of_the_installed_package(tmp_path):
-    cpu_ab = load_cpu_ab()
+    cpu_ab = load_benchmark("cpu_ab")
     site = cpu_ab.mapped_copy(ROOT, tmp_path / "site")
     probe = "import servelab, servelab.plugins.attention, servelab.conf; print(servelab.__file__)"
     done = subprocess.run(
@@ -63,7 +56,7 @@ def fake_runs(monkeypatch, cpu_ab, rates: dict[str, list[float]], digests=None, 
 
 
 def test_runs_alternate_and_the_ratio_pairs_each_rounds_means(monkeypatch, tmp_path, capsys):
-    cpu_ab = load_cpu_ab()
+    cpu_ab = load_benchmark("cpu_ab")
     # the first run of each side is the untimed warm-up
     rates = {"A": [1.0, 100, 102, 90, 94], "B": [1.0, 110, 114, 99, 101]}
     order = fake_runs(monkeypatch, cpu_ab, rates)
@@ -81,7 +74,7 @@ def test_runs_alternate_and_the_ratio_pairs_each_rounds_means(monkeypatch, tmp_p
 
 
 def test_differing_digests_fail(monkeypatch, capsys):
-    cpu_ab = load_cpu_ab()
+    cpu_ab = load_benchmark("cpu_ab")
     rates = {"A": [1.0] * 5, "B": [1.0] * 5}
     fake_runs(monkeypatch, cpu_ab, rates, digests={"A": "aaa", "B": "bbb"})
     assert cpu_ab.main(["--before", str(ROOT), "--core", "0", "--repeats", "2"]) == 1
@@ -89,7 +82,7 @@ def test_differing_digests_fail(monkeypatch, capsys):
 
 
 def test_a_run_on_another_core_fails(monkeypatch):
-    cpu_ab = load_cpu_ab()
+    cpu_ab = load_benchmark("cpu_ab")
     rates = {"A": [1.0] * 3, "B": [1.0] * 3}
     fake_runs(monkeypatch, cpu_ab, rates, cpus=(0, 1))
     with pytest.raises(SystemExit, match="not pinned"):
@@ -97,6 +90,6 @@ def test_a_run_on_another_core_fails(monkeypatch):
 
 
 def test_a_tree_without_the_source_folders_is_refused(tmp_path):
-    cpu_ab = load_cpu_ab()
+    cpu_ab = load_benchmark("cpu_ab")
     with pytest.raises(SystemExit, match="not a servelab tree"):
         cpu_ab.mapped_copy(tmp_path, tmp_path / "site")

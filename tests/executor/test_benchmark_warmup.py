@@ -4,29 +4,18 @@ graphs captured it runs a decode batch at every bucket size."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from servelab.model.config import named_config
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load("gpu_throughput")
+    return load_benchmark("gpu_throughput")
 
 
 def tiny_engine(bench, backend="triton_paged"):

@@ -12,9 +12,7 @@ and a smoke run of `benchmarks/gpu_throughput.py --tiny`. The CUDA-only half is
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +48,7 @@ from servelab.model.transformer import Transformer
 from servelab.step.metadata import AttentionMetadata
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
+from tests.benchmark_scripts import load_benchmark
 from tests.executor.decode_scenes import (
     TRITON_DEVICE,
     CpuReplayRunner,
@@ -438,17 +437,8 @@ def test_a_graph_unsafe_backend_stays_eager_where_graphs_could_run(monkeypatch, 
 # ---------------------------------------------------------------- the benchmark, tiny
 
 
-def load_benchmark():
-    path = ROOT / "benchmarks" / "gpu_throughput.py"
-    spec = importlib.util.spec_from_file_location("gpu_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_throughput_benchmark_tiny_smoke(tmp_path):
-    bench = load_benchmark()
+    bench = load_benchmark("gpu_throughput")
     results = bench.main(
         [
             "--tiny",
@@ -475,7 +465,7 @@ def test_throughput_benchmark_tiny_smoke(tmp_path):
 def test_throughput_benchmark_compiled_row(tmp_path):
     """`--compile`: the engine runs the compiled forward, the row says so, and the
     timed run compiles nothing (every shape compiled in the warm-up)."""
-    bench = load_benchmark()
+    bench = load_benchmark("gpu_throughput")
     args = ["--tiny", "--backends", "padded", "--graphs", "off", "--compile", "--requests", "3"]
     (result,) = bench.main([*args, "--out", str(tmp_path)])
     assert result.status == "ok" and result.graphs == "off+compile"
@@ -497,7 +487,7 @@ def test_throughput_run_frees_its_engine_before_the_next(tmp_path, monkeypatch):
     device: the next run then sizes its cache at equal memory."""
     import weakref
 
-    bench = load_benchmark()
+    bench = load_benchmark("gpu_throughput")
     args = tiny_args(bench, tmp_path)
     workload = bench.make_workload(2, 4, 32, named_config("tiny").vocab_size, seed=0)
     built, alive_at_free = [], []
@@ -518,7 +508,7 @@ def test_throughput_run_frees_its_engine_before_the_next(tmp_path, monkeypatch):
 
 
 def test_a_failure_while_building_is_a_row(tmp_path, monkeypatch):
-    bench = load_benchmark()
+    bench = load_benchmark("gpu_throughput")
     args = tiny_args(bench, tmp_path)
 
     def fail(*_):

@@ -1,12 +1,20 @@
 """The simulated executor's cost of one step, from the plan alone.
 
-Every operation is `Op(flops, bytes, launches, rows)` and costs
-    time = max(flops / (peak FLOP/s x efficiency x curve(rows)), bytes / (peak bandwidth x efficiency))
-           + launches x launch_overhead,
+Every operation is `Op(flops, bytes, launches, rows, call)` and costs
+    time = max(flops / (peak FLOP/s x efficiency x curve(rows)),
+               bytes x wave(rows) / (peak bandwidth x efficiency))
+           + launches x launch_overhead + the fixed cost of its call,
 where curve(rows) = rows / (rows + half_rows) is the efficiency curve of the op's class
 (matmul: rows = the tokens it multiplies, attention: its query rows): a small op cannot
 fill the machine, and reaches half its class's efficiency at `half_rows` rows
-(`matmul_half_rows`, `attention_half_rows`; 0 turns the curve off).
+(`matmul_half_rows`, `attention_half_rows`; 0 turns the curve off). Element-wise ops
+have their own bandwidth efficiency (`elementwise_efficiency`, or one per kernel in
+`kernel_efficiency`: an RMSNorm reaches a third of a residual add's bandwidth on
+GPUs) and size curve: a kernel runs one block per row, so fewer rows than
+`elementwise_full_rows` (a wave of the device's cores) cost as many:
+wave(rows) = max(rows, full_rows) / rows (1 for other classes). Matmuls and attention calls carry a
+fixed cost apiece (`matmul_overhead`, `attention_prefill_overhead`,
+`attention_decode_overhead`): setup and the last partial wave, microseconds on GPUs.
 Per GPU, with tensor parallelism p (heads, the intermediate size and the vocabulary
 split p ways; T tokens in the step, e bytes per element, h hidden, H/K query/KV
 heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
@@ -23,7 +31,8 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
   adds (read 2h, write h), RoPE on q and k (read + write), SiLU x up (read 2I/p,
   write I/p); six launches;
 - all-reduce, two per layer when p > 1 (after o and down), ring:
-  latency + 2 (p - 1) / p x e T h / interconnect bandwidth;
+  latency + 2 (p - 1) / p x e T h / (interconnect bandwidth x curve(message)),
+  curve(b) = b / (b + interconnect_half_bytes): small messages do not fill the links;
 - once per step: the embedding gather (e T h), the final norm and LM head on the
   sampling rows (flops 2 S h V/p), reading their logits to sample; when p > 1
   also the vocabulary-parallel embedding's all-reduce and the gather of the
@@ -41,17 +50,21 @@ import numpy as np
 
 from servelab.executor.hardware import HardwareProfile
 
-MATMUL, ATTENTION, MEMORY = "matmul", "attention", "memory"  # efficiency classes
+# efficiency classes
+MATMUL, ATTENTION, MEMORY, ELEMENTWISE = "matmul", "attention", "memory", "elementwise"
+# calls with a fixed cost apiece: matmuls (setup, the last partial wave), attention
+PREFILL, DECODE = "prefill", "decode"
 
 
 @dataclass(frozen=True)
 class Op:
     name: str
-    kind: str  # MATMUL | ATTENTION | MEMORY: which efficiency applies
+    kind: str  # MATMUL | ATTENTION | MEMORY | ELEMENTWISE: which efficiency applies
     flops: float
     bytes: float
     launches: float = 1.0
     rows: float = 0.0  # the rows (tokens, query rows) the efficiency curve reads
+    call: str = ""  # MATMUL | PREFILL | DECODE: which fixed cost per call; "" none
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,30 @@ def attention_flops(q, start, head_dim: int, heads: float) -> float:
 
 def matmul_op(name: str, tokens: float, m: float, n: float, e: float) -> Op:
     flops, data = 2 * tokens * m * n, e * (m * n + tokens * m + tokens * n)
-    return Op(name, MATMUL, flops, data, rows=tokens)
+    return Op(name, MATMUL, flops, data, rows=tokens, call=MATMUL)
+
+
+def elementwise_ops(tokens: float, h: float, qk_width: float, inter: float, e: float) -> list[Op]:
+    """One layer's element-wise kernels on `tokens` rows: two RMSNorms and two residual
+    adds of width h, RoPE on q and k (`qk_width` = (H + K) d / p), SiLU x up (I / p)."""
+    t = tokens
+    return [
+        Op("rms_norm", ELEMENTWISE, 0.0, e * t * 2 * 2 * h, launches=2, rows=t),
+        Op("residual_add", ELEMENTWISE, 0.0, e * t * 2 * 3 * h, launches=2, rows=t),
+        Op("rope", ELEMENTWISE, 0.0, e * t * 2 * qk_width, rows=t),
+        Op("activation", ELEMENTWISE, 0.0, e * t * 3 * inter, rows=t),
+    ]
+
+
+def collective_time(profile: HardwareProfile, p: int, data: float, passes: int) -> float:
+    """A collective over `p` devices moving `passes` x (p - 1) / p of `data` bytes per
+    device: the latency floor, then the links at the bandwidth a message of `data`
+    bytes reaches; 0 on one device."""
+    if p == 1:
+        return 0.0
+    half = profile.interconnect_half_bytes
+    bandwidth = profile.interconnect_bandwidth * (data / (data + half) if half else 1.0)
+    return profile.interconnect_latency + passes * (p - 1) / p * data / bandwidth
 
 
 class CostModel:
@@ -145,12 +181,28 @@ class CostModel:
             MATMUL: peak * profile.matmul_efficiency,
             ATTENTION: peak * profile.attention_efficiency,
             MEMORY: float("inf"),
+            ELEMENTWISE: float("inf"),
         }
         self.bandwidth = profile.memory_bandwidth * profile.bandwidth_efficiency
+        elementwise = profile.elementwise_efficiency or profile.bandwidth_efficiency
+        self.bandwidth_of = {kind: self.bandwidth for kind in self.rate}
+        self.bandwidth_of[ELEMENTWISE] = profile.memory_bandwidth * elementwise
+        self.full_rows = {kind: 0.0 for kind in self.rate}
+        self.full_rows[ELEMENTWISE] = profile.elementwise_full_rows
         self.half_rows = {
             MATMUL: profile.matmul_half_rows,
             ATTENTION: profile.attention_half_rows,
             MEMORY: 0.0,
+            ELEMENTWISE: 0.0,
+        }
+        self.kernel_bandwidth = {
+            name: profile.memory_bandwidth * eff for name, eff in profile.kernel_efficiency.items()
+        }
+        self.call_cost = {
+            "": 0.0,
+            MATMUL: profile.matmul_overhead,
+            PREFILL: profile.attention_prefill_overhead,
+            DECODE: profile.attention_decode_overhead,
         }
 
     def curve(self, op: Op) -> float:
@@ -160,8 +212,16 @@ class CostModel:
 
     def op_time(self, op: Op) -> float:
         compute = op.flops / (self.rate[op.kind] * self.curve(op)) if op.flops else 0.0
-        memory = op.bytes / self.bandwidth if op.bytes else 0.0
-        return max(compute, memory) + op.launches * self.profile.launch_overhead
+        memory = 0.0
+        if op.bytes:
+            bandwidth = self.bandwidth_of[op.kind]
+            if op.kind == ELEMENTWISE:
+                bandwidth = self.kernel_bandwidth.get(op.name, bandwidth)
+            full = self.full_rows[op.kind]
+            wave = max(op.rows, full) / op.rows if full and op.rows else 1.0
+            memory = op.bytes * wave / bandwidth
+        fixed = op.launches * self.profile.launch_overhead + self.call_cost[op.call]
+        return max(compute, memory) + fixed
 
     # -- the operations of one step
     def layer_ops(self, step: StepShape) -> list[Op]:
@@ -177,9 +237,7 @@ class CostModel:
             matmul_op("down_proj", t, inter, h, e),
         ]
         ops += self.attention_ops(step)
-        elementwise = e * t * (2 * 2 * h + 2 * 3 * h + 2 * (heads + kv) * d + 3 * inter)
-        ops.append(Op("elementwise", MEMORY, 0.0, elementwise, launches=6))
-        return ops
+        return ops + elementwise_ops(t, h, (heads + kv) * d, inter, e)
 
     def attention_ops(self, step: StepShape) -> list[Op]:
         c, p, e = self.shape, self.tp, self.e
@@ -190,28 +248,28 @@ class CostModel:
             n, max_q, max_k = step.num_seqs, float(queries.max()), float(keys.max())
             flops = 4 * d * heads * n * max_q * max_k
             data = e * d * (2 * kv * n * max_k + 2 * kv * step.num_tokens + 2 * heads * n * max_q)
-            return [Op("attention_padded", ATTENTION, flops, data, rows=n * max_q)]
+            call = PREFILL if max_q > 1 else DECODE
+            return [Op("attention_padded", ATTENTION, flops, data, rows=n * max_q, call=call)]
         ops = []
         if len(step.prefill_q):
             q, s = step.prefill_q, step.prefill_start
             flops = attention_flops(q, s, d, heads)
             data = e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
             rows = float(np.sum(q))
-            ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows))
+            ops.append(
+                Op("attention_prefill", ATTENTION, flops, float(data), rows=rows, call=PREFILL)
+            )
         if len(step.decode_keys):
             keys, rows = float(np.sum(step.decode_keys)), len(step.decode_keys)
             flops = 4 * d * heads * keys
             data = e * d * (2 * kv * keys + 2 * kv * rows + 2 * heads * rows)
-            ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows))
+            ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows, call=DECODE))
         return ops
 
     def _collective_time(self, data: float, passes: int) -> float:
         """A collective over the p devices moving `passes` x (p - 1) / p of `data`
         bytes per device; 0 on one device."""
-        p, prof = self.tp, self.profile
-        if p == 1:
-            return 0.0
-        return prof.interconnect_latency + passes * (p - 1) / p * data / prof.interconnect_bandwidth
+        return collective_time(self.profile, self.tp, data, passes)
 
     def all_reduce_time(self, tokens: float) -> float:
         """One ring all-reduce of the step's hidden states (reduce-scatter, then all-gather)."""
@@ -230,7 +288,7 @@ class CostModel:
         ops = [Op("embedding", MEMORY, 0.0, e * step.num_tokens * h)]
         if s:
             ops += [
-                Op("final_norm", MEMORY, 0.0, e * 2 * s * h),
+                Op("final_norm", ELEMENTWISE, 0.0, e * 2 * s * h, rows=s),
                 matmul_op("lm_head", s, h, vocab, e),
                 Op("sample", MEMORY, 0.0, e * s * vocab),
             ]

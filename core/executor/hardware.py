@@ -20,6 +20,8 @@ from servelab.errors import ConfigError
 from servelab.executor.sizing import parse_bytes
 
 DEFAULT_PROFILE = "cpu-local"
+# what a profile's figures rest on: fitted to measured times, or datasheet peaks x estimates
+BASES = ("measured", "datasheet")
 
 # the figures `servelab-calibrate` fits; the rest are peaks and links
 FITTED = (
@@ -28,6 +30,14 @@ FITTED = (
     "bandwidth_efficiency",
     "matmul_half_rows",
     "attention_half_rows",
+    "elementwise_efficiency",
+    "elementwise_full_rows",
+    "kernel_efficiency",
+    "matmul_overhead",
+    "attention_prefill_overhead",
+    "attention_decode_overhead",
+    "interconnect_latency",
+    "interconnect_half_bytes",
     "launch_overhead",
     "step_overhead",
     "seq_overhead",
@@ -46,12 +56,23 @@ class HardwareProfile:
     # efficiency curves: an op of this many rows reaches half its class's efficiency (0: off)
     matmul_half_rows: float = 0.0
     attention_half_rows: float = 0.0
+    # element-wise kernels (norms, RoPE, activation, adds): achieved / peak bandwidth
+    # (0: bandwidth_efficiency), and the rows below which they cost as many (0: off)
+    elementwise_efficiency: float = 0.0
+    elementwise_full_rows: float = 0.0
+    kernel_efficiency: dict[str, float] = field(default_factory=dict)  # by element-wise op name
+    matmul_overhead: float = 0.0  # seconds each matmul costs besides its roofline
+    # seconds each attention call costs besides its flops and bytes, per layer
+    attention_prefill_overhead: float = 0.0
+    attention_decode_overhead: float = 0.0
     interconnect_bandwidth: float = 0.0  # bytes/s per device and direction (all-reduce)
     interconnect_latency: float = 0.0  # seconds per collective
+    interconnect_half_bytes: float = 0.0  # a message of this size reaches half the bandwidth
     host_link_bandwidth: float = 25e9  # bytes/s device <-> host (swap)
     launch_overhead: float = 0.0  # seconds per kernel launch
     step_overhead: float = 0.0  # seconds of host work per step
     seq_overhead: float = 0.0  # seconds of host work per scheduled sequence
+    basis: str = "datasheet"  # one of BASES; recorded with every simulated run
     sources: dict[str, str] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
@@ -111,7 +132,13 @@ def load_profile(node: Any) -> HardwareProfile:
     values["memory"] = parse_bytes(values["memory"], "hardware memory")
     values["peak_flops"] = {str(k): float(v) for k, v in dict(values["peak_flops"]).items()}
     values["sources"] = {str(k): str(v) for k, v in dict(values.get("sources") or {}).items()}
-    for key in names - {"name", "memory", "peak_flops", "sources"}:
+    if values.setdefault("basis", "datasheet") not in BASES:
+        raise ConfigError(
+            f"hardware profile basis must be one of {', '.join(BASES)}, got {values['basis']!r}"
+        )
+    kernels = dict(values.get("kernel_efficiency") or {})
+    values["kernel_efficiency"] = {str(k): float(v) for k, v in kernels.items()}
+    for key in names - {"name", "memory", "peak_flops", "sources", "kernel_efficiency", "basis"}:
         if key in values:
             values[key] = float(values[key])
             if values[key] < 0:

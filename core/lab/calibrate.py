@@ -6,7 +6,9 @@ context lengths, whole prompts, prompt chunks next to decodes), records each
 step's shape (`cost_model.step_shape`) and its measured time, and fits
 `FIT_PARAMETERS` by least squares on the relative error (scipy), the profile's
 peaks held fixed. The launch overhead is kept: a step's launch count barely
-varies, so it cannot be told apart from the per-step overhead.
+varies, so it cannot be told apart from the per-step overhead. With
+`--from-vidur DIR` it fits a GPU profile to measured operator times instead
+(`calibrate_vidur`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ from pathlib import Path
 import numpy as np
 
 from servelab.engine.build import build_engine
-from servelab.executor.cost_model import ATTENTION, MATMUL, CostModel, Shape, StepShape, step_shape
+from servelab.executor.cost_model import (
+    ATTENTION,
+    DECODE,
+    ELEMENTWISE,
+    MATMUL,
+    PREFILL,
+    CostModel,
+    Shape,
+    StepShape,
+    step_shape,
+)
 from servelab.executor.hardware import HardwareProfile, load_profile
 from servelab.step.sequence import SamplingParams
 
@@ -65,41 +77,62 @@ class OpTable:
     def __init__(self, shape: Shape, steps: Sequence[StepShape], dtype: str, size: int) -> None:
         model = CostModel(shape, HardwareProfile("table", 1, {dtype: 1.0}, 1.0), dtype, size)
         cols: dict[str, list] = {
-            k: [] for k in ("step", "kind", "flops", "bytes", "rows", "launches", "count")
+            k: []
+            for k in ("step", "kind", "call", "name", "flops", "bytes", "rows", "launches", "count")
         }
         for i, step in enumerate(steps):
             weighted = [(op, shape.num_layers) for op in model.layer_ops(step)]
             weighted += [(op, 1) for op in model.step_ops(step)]
             for op, count in weighted:
-                for key, value in (("step", i), ("kind", op.kind), ("flops", op.flops),
+                for key, value in (("step", i), ("kind", op.kind), ("call", op.call), ("name", op.name), ("flops", op.flops),
                                    ("bytes", op.bytes), ("rows", op.rows),
                                    ("launches", op.launches), ("count", count)):  # fmt: skip
                     cols[key].append(value)
         self.dtype, self.num_steps = dtype, len(steps)
-        self.kind = np.array(cols.pop("kind"))
+        self.kind, self.call = np.array(cols.pop("kind")), np.array(cols.pop("call"))
+        self.name = np.array(cols.pop("name"))
         for key, values in cols.items():
             setattr(self, key, np.asarray(values, dtype=np.float64))
         self.step = self.step.astype(np.int64)
         self.seqs = np.array([s.num_seqs for s in steps], dtype=np.float64)
 
     def times(self, profile: HardwareProfile) -> np.ndarray:
-        peak = profile.flops(self.dtype)
-        rate = np.ones_like(self.flops) * np.inf
-        half = np.zeros_like(self.flops)
-        for kind, eff, h in ((MATMUL, profile.matmul_efficiency, profile.matmul_half_rows),
-                             (ATTENTION, profile.attention_efficiency, profile.attention_half_rows)):  # fmt: skip
-            mask = self.kind == kind
-            rate[mask], half[mask] = peak * eff, h
-        curve = np.ones_like(self.rows)
-        curved = (half > 0) & (self.rows > 0)
-        curve[curved] = self.rows[curved] / (self.rows[curved] + half[curved])
-        compute = np.divide(
-            self.flops, rate * curve, out=np.zeros_like(self.flops), where=self.flops > 0
-        )
-        memory = self.bytes / (profile.memory_bandwidth * profile.bandwidth_efficiency)
-        per_op = np.maximum(compute, memory) + self.launches * profile.launch_overhead
+        per_op = op_times(profile, self.dtype, self.kind, self.flops, self.bytes, self.rows,
+                          self.launches, self.call, self.name)  # fmt: skip
         ops = np.bincount(self.step, weights=per_op * self.count, minlength=self.num_steps)
         return ops + profile.step_overhead + profile.seq_overhead * self.seqs
+
+
+def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.ndarray,
+             data: np.ndarray, rows: np.ndarray, launches: np.ndarray,
+             call: np.ndarray, names: np.ndarray) -> np.ndarray:  # fmt: skip
+    """`CostModel.op_time` over arrays of ops (a test holds the two equal)."""
+    peak = profile.flops(dtype)
+    rate = np.full_like(flops, np.inf)
+    half = np.zeros_like(flops)
+    for k, eff, h in ((MATMUL, profile.matmul_efficiency, profile.matmul_half_rows),
+                      (ATTENTION, profile.attention_efficiency, profile.attention_half_rows)):  # fmt: skip
+        mask = kind == k
+        rate[mask], half[mask] = peak * eff, h
+    curve = np.ones_like(rows)
+    curved = (half > 0) & (rows > 0)
+    curve[curved] = rows[curved] / (rows[curved] + half[curved])
+    compute = np.divide(flops, rate * curve, out=np.zeros_like(flops), where=flops > 0)
+    bandwidth = np.full_like(data, profile.memory_bandwidth * profile.bandwidth_efficiency)
+    elementwise = kind == ELEMENTWISE
+    efficiency = profile.elementwise_efficiency or profile.bandwidth_efficiency
+    bandwidth[elementwise] = profile.memory_bandwidth * efficiency
+    for kernel, eff in profile.kernel_efficiency.items():
+        bandwidth[elementwise & (names == kernel)] = profile.memory_bandwidth * eff
+    full = profile.elementwise_full_rows
+    wave = np.ones_like(data)
+    waved = elementwise & (rows > 0) & (full > 0)
+    wave[waved] = np.maximum(rows[waved], full) / rows[waved]
+    fixed = launches * profile.launch_overhead
+    fixed = fixed + np.where(call == MATMUL, profile.matmul_overhead, 0.0)
+    fixed = fixed + np.where(call == PREFILL, profile.attention_prefill_overhead, 0.0)
+    fixed = fixed + np.where(call == DECODE, profile.attention_decode_overhead, 0.0)
+    return np.maximum(compute, data * wave / bandwidth) + fixed
 
 
 def fit_profile(
@@ -265,10 +298,41 @@ def median_abs_error(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(np.median(np.abs(predicted / measured - 1.0)))
 
 
+VIDUR_DEVICES = {"a100-80g": ("a100", "a100_dgx"), "h100-sxm": ("h100", "h100_dgx")}
+
+
+def from_vidur(args: argparse.Namespace, base: HardwareProfile) -> int:
+    """Fits `base` to Vidur's measured operator times under `args.from_vidur`."""
+    from servelab.errors import ConfigError
+    from servelab.lab.calibrate_vidur import fit_from_vidur
+    from servelab.lab.vidur_data import read_vidur
+
+    device, network = args.vidur_device, args.vidur_network
+    if device is None:
+        if base.name not in VIDUR_DEVICES:
+            raise ConfigError(
+                f"no Vidur device known for profile {base.name!r}; pass --vidur-device "
+                f"(Vidur has: a100, h100, a40) or a profile of {', '.join(VIDUR_DEVICES)}"
+            )
+        device, network = VIDUR_DEVICES[base.name][0], network or VIDUR_DEVICES[base.name][1]
+    ops, collectives = read_vidur(args.from_vidur, device, network)
+    fitted, sources = fit_from_vidur(base, ops, collectives, Path(args.from_vidur),
+                                     args.vidur_commit)  # fmt: skip
+    kept = {k: v for k, v in base.sources.items() if k != "efficiencies"}  # now measured
+    others = {k: v for k, v in sources.items() if k != "measured"}
+    fitted = fitted.with_fitted(sources={**kept, **others}, basis="measured")
+    write_profile(fitted, args.out, sources["measured"])
+    for text in sources.values():
+        print(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="servelab-calibrate",
-        description="fit a hardware profile to the real engine's step times on this machine",
+        description="fit a hardware profile to the real engine's step times on this machine, "
+        "or to measured GPU operator times (--from-vidur)",
     )
     parser.add_argument("--profile", default="cpu-local", help="the profile to start from")
     parser.add_argument("--model", default="bench", help="the model whose forward is timed")
@@ -282,13 +346,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("cpu-local.yaml"))
     parser.add_argument("--save-steps", type=Path, help="also write the measured steps (.npz)")
+    parser.add_argument(
+        "--from-vidur", type=Path, metavar="DIR",
+        help="fit to Vidur's profiling CSVs instead (a local copy of its data/profiling)",
+    )  # fmt: skip
+    parser.add_argument("--vidur-device", help="compute/<device> to read (default: by --profile)")
+    parser.add_argument("--vidur-network", help="network/<node> for all-reduce (e.g. h100_dgx)")
+    parser.add_argument("--vidur-commit", default="unknown",
+                        help="the Vidur commit the data comes from, for the profile's sources")  # fmt: skip
     args = parser.parse_args(argv)
     base = load_profile(args.profile)
+    if args.from_vidur:
+        return from_vidur(args, base)
     data = measure(args.model, args.dtype, args.repeats, args.threads, args.device)
     if args.save_steps:
         _save_steps(args.save_steps, data)
     size = 2 if args.dtype in ("bfloat16", "float16") else np.dtype(args.dtype).itemsize
     fitted = fit_profile(base, data["shape"], data["shapes"], data["seconds"], args.dtype, size)
+    fitted = fitted.with_fitted(basis="measured")
     measured = np.array(data["seconds"])
     predicted = predict(fitted, data["shape"], data["shapes"], args.dtype, size)
     error = median_abs_error(predicted, measured)

@@ -60,8 +60,10 @@ def test_layer_operations():
     assert ops["attention_prefill"] == (192, 112)
     # 4 d H x 5 keys; 4 x (2 x 5 + 2 x 1 + 2 x 2 x 1)
     assert ops["attention_decode"] == (80, 64)
-    # 2 x T x (4h + 6h + 2(H+K)d + 3I) = 8 x (16 + 24 + 12 + 18)
-    assert ops["elementwise"] == (0, 560)
+    # element-wise, 2 bytes x T = 8 times: two norms 2 x 2h = 16, two adds 2 x 3h = 24,
+    # RoPE read + write (H + K) d = 2 x 6, SiLU x up 3I = 18
+    assert ops["rms_norm"] == (0, 8 * 16) and ops["residual_add"] == (0, 8 * 24)
+    assert ops["rope"] == (0, 8 * 12) and ops["activation"] == (0, 8 * 18)
 
 
 def test_attention_flops_is_the_causal_sum():
@@ -149,3 +151,54 @@ def test_copy_time():
     assert cost.copy_time(0, 10) == pytest.approx(2 * 10 / 100 + 0.01)  # read + write
     assert model(tp=2).copy_time(100, 0) == pytest.approx(50 / 50 + 0.01)
     assert cost.copy_time(0, 0) == 0.0
+
+
+def test_fixed_costs_per_call():
+    import dataclasses
+
+    fixed = dataclasses.replace(PROFILE, matmul_overhead=0.3, attention_prefill_overhead=0.5,
+                                attention_decode_overhead=0.7)  # fmt: skip
+    cost = CostModel(SHAPE, fixed, "float32", bytes_per_element=2)
+    ops = {op.name: op for op in cost.layer_ops(step())}
+    # qkv: memory bound 160 B / 100 B/s = 1.6, one launch 0.01, and the matmul's 0.3
+    assert cost.op_time(ops["qkv_proj"]) == pytest.approx(1.6 + 0.01 + 0.3)
+    # prefill attention 112 B -> 1.12 and its 0.5; decode 64 B -> 0.64 and its 0.7
+    assert cost.op_time(ops["attention_prefill"]) == pytest.approx(1.12 + 0.01 + 0.5)
+    assert cost.op_time(ops["attention_decode"]) == pytest.approx(0.64 + 0.01 + 0.7)
+    # the padded backend's one call is a prefill's when any query is longer than one token
+    padded = {op.name: op for op in cost.layer_ops(step(padded=True))}
+    assert padded["attention_padded"].call == "prefill"
+    # element-wise ops carry none: 128 B of the norms -> 1.28, two launches
+    assert cost.op_time(ops["rms_norm"]) == pytest.approx(1.28 + 0.02)
+
+
+def test_element_wise_kernels_have_their_own_bandwidth_and_wave():
+    import dataclasses
+
+    elementwise = dataclasses.replace(
+        PROFILE, elementwise_efficiency=0.25, kernel_efficiency={"rope": 0.1},
+        elementwise_full_rows=8.0,
+    )  # fmt: skip
+    cost = CostModel(SHAPE, elementwise, "float32", bytes_per_element=2)
+    ops = {op.name: op for op in cost.layer_ops(step())}
+    # 4 rows against a wave of 8: they cost as 8 rows do, twice their bytes.
+    # norms: 128 B x 2 / (200 x 0.25 = 50 B/s) = 5.12, two launches
+    assert cost.op_time(ops["rms_norm"]) == pytest.approx(5.12 + 0.02)
+    # RoPE has its own efficiency: 96 B x 2 / (200 x 0.1 = 20 B/s) = 9.6
+    assert cost.op_time(ops["rope"]) == pytest.approx(9.6 + 0.01)
+    # 16 rows fill the wave: 16 x (2 bytes x 18) = 576 B / 50 B/s
+    assert cost.op_time(Op("activation", "elementwise", 0, 576, rows=16)) == pytest.approx(11.53)
+    # matmuls and other memory ops keep the bandwidth efficiency, no wave
+    assert cost.op_time(ops["qkv_proj"]) == pytest.approx(1.6 + 0.01)
+    assert cost.op_time(Op("x", "memory", 0, 300, rows=1)) == pytest.approx(3.01)
+
+
+def test_the_collective_bandwidth_curve_slows_small_messages():
+    import dataclasses
+
+    curved = dataclasses.replace(PROFILE, interconnect_half_bytes=32.0)
+    cost = CostModel(SHAPE, curved, "float32", bytes_per_element=2, tp=2)
+    # 32 bytes against half 32: 25 B/s, so 0.02 + 2 x 1/2 x 32 / 25
+    assert cost.all_reduce_time(4) == pytest.approx(0.02 + 1.28)
+    # 8 x larger: 256 / (256 + 32) of 50 B/s
+    assert cost.all_reduce_time(32) == pytest.approx(0.02 + 256 / (50 * 256 / 288))

@@ -84,7 +84,11 @@ def test_the_op_table_is_the_cost_model_vectorised():
     from servelab.lab.calibrate import OpTable
 
     values = {**TRUE, "matmul_half_rows": 24.0, "attention_half_rows": 7.0}
-    profile = load_profile("cpu-local").with_fitted(**values, launch_overhead=3e-6)
+    profile = load_profile("cpu-local").with_fitted(
+        **values, launch_overhead=3e-6, matmul_overhead=2e-6, attention_prefill_overhead=5e-6,
+        attention_decode_overhead=7e-6, elementwise_efficiency=0.3, elementwise_full_rows=40.0,
+        kernel_efficiency={"rms_norm": 0.2, "residual_add": 0.9},
+    )  # fmt: skip
     steps = synthetic_steps()
     table = OpTable(SHAPE, steps, "float32", 4)
     np.testing.assert_allclose(

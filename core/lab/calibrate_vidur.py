@@ -1,0 +1,166 @@
+"""`servelab-calibrate --from-vidur DIR`: fit a GPU hardware profile to measured
+operator times (Vidur's profiling CSVs, read by `vidur_data`).
+
+Each measured op is priced by the cost model's own formula (`calibrate.op_times`,
+the vectorised `CostModel.op_time`) and the profile's figures are fitted by least
+squares on the log of predicted / measured (a robust soft-L1 loss: a few outlier
+kernels must not drag the rest), the peaks held fixed. Which figures are fitted
+depends on the rows present: matmul and element-wise figures from mlp.csv,
+attention figures from attention.csv, the collective's latency floor, bandwidth
+and size curve from all_reduce.csv. `errors_by_band` is the per-operator error
+table the accuracy benchmark and the profile's `sources` report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from servelab.executor.cost_model import ATTENTION, ELEMENTWISE, MATMUL
+from servelab.executor.hardware import HardwareProfile
+from servelab.lab.calibrate import op_times
+from servelab.lab.vidur_data import DTYPE, MeasuredCollectives, MeasuredOps
+
+# figure -> (lower bound, upper bound, scale, the op kind whose rows fit it)
+FIGURES = {
+    "matmul_efficiency": (1e-3, 1.0, 1.0, MATMUL),
+    "matmul_half_rows": (0.0, 1e4, 100.0, MATMUL),
+    "bandwidth_efficiency": (1e-3, 1.0, 1.0, MATMUL),
+    "matmul_overhead": (0.0, 1e-3, 1e-6, MATMUL),
+    "elementwise_full_rows": (0.0, 1e5, 100.0, ELEMENTWISE),
+    "launch_overhead": (0.0, 1e-3, 1e-6, ELEMENTWISE),
+    "attention_efficiency": (1e-3, 1.0, 1.0, ATTENTION),
+    "attention_half_rows": (0.0, 1e4, 100.0, ATTENTION),
+    "attention_prefill_overhead": (0.0, 1e-3, 1e-6, ATTENTION),
+    "attention_decode_overhead": (0.0, 1e-3, 1e-6, ATTENTION),
+}
+COLLECTIVE = {
+    "interconnect_latency": (0.0, 1e-2, 1e-5),
+    "interconnect_bandwidth": (1e8, 1e13, 1e11),
+    "interconnect_half_bytes": (0.0, 1e9, 1e5),
+}
+BANDS = ((1, 64), (65, 256), (257, 1023), (1024, float("inf")))  # tokens (or decode batch)
+
+
+class OpArrays:
+    """A `MeasuredOps` as the arrays `op_times` reads."""
+
+    def __init__(self, ops: MeasuredOps) -> None:
+        for key in ("kind", "call", "name", "flops", "bytes", "rows", "launches", "seconds",
+                    "tokens", "tp", "model"):  # fmt: skip
+            setattr(self, key, ops.array(key))
+
+    def predict(self, profile: HardwareProfile) -> np.ndarray:
+        return op_times(profile, DTYPE, self.kind, self.flops, self.bytes, self.rows,
+                        self.launches, self.call, self.name)  # fmt: skip
+
+
+def _with(profile: HardwareProfile, names: Sequence[str], values: np.ndarray) -> HardwareProfile:
+    """`profile` with the plain figures in `names` and `kernel:<op>` efficiencies set."""
+    plain = {n: float(v) for n, v in zip(names, values) if not n.startswith("kernel:")}
+    kernels = {n[7:]: float(v) for n, v in zip(names, values) if n.startswith("kernel:")}
+    if kernels:
+        plain["kernel_efficiency"] = {**profile.kernel_efficiency, **kernels}
+    return dataclasses.replace(profile, **plain)
+
+
+def _least_squares(residuals, start, lo, hi, scale) -> np.ndarray:
+    from scipy.optimize import least_squares
+
+    lo, hi, scale = np.array(lo), np.array(hi), np.array(scale)
+    x0 = np.clip(np.array(start, dtype=np.float64), lo, hi) / scale
+    result = least_squares(lambda x: residuals(x * scale), x0, bounds=(lo / scale, hi / scale),
+                           loss="soft_l1", f_scale=0.05, x_scale="jac", max_nfev=3000)  # fmt: skip
+    return result.x * scale
+
+
+def fit_ops(profile: HardwareProfile, ops: MeasuredOps) -> HardwareProfile:
+    """The profile with every figure the measured op kinds can tell fitted to them."""
+    table = OpArrays(ops)
+    kinds = set(table.kind.tolist())
+    names = [n for n, spec in FIGURES.items() if spec[3] in kinds]
+    kernels = sorted(set(table.name[table.kind == ELEMENTWISE].tolist()))
+    lo = [FIGURES[n][0] for n in names] + [1e-3] * len(kernels)
+    hi = [FIGURES[n][1] for n in names] + [1.0] * len(kernels)
+    scale = [FIGURES[n][2] for n in names] + [1.0] * len(kernels)
+    start = [getattr(profile, n) or FIGURES[n][2] for n in names] + [0.5] * len(kernels)
+    names += [f"kernel:{k}" for k in kernels]
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        return np.log(table.predict(_with(profile, names, x)) / table.seconds)
+
+    fitted = _with(profile, names, _least_squares(residuals, start, lo, hi, scale))
+    if kernels:  # element-wise ops without a measured kernel (the final norm): their median
+        middle = float(np.median(list(fitted.kernel_efficiency.values())))
+        fitted = dataclasses.replace(fitted, elementwise_efficiency=middle)
+    return fitted
+
+
+def collective_times(profile: HardwareProfile, data: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    """`cost_model.collective_time` of ring all-reduces (two passes), over arrays."""
+    half = profile.interconnect_half_bytes
+    bandwidth = profile.interconnect_bandwidth * (data / (data + half) if half else 1.0)
+    return profile.interconnect_latency + 2 * (devices - 1) / devices * data / bandwidth
+
+
+def fit_collectives(profile: HardwareProfile, measured: MeasuredCollectives) -> HardwareProfile:
+    names = list(COLLECTIVE)
+    lo, hi, scale = zip(*(COLLECTIVE[n] for n in names))
+    start = [getattr(profile, n) or COLLECTIVE[n][2] for n in names]
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        fitted = _with(profile, names, x)
+        return np.log(collective_times(fitted, measured.bytes, measured.devices) / measured.seconds)
+
+    return _with(profile, names, _least_squares(residuals, start, lo, hi, scale))
+
+
+def relative_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    return np.abs(predicted / measured - 1.0)
+
+
+def errors_by_band(errors: np.ndarray, tokens: np.ndarray) -> dict[str, tuple[float, int]]:
+    """Median absolute error and row count: overall and per token-count band."""
+    table = {"all": (float(np.median(errors)), len(errors))}
+    for lo, hi in BANDS:
+        mask = (tokens >= lo) & (tokens <= hi)
+        if mask.any():
+            label = f"{lo}-{hi}" if hi != float("inf") else f">={lo}"
+            table[label] = (float(np.median(errors[mask])), int(mask.sum()))
+    return table
+
+
+def fit_from_vidur(
+    profile: HardwareProfile,
+    ops: MeasuredOps,
+    collectives: MeasuredCollectives | None,
+    root: Path,
+    commit: str,
+) -> tuple[HardwareProfile, dict[str, str]]:
+    """The fitted profile and the `sources` entries that say where its figures came from."""
+    fitted = fit_ops(profile, ops)
+    table = OpArrays(ops)
+    op_error = errors_by_band(relative_errors(table.predict(fitted), table.seconds), table.tokens)
+    files = sorted({str(Path(f).relative_to(root)) for f in ops.columns["file"]})
+    sources = {
+        "measured": (
+            f"fitted by servelab-calibrate --from-vidur on the measured operator times of "
+            f"github.com/microsoft/vidur (MIT licence), commit {commit}, data/profiling: "
+            f"{len(ops)} op rows of {len(files)} files ({', '.join(files)}), "
+            f"median abs error {op_error['all'][0]:.1%}"
+        )
+    }
+    if collectives is not None:
+        fitted = fit_collectives(fitted, collectives)
+        predicted = collective_times(fitted, collectives.bytes, collectives.devices)
+        error = float(np.median(relative_errors(predicted, collectives.seconds)))
+        files = ", ".join(str(Path(f).relative_to(root)) for f in collectives.files)
+        sources["interconnect"] = (
+            f"interconnect latency, bandwidth and size curve fitted on {len(collectives.seconds)} "
+            f"measured all-reduce rows of {files} (same repository and commit), "
+            f"median abs error {error:.1%}"
+        )
+    return fitted, sources

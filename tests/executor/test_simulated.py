@@ -128,6 +128,12 @@ def test_every_profile_loads_with_its_sources():
         profile = load_profile(name)
         assert profile.sources and profile.memory > 0 and profile.memory_bandwidth > 0
         assert 0 < profile.matmul_efficiency <= 1 and 0 < profile.bandwidth_efficiency <= 1
+        assert profile.basis in ("measured", "datasheet")
+    # the GPU profiles fitted to measured operator times say so, and where the data came from
+    for name in ("a100-80g", "h100-sxm"):
+        profile = load_profile(name)
+        assert profile.basis == "measured" and "microsoft/vidur" in profile.sources["fitted"]
+    assert load_profile("h200").basis == load_profile("l40s").basis == "datasheet"
     h200 = load_profile("h200")
     # measured: 790 TFLOP/s of a 989 TFLOP/s peak; 4.3 TB/s of 4.8
     assert h200.flops("bfloat16") * h200.matmul_efficiency == pytest.approx(790e12, rel=0.01)
@@ -160,6 +166,8 @@ def test_a_simulated_run_writes_the_usual_files(tmp_path):
     assert executor["hardware"]["name"] == "h100-sxm"
     assert executor["hardware"]["memory_bandwidth"] == 3.35e12
     assert "datasheet" in executor["hardware"]["sources"]["peaks"]
+    # and what kind of profile it is: h100-sxm is fitted to measured GPU operator times
+    assert executor["hardware"]["basis"] == "measured"
 
 
 def test_a_real_run_records_a_wall_clock(tmp_path):

@@ -2,8 +2,10 @@
 
 A profile is one YAML file of the `hardware` config group (`conf/hardware/`),
 or a mapping with the same fields. Peak figures come from datasheets or
-measurements (each profile names its sources); the efficiencies turn peaks into
-achieved rates and are what `servelab-calibrate` fits on a real machine.
+measurements (each profile names its sources and its `basis`: `measured` when its
+figures were fitted to measured times, `datasheet` otherwise); the efficiencies turn
+peaks into achieved rates and are what `servelab-calibrate` fits, on a real machine
+or to measured GPU operator times (`--from-vidur`).
 Sizes accept `80GiB`-style strings; rates are plain numbers (bytes/s, FLOP/s).
 """
 

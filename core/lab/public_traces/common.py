@@ -50,7 +50,9 @@ class Row:
 def trace_file(path: str | None, reader: str, example: str) -> Path:
     """The file `workload.path` names; a missing option or file is a ConfigError."""
     if not path:
-        raise ConfigError(f"workload {reader} needs `path`: a local file, e.g. workload.path={example}")
+        raise ConfigError(
+            f"workload {reader} needs `path`: a local file, e.g. workload.path={example}"
+        )
     file = Path(str(path)).expanduser()
     if not file.is_file():
         raise ConfigError(f"workload {reader}: no such file {str(file)!r}")
@@ -132,7 +134,9 @@ class Selection:
                           ("max_output_len", 1)):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= low):
-                raise ConfigError(f"workload {name} must be an integer >= {low} or null, got {value!r}")
+                raise ConfigError(
+                    f"workload {name} must be an integer >= {low} or null, got {value!r}"
+                )
         self.stats = {"rows_read": 0, "skipped_zero_length": 0, "capped_input": 0,
                       "capped_output": 0}  # fmt: skip
 
@@ -225,7 +229,9 @@ def numbered_lines(file: Path) -> Iterator[tuple[int, str]]:
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise bad_row(file, lineno, f"not UTF-8 text (byte {raw[err.start]:#04x})") from None
+                raise bad_row(
+                    file, lineno, f"not UTF-8 text (byte {raw[err.start]:#04x})"
+                ) from None
 
 
 def csv_rows(file: Path, required: Iterable[str]) -> Iterator[tuple[int, dict[str, str]]]:
@@ -250,8 +256,11 @@ def csv_rows(file: Path, required: Iterable[str]) -> Iterator[tuple[int, dict[st
                 if not values or not any(v.strip() for v in values):
                     continue
                 if len(values) != len(header):
-                    raise bad_row(file, reader.line_num,
-                                  f"{len(values)} fields where the header has {len(header)}")
+                    raise bad_row(
+                        file,
+                        reader.line_num,
+                        f"{len(values)} fields where the header has {len(header)}",
+                    )
                 yield reader.line_num, dict(zip(header, values))
         except UnicodeDecodeError as err:
             raise bad_row(file, reader.line_num + 1, f"not UTF-8 text ({err.reason})") from None
@@ -278,8 +287,12 @@ def timed_requests(
         prompt = prompt_of(row, input_len) if prompt_of else build.random_prompt(input_len)
         requests.append(
             build.request(
-                index, prompt, output_len, arrival_time=time,
-                request_id=f"{reader}-{row.line}", meta={"line": row.line},
+                index,
+                prompt,
+                output_len,
+                arrival_time=time,
+                request_id=f"{reader}-{row.line}",
+                meta={"line": row.line},
             )  # fmt: skip
         )
     return replayed(requests, file, reader, selection, **extra)

@@ -66,7 +66,9 @@ def sharegpt_workload(
     conversations; `num_requests` counts requests (turns)."""
     file = trace_file(path, "sharegpt", "ShareGPT_V3_unfiltered_cleaned_split.json")
     if turns is not None and not (isinstance(turns, int) and turns >= 1):
-        raise ConfigError(f"workload sharegpt: turns must be an integer >= 1 or null, got {turns!r}")
+        raise ConfigError(
+            f"workload sharegpt: turns must be an integer >= 1 or null, got {turns!r}"
+        )
     if not isinstance(think_time, int | float) or think_time < 0:
         raise ConfigError(f"workload sharegpt: think_time must be >= 0 seconds, got {think_time!r}")
     selection = Selection(first_row=first_row, num_requests=num_requests,

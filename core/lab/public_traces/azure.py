@@ -20,15 +20,13 @@ from pathlib import Path
 
 from servelab.lab.public_traces.common import (
     Row,
-    Selection,
     TraceRequests,
     bad_row,
     count,
     csv_rows,
+    open_trace,
     timed_requests,
-    trace_file,
 )
-from servelab.lab.request_builder import RequestBuilder
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 DATE_TIME = re.compile(
@@ -54,11 +52,8 @@ def azure_llm_workload(
     ignore_eos: bool = True,
 ) -> TraceRequests:
     """An Azure LLM inference trace CSV -> requests (module docstring)."""
-    file = trace_file(path, "azure_llm", "AzureLLMInferenceTrace_conv.csv")
-    selection = Selection(start_time, end_time, first_row, num_requests, time_scale, rate,
-                          max_input_len, max_output_len, max_model_len)  # fmt: skip
+    file, selection, build = open_trace("azure_llm", locals(), "AzureLLMInferenceTrace_conv.csv")
     rows = selection.select(azure_rows(file))
-    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
     return timed_requests("azure_llm", file, rows, selection, build)
 
 

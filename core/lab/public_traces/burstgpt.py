@@ -17,15 +17,13 @@ from pathlib import Path
 
 from servelab.lab.public_traces.common import (
     Row,
-    Selection,
     TraceRequests,
     count,
     csv_rows,
+    open_trace,
     seconds,
     timed_requests,
-    trace_file,
 )
-from servelab.lab.request_builder import RequestBuilder
 
 COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Log Type")
 
@@ -49,11 +47,8 @@ def burstgpt_workload(
     ignore_eos: bool = True,
 ) -> TraceRequests:
     """A BurstGPT CSV -> requests (module docstring)."""
-    file = trace_file(path, "burstgpt", "BurstGPT_without_fails_2.csv")
-    selection = Selection(start_time, end_time, first_row, num_requests, time_scale, rate,
-                          max_input_len, max_output_len, max_model_len)  # fmt: skip
+    file, selection, build = open_trace("burstgpt", locals(), "BurstGPT_without_fails_2.csv")
     rows = selection.select(burstgpt_rows(file, model, log_type))
-    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
     return timed_requests("burstgpt", file, rows, selection, build, model=model, log_type=log_type)
 
 

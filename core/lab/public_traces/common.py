@@ -47,6 +47,19 @@ class Row:
     extra: Any = None
 
 
+SELECTION_OPTIONS = ("start_time", "end_time", "first_row", "num_requests", "time_scale", "rate",
+                     "max_input_len", "max_output_len", "max_model_len")  # fmt: skip
+
+
+def open_trace(reader: str, options: dict, example: str) -> tuple[Path, Selection, RequestBuilder]:
+    """A reader's file, selection and request builder from its options (its `locals()`)."""
+    file = trace_file(options["path"], reader, example)
+    selection = Selection(**{k: options[k] for k in SELECTION_OPTIONS if k in options})
+    build = RequestBuilder(options["vocab_size"], options["max_model_len"], options["seed"],
+                           options["temperature"], options["ignore_eos"])  # fmt: skip
+    return file, selection, build
+
+
 def trace_file(path: str | None, reader: str, example: str) -> Path:
     """The file `workload.path` names; a missing option or file is a ConfigError."""
     if not path:

@@ -26,16 +26,15 @@ import numpy as np
 from servelab.errors import ConfigError
 from servelab.lab.public_traces.common import (
     Row,
-    Selection,
     TraceRequests,
     bad_row,
     count,
     numbered_lines,
+    open_trace,
     seconds,
     timed_requests,
-    trace_file,
 )
-from servelab.lab.request_builder import FIRST_TOKEN_ID, RequestBuilder, check_int
+from servelab.lab.request_builder import FIRST_TOKEN_ID, check_int
 
 KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -60,11 +59,8 @@ def mooncake_workload(
     """A Mooncake JSONL trace -> requests whose prompts share what their hash ids share."""
     check_int("workload mooncake: block_size", block_size, 1)
     check_int("workload mooncake: seed", seed, 0)
-    file = trace_file(path, "mooncake", "conversation_trace.jsonl")
-    selection = Selection(start_time, end_time, first_row, num_requests, time_scale, rate,
-                          max_input_len, max_output_len, max_model_len)  # fmt: skip
+    file, selection, build = open_trace("mooncake", locals(), "conversation_trace.jsonl")
     rows = selection.select(mooncake_rows(file))
-    build = RequestBuilder(vocab_size, max_model_len, seed, temperature, ignore_eos)
     blocks = HashedBlocks(block_size, vocab_size, seed)
     return timed_requests(
         "mooncake", file, rows, selection, build,

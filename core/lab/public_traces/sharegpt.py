@@ -80,6 +80,7 @@ def sharegpt_workload(
     chats: list[list[WorkloadRequest]] = []
     total = 0
     for index, (line, item) in enumerate(conversations(file)):
+        selection.stats["rows_read"] = index + 1  # conversations read
         if index < first_row:
             continue
         if num_requests is not None and total >= num_requests:

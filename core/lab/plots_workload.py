@@ -4,7 +4,7 @@ histograms and the arrival rate over time (requests per second in 40 equal
 bins from the first arrival). Read from each run's requests.csv (the lengths
 as served: a capped prompt shows capped). Runs that replayed the same workload
 (equal `workload` config nodes) are drawn once; distinct ones (a rate sweep, two
-traces) are overlaid, at most `MAX_WORKLOADS`. A public trace's file, hash and
+traces) are overlaid, at most `MAX_WORKLOADS`, their lengths drawn once when equal. A public trace's file, hash and
 capped counts (the run's provenance, servelab.lab.public_traces) go in the title.
 """
 
@@ -30,14 +30,19 @@ def plot_workloads(runs: Sequence[Run], out: Path) -> list[str]:
         return []
     plt = pyplot()
     fig, (prompts, outputs, rate) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for label, rows in shapes:
+    drawn: set[tuple] = set()  # a rate sweep replays the same lengths: one histogram of them
+    for index, (label, rows) in enumerate(shapes):
         prompt = np.array([float(r["prompt_tokens"]) for r in rows])
         output = np.array([float(r["output_tokens"]) for r in rows])
         arrival = np.array([float(r["arrival_time"]) for r in rows])
-        prompts.hist(prompt, bins=40, histtype="step", linewidth=1.5, label=label)
-        outputs.hist(output, bins=40, histtype="step", linewidth=1.5, label=label)
+        lengths = (tuple(np.sort(prompt)), tuple(np.sort(output)))
+        if lengths not in drawn:
+            drawn.add(lengths)
+            color = f"C{index}"
+            prompts.hist(prompt, bins=40, histtype="step", linewidth=1.5, color=color)
+            outputs.hist(output, bins=40, histtype="step", linewidth=1.5, color=color)
         times, per_second = arrival_rate(arrival)
-        rate.step(times, per_second, where="post", linewidth=1.2, label=label)
+        rate.step(times, per_second, where="post", linewidth=1.2, label=label, color=f"C{index}")
     prompts.set(xlabel="prompt tokens", ylabel="requests", title="Prompt lengths")
     outputs.set(xlabel="output tokens", ylabel="requests", title="Output lengths")
     rate.set(xlabel="seconds after the first arrival", ylabel="requests / s",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from servelab.engine.build import build_engine
 from servelab.lab.workload import make_workload
@@ -190,6 +191,8 @@ def test_prefix_caching_mooncake_preset(tmp_path):
     assert hashed["ttft_p50_ms"] < off["ttft_p50_ms"]
     summary = (tmp_path / "prefix_caching_mooncake" / "summary.md").read_text()
     assert "fails" not in summary and "![workload](workload.png)" in summary
+    with Image.open(tmp_path / "prefix_caching_mooncake" / "workload.png") as image:
+        assert image.width > 1000  # three panels side by side
 
 
 def test_capacity_azure_h100_preset(tmp_path):

@@ -183,7 +183,8 @@ def test_prefix_caching_mooncake_preset(tmp_path):
     path = mooncake_sessions(tmp_path)
     runs = run_preset(tmp_path, "prefix_caching_mooncake", f"workload.path={path}",
                       "workload.num_requests=40")  # fmt: skip
-    off, hashed, radix = runs["paged"], runs["paged_hashed"], runs["radix"]
+    off, hashed, radix = (runs[f"{cache}/{allocator}"] for cache, allocator in
+                          (("off", "paged"), ("hashed", "paged"), ("radix", "radix")))  # fmt: skip
     assert off["prefix_hit_rate"] == 0
     assert hashed["prefill_tokens"] <= 0.8 * off["prefill_tokens"]
     assert radix["prefill_tokens"] <= 0.8 * off["prefill_tokens"]

@@ -25,6 +25,7 @@ from servelab.errors import ConfigError
 from servelab.lab.claims import CLAIM_OPS, ClaimResult, evaluate_claim, evaluate_claims
 from servelab.lab.estimates import estimate
 from servelab.lab.plots_load import draw_plots
+from servelab.lab.plots_workload import plot_workloads
 from servelab.lab.provenance import mixed_provenance
 from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
 from servelab.lab.slo import add_slo_figures, capacity, slo_options
@@ -210,6 +211,7 @@ def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> 
     claims = evaluate_claims(configs, settings["claims"])
     capacities = capacity(configs, settings["slo"]) if settings["slo"] else []
     written = draw_plots(configs, claims, settings, out)
+    written += plot_workloads(runs, out)  # workload.png: the replayed lengths and arrivals
     warnings = mixed_provenance([run.provenance for run in runs])
     text = markdown(settings, configs, fixed, claims, shown, written, warnings, capacities)
     (out / "summary.md").write_text(text)

@@ -34,7 +34,7 @@ from servelab.lab.arrivals import ArrivalQueue
 from servelab.lab.fairness import fairness_figures
 from servelab.lab.provenance import provenance
 from servelab.lab.report import report_options
-from servelab.lab.workload import WorkloadRequest, make_workload
+from servelab.lab.workload import WorkloadRequest, make_workload, trace_source
 from servelab.registry.typed import check_value
 from servelab.step.sequence import SamplingParams
 
@@ -225,6 +225,7 @@ def run_config(config: Mapping) -> RunResult:
         **engine.executor.describe(),
     }
     requests = make_workload(workload, engine.model_config.vocab_size, engine.max_model_len)
+    started.update(trace_source(requests))  # a public trace: its file, hash and what was capped
     if options["warmup"]:
         warm_up(engine)
     summary = serve(engine, requests, bool(options["progress"]), float(options["idle_sleep"]))

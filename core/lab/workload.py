@@ -19,6 +19,7 @@ from servelab.errors import ConfigError
 from servelab.lab.distributions import ARRIVALS, LENGTH_DISTS, LengthDist, arrival_times
 from servelab.lab.multi_client import multi_client_workload
 from servelab.lab.multi_turn import multi_turn_workload
+from servelab.lab.public_traces import PUBLIC_TRACES, trace_source
 from servelab.lab.request_builder import (
     FIRST_TOKEN_ID,
     RequestBuilder,
@@ -52,6 +53,7 @@ __all__ = [  # callers import every workload name from here, wherever it is defi
     "parse_trace_line",
     "random_prompt",
     "synthetic_workload",
+    "trace_source",
     "trace_workload",
     "workload_options",
 ]
@@ -212,6 +214,7 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "trace": trace_workload,
     "multi_client": multi_client_workload,
     "multi_turn": multi_turn_workload,
+    **PUBLIC_TRACES,  # sharegpt, burstgpt, azure_llm, mooncake: servelab.lab.public_traces
 }
 _CONTEXT = ("vocab_size", "max_model_len")  # supplied by the runner, never by the user
 

@@ -138,8 +138,6 @@ class Engine:
             self.groups[request_id] = group
             if params.stop or params.logprobs is not None:
                 self.watched.add(request_id)
-                wanted = -1 if params.logprobs is None else params.logprobs
-                self.runner.logprobs_k = max(self.runner.logprobs_k, wanted)
             return request_id
 
     def _free_id(self, prefix: str) -> str:
@@ -216,6 +214,15 @@ class Engine:
             if item.seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
                 item.seq.first_scheduled_time = now
+        if self.watched:  # logprobs travel in the plan: the most any live request asked for
+            plan.logprobs_k = max(
+                (
+                    g.params.logprobs
+                    for r in self.watched
+                    if (g := self.groups.get(r)) is not None and g.params.logprobs is not None
+                ),
+                default=-1,
+            )
         return self.executor.execute(plan)
 
     # -- bookkeeping
@@ -274,10 +281,7 @@ class Engine:
             error=error,
         )
         del self.groups[group.request_id]
-        if group.request_id in self.watched:
-            self.watched.discard(group.request_id)
-            if not self.watched:
-                self.runner.logprobs_k = -1
+        self.watched.discard(group.request_id)
         self.notify("servelab_request_end", engine=self, request=dict(row))
         self.loop.finished(output)
         return output

@@ -93,6 +93,9 @@ class StepPlan:
         self.decode_seqs: list[Sequence] = decodes.seqs if decodes is not None else []
         self.decode_seq_ids: list[int] = decodes.seq_ids if decodes is not None else []
         self._listed: list[ScheduledSeq] | None = None
+        # the most logprob alternatives a live request asked for (-1: none asked);
+        # the engine sets it, the executor returns `SampledTokens.logprobs` when >= 0
+        self.logprobs_k = -1
 
     @property
     def num_batch_decodes(self) -> int:

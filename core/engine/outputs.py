@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from servelab.engine.stop_strings import find_stop
-from servelab.step.sequence import FinishReason, RequestOutput, SequenceGroup
+from servelab.step.sequence import RequestOutput, SequenceGroup
 
 if TYPE_CHECKING:
     from servelab.engine.engine import Engine
@@ -68,6 +68,5 @@ def _apply_stops(engine: Engine, group: SequenceGroup) -> bool:
         text = find_stop(seq, engine.tokenizer)
         if text is not None:
             seq.stop_text = text
-            engine.scheduler.decode_batch = None  # it holds the row; rebuilt next step
-            engine.scheduler.finish(seq, FinishReason.STOP)
+            engine.scheduler.stop(seq)
     return group.is_finished

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 class Admission:
     """`_admit` and what it needs; mixed into `SchedulerCore`."""
 
+    if TYPE_CHECKING:
+
+        @property
+        def num_running_seqs(self) -> int: ...
+
     allocator: KVAllocator
     waiting: list[SequenceGroup]
     running: list[SequenceGroup]
@@ -34,12 +39,11 @@ class Admission:
     admission: str
     order: str
     max_num_seqs: int
-    num_running_seqs: int
     swapped_in_admission_order: bool
     order_key: Callable[[SequenceGroup], tuple]
     admission_order: Callable[[list[SequenceGroup], StepPlan], Iterable[SequenceGroup]]
     tokens_for: Callable[[Sequence, int, int], int]
-    finish: Callable[[Sequence, FinishReason], None]
+    _finish: Callable[[Sequence, FinishReason], None]
     _resume_one: Callable[[SequenceGroup, StepPlan, int], int | None]
     _release_group: Callable[[SequenceGroup], None]
     _worst_case_blocks: Callable[[SequenceGroup], int]
@@ -103,7 +107,7 @@ class Admission:
         if not self._allocate_fresh(seqs, [s + c for s, c in zip(starts, counts)]):
             if self.allocator.num_free_blocks == self.allocator.num_blocks:
                 for seq in seqs:  # an empty cache cannot hold it: it can never run
-                    self.finish(seq, FinishReason.CACHE_FULL)
+                    self._finish(seq, FinishReason.CACHE_FULL)
                 self.waiting.remove(group)
                 self._release_group(group)
                 self.cache_full.append(group)

@@ -149,7 +149,7 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
                     queue.remove(group)
                     aborted = group.unfinished()
                     for seq in aborted:
-                        self.finish(seq, FinishReason.ABORT)
+                        self._finish(seq, FinishReason.ABORT)
                     self._release_group(group)
                     self.on_request_end(group)
                     return aborted
@@ -158,7 +158,7 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
     def stop(self, seq: Sequence) -> None:
         """Finishes `seq` from outside the step (a stop string matched its text)."""
         self.decode_batch = None  # it may hold the row; rebuilt next step
-        self.finish(seq, FinishReason.STOP)
+        self._finish(seq, FinishReason.STOP)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -255,10 +255,11 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
             while not self._can_allocate_all(seqs, counts):
                 candidates = [g.unfinished() for g in queue if not g.is_finished] + [seqs]
                 victim_group = self.preemption.select_victim(candidates)[0].group
+                assert victim_group is not None  # a queued sequence belongs to its group
                 if victim_group is group and not queue and all(g.is_finished for g in kept):
                     # alone in the cache and still no room: it can never finish
                     for seq in seqs:
-                        self.finish(seq, FinishReason.CACHE_FULL)
+                        self._finish(seq, FinishReason.CACHE_FULL)
                     self._release_group(group)
                     self.cache_full.append(group)
                     break

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 class StepUpdate:
     """`update` and what it needs; mixed into `SchedulerCore`."""
 
+    if TYPE_CHECKING:
+
+        @property
+        def num_running_seqs(self) -> int: ...
+
     allocator: KVAllocator
     running: list[SequenceGroup]
     swapped: list[SequenceGroup]
@@ -35,7 +40,6 @@ class StepUpdate:
     decode_fast_path: bool
     max_num_batched_tokens: int
     max_model_len: int
-    num_running_seqs: int
     _holds_slots: bool
     _release_group: Callable[[SequenceGroup], None]
     keeps_slot: Callable[[SequenceGroup], bool]
@@ -67,7 +71,8 @@ class StepUpdate:
                 target.token_times.append(now)
                 reason = self._stop_reason(target)
                 if reason is not None:
-                    self.finish(target, reason)
+                    self._finish(target, reason)
+                    assert target.group is not None  # a queued sequence belongs to its group
                     stopped.add(target.group)
         if stopped or self._holds_slots:
             for group in list(self.running):  # in queue order
@@ -107,7 +112,7 @@ class StepUpdate:
         for row, seq in candidates:
             reason = self._stop_reason(seq)
             if reason is not None:
-                self.finish(seq, reason)
+                self._finish(seq, reason)
                 stopped.add(seq.group)
                 ending.append(row)
         if ending:
@@ -152,6 +157,7 @@ class StepUpdate:
         if count:
             self.decode_batch = None
         group = parent.group
+        assert group is not None  # a queued sequence belongs to its group
         children = []
         for _ in range(count):
             index = len(group.seqs)
@@ -171,7 +177,7 @@ class StepUpdate:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Marks `seq` finished and frees its blocks at once (a group that keeps
         its slot keeps the slot, not the blocks)."""
         seq.status = SequenceStatus.FINISHED

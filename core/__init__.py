@@ -42,7 +42,9 @@ def __getattr__(name: str):
 # Deprecated flat import paths -> the modules that hold their names: they keep
 # working for one release, with a DeprecationWarning naming the new home.
 MOVED_MODULES: dict[str, tuple[str, ...]] = {
-    "servelab.scheduler_base": ("servelab.contracts.scheduler_base",),
+    "servelab.scheduler_base": ("servelab.scheduling.core",),
+    "servelab.contracts.scheduler_base": ("servelab.scheduling.core",),
+    "servelab.contracts.scheduler_update": ("servelab.scheduling.update",),
     "servelab.batch": ("servelab.step.plan", "servelab.step.metadata"),
     "servelab.sequence": ("servelab.step.sequence",),
     "servelab.options": ("servelab.registry.options", "servelab.registry.construct"),
@@ -53,6 +55,13 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
         "servelab.contracts.attention",
     ),
     "servelab.hookspecs": ("servelab.contracts.hookspecs",),
+}
+
+# Names that changed with their move: old module -> {old name: new name}
+RENAMED_NAMES: dict[str, dict[str, str]] = {
+    "servelab.scheduler_base": {"BaseScheduler": "SchedulerCore"},
+    "servelab.contracts.scheduler_base": {"BaseScheduler": "SchedulerCore"},
+    "servelab.contracts.scheduler_update": {"AfterTheForward": "StepUpdate"},
 }
 
 
@@ -78,6 +87,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         for home in homes:
             names = vars(importlib.import_module(home))
             module.__dict__.update({k: v for k, v in names.items() if not k.startswith("__")})
+        for old, new in RENAMED_NAMES.get(module.__name__, {}).items():
+            module.__dict__[old] = module.__dict__[new]
 
 
 if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):

@@ -9,7 +9,7 @@ runs the same parts against a cost model.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from servelab.contracts.kinds import KINDS
 from servelab.engine.build import build_engine
@@ -58,5 +58,7 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self.engine.generate(list(prompts), params)
+            batch = [cast("str | list[int]", prompts)]
+        else:
+            batch = list(cast("Seq[str | list[int]]", prompts))
+        return self.engine.generate(batch, params)

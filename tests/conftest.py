@@ -28,3 +28,67 @@ def on_plugin_path(monkeypatch) -> Iterator[Callable[[Path, str], None]]:
     plugin_manager.reset_plugin_manager()
     for name in [m for m in sys.modules if m.startswith(tuple(prefixes))]:
         del sys.modules[name]
+
+
+# -- the fast tier: `pytest -m "not slow"` leaves these out; the full suite runs them.
+# Slow: whole processes (servers, torchrun, CLI runs, pip builds and installs), kernel
+# builds, long Hypothesis runs, and the sweeps over every combination (see SWEEPS).
+SLOW = (
+    "tests/test_packaging.py",
+    "tests/test_benchmarks_smoke.py",
+    "tests/test_cpu_ab.py",
+    "tests/test_cli.py::test_joblib_launcher_runs_a_sweep_and_the_report_reads_it",
+    "tests/test_cli.py::test_a_failing_job_does_not_end_its_sweep_and_the_report_lists_it",
+    "tests/test_layering.py::test_allocators_import_without_torch",
+    "tests/test_deprecated_paths.py::test_an_old_path_still_imports_with_a_warning",
+    "tests/test_deprecated_paths.py::test_the_new_paths_do_not_warn",
+    "tests/test_simulation_accuracy.py",
+    "tests/engine/test_memory.py::test_nothing_lost_under_memory_pressure",
+    "tests/engine/test_engine.py::test_outputs_do_not_depend_on_batch_composition",
+    "tests/engine/test_engine.py::test_seeded_request_gives_same_tokens_in_any_batch",
+    "tests/engine/test_engine.py::test_top_k_one_equals_greedy",
+    "tests/executor/test_device_path.py::test_decode_steps_replay_through_the_model_runner",
+    "tests/executor/test_device_path.py::test_throughput_benchmark_tiny_smoke",
+    "tests/executor/test_tensor_parallel.py",
+    "tests/executor/test_tensor_parallel_failures.py",
+    "tests/executor/test_tensor_parallel_graphs.py",
+    "tests/kernels/test_kernel_cache.py",
+    "tests/registry/test_example_plugin.py",
+    "tests/registry/test_broken_plugins.py::test_a_broken_plugin_is_one_warning",
+    "tests/registry/test_typed_options.py::test_the_command_line_says_which_key_is_wrong",
+    "tests/serve/test_bench.py",
+    "tests/serve/test_load.py",
+    "tests/lab/test_presets.py",
+    "tests/lab/test_repeats.py",
+    "tests/plugins/test_allocator_stateful.py",
+    "tests/testing/test_conformance.py",
+)
+# Parametrized sweeps over every combination: the first case of each stays in the
+# fast tier (the code path is exercised), the rest are slow.
+SWEEPS = (
+    "tests/test_oracle.py::test_qwen3_every_combination",
+    "tests/test_oracle.py::test_other_architectures",
+    "tests/test_config_compose.py::test_every_component_combination_builds",
+    "tests/test_config_compose.py::test_every_option_composes",
+    "tests/test_config_compose.py::test_every_preset_job_composes_and_builds",
+    "tests/plugins/test_attention_backends.py::test_matches_reference_and_stores_kv",
+    "tests/plugins/test_attention_backends.py::test_fast_impls_match_the_reference_impl",
+    "tests/executor/test_same_decisions.py::test_simulated_makes_the_real_engines_decisions",
+    "tests/engine/test_same_decisions.py::test_every_builtin_decides_as_before",
+    "tests/kernels/test_cpu_fused.py::test_qk_norm_rope_matches_torch",
+    "tests/kernels/test_cpu_fused.py::test_rms_norm_matches_torch",
+    "tests/kernels/test_cpu_linear.py::test_matches_the_exact_product",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    seen: set[str] = set()
+    for item in items:
+        node = item.nodeid
+        function = node.split("[", 1)[0]
+        if node.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+        elif function in SWEEPS:
+            if function in seen:
+                item.add_marker(pytest.mark.slow)
+            seen.add(function)

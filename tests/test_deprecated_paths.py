@@ -12,7 +12,9 @@ from servelab import MOVED_MODULES
 
 # an old path, a name plugin authors imported from it, and where that name lives now
 CASES = [
-    ("servelab.scheduler_base", "BaseScheduler", "servelab.contracts.scheduler_base"),
+    ("servelab.scheduler_base", "SchedulerCore", "servelab.scheduling.core"),
+    ("servelab.contracts.scheduler_base", "SchedulerCore", "servelab.scheduling.core"),
+    ("servelab.contracts.scheduler_update", "StepUpdate", "servelab.scheduling.update"),
     ("servelab.batch", "StepPlan", "servelab.step.plan"),
     ("servelab.batch", "AttentionMetadata", "servelab.step.metadata"),
     ("servelab.batch", "BlockCopies", "servelab.step.plan"),
@@ -53,7 +55,7 @@ def test_the_new_paths_do_not_warn():
     script = (
         "import warnings\n"
         "warnings.simplefilter('error')\n"
-        "from servelab.contracts.scheduler_base import BaseScheduler\n"
+        "from servelab.scheduling import SchedulerCore\n"
         "from servelab.step.plan import StepPlan\n"
         "from servelab.registry.options import describe_options\n"
         "import servelab.plugins.allocators.paged\n"

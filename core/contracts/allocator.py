@@ -86,8 +86,11 @@ class KVAllocator(abc.ABC):
         ones): whoever keeps a copy of the table must read it again."""
         return False
 
-    # -- the decode fast path (servelab.step.decode_batch); the defaults are correct
-    # for any allocator, an override only makes them cheap
+    # -- the decode fast path (servelab.step.decode_batch): the scheduler core's second
+    # way to grow and commit a step in which every running sequence decodes. Two paths,
+    # because the general one (`allocate` / `commit` per sequence) costs Python work per
+    # sequence every step; these take a whole batch at once. The defaults are exactly the
+    # general path, correct for any allocator; an override only makes them cheap.
     def extend_decodes(self, seqs: list[Sequence], rows: list[int]) -> list[int] | None:
         """Room for one more token in each of `seqs`, all decoding (each computes
         its last token), where exactly `seqs[r]` for r in `rows` need a new

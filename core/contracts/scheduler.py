@@ -1,5 +1,6 @@
 """The scheduler contract: decides each step's work. Built-ins subclass
-`servelab.contracts.scheduler_base.BaseScheduler`, which keeps the queues."""
+`servelab.scheduling.SchedulerCore`, which keeps the queues and owns
+correctness, and override only its policy hooks (`servelab.scheduling.policy`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class Scheduler(abc.ABC):
-    """Decides each step's work. See `servelab.contracts.scheduler_base.BaseScheduler`."""
+    """Decides each step's work. See `servelab.scheduling.SchedulerCore`."""
 
     description: ClassVar[str] = ""
 
@@ -35,3 +36,8 @@ class Scheduler(abc.ABC):
 
     @abc.abstractmethod
     def has_unfinished(self) -> bool: ...
+
+    def stop(self, seq: Sequence) -> None:
+        """Finishes `seq` (reason "stop") from outside a step: a stop string matched
+        its text. Its blocks are freed; its group leaves through `abort` once done."""
+        raise NotImplementedError(f"{type(self).__name__} does not support stop strings")

@@ -138,8 +138,6 @@ class Engine:
             self.groups[request_id] = group
             if params.stop or params.logprobs is not None:
                 self.watched.add(request_id)
-                wanted = -1 if params.logprobs is None else params.logprobs
-                self.runner.logprobs_k = max(self.runner.logprobs_k, wanted)
             return request_id
 
     def _free_id(self, prefix: str) -> str:
@@ -174,7 +172,7 @@ class Engine:
                 return None
             return [s.output_token_ids for s in sorted(group.seqs, key=lambda s: s.sample_index)]
 
-    def output_logprobs(self, request_id: str) -> list[list[dict]] | None:
+    def output_logprobs(self, request_id: str) -> list[list[dict] | None] | None:
         """Like `output_tokens`, the logprobs each sample has so far (asked for ones)."""
         with self._lock:
             group = self.groups.get(request_id)
@@ -216,6 +214,15 @@ class Engine:
             if item.seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
                 item.seq.first_scheduled_time = now
+        if self.watched:  # logprobs travel in the plan: the most any live request asked for
+            plan.logprobs_k = max(
+                (
+                    g.params.logprobs
+                    for r in self.watched
+                    if (g := self.groups.get(r)) is not None and g.params.logprobs is not None
+                ),
+                default=-1,
+            )
         return self.executor.execute(plan)
 
     # -- bookkeeping
@@ -274,10 +281,7 @@ class Engine:
             error=error,
         )
         del self.groups[group.request_id]
-        if group.request_id in self.watched:
-            self.watched.discard(group.request_id)
-            if not self.watched:
-                self.runner.logprobs_k = -1
+        self.watched.discard(group.request_id)
         self.notify("servelab_request_end", engine=self, request=dict(row))
         self.loop.finished(output)
         return output
@@ -293,17 +297,11 @@ class Engine:
         if plan.is_empty and not plan.preempted:
             return
         step = self._step_index
-        self.metrics.note_step(step, plan.items, plan.decode_seq_ids, plan.preempted)
+        self.metrics.note_step(step, plan)
         usage = self.allocator.usage()
         stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
         delta = self.metrics.deltas(self._metric_counters(usage, stats))
-        # a decode token is a one-token step past the prompt, sampling or not (a
-        # recomputing sequence's one-token chunk counts too; plan.num_decodes would not)
-        batch_rows = plan.num_batch_decodes
-        decode_tokens = batch_rows + sum(
-            1 for i in plan.items if i.num_query_tokens == 1 and i.start >= i.seq.num_prompt_tokens
-        )
-        num_seqs = batch_rows + len(plan.items)
+        num_seqs, decode_tokens, sampled_tokens = plan.counts()
         record = StepRecord(
             step=step,
             start_time=start,
@@ -317,7 +315,7 @@ class Engine:
             kv_tokens_reserved=int(usage["tokens_reserved"]),
             kv_tokens_capacity=int(usage["tokens_capacity"]),
             num_prefills=num_seqs - decode_tokens,
-            sampled_tokens=batch_rows + sum(1 for item in plan.items if item.samples),
+            sampled_tokens=sampled_tokens,
             padding_tokens=int(delta.pop("attn_padded_query_slots", 0)),
             padded_key_slots=int(delta.pop("attn_padded_key_slots", 0)),
             real_key_tokens=int(delta.pop("attn_real_key_tokens", 0)),

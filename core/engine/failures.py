@@ -71,8 +71,6 @@ def _drop(engine: Engine, group: SequenceGroup) -> None:
                 members.remove(group)
         for seq in group.seqs:
             engine.allocator.free(seq)
-    if getattr(engine.scheduler, "decode_batch", None) is not None:
-        engine.scheduler.decode_batch = None  # it may still hold the group's rows
     for seq in group.seqs:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.ERROR

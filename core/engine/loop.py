@@ -83,6 +83,7 @@ class _Collector(Sink):
             prompt = self.prompts[self.order.index(delta.request_id)]
             ids = prompt if isinstance(prompt, list) else []
             delta.output = RequestOutput(delta.request_id, ids, [], True, error=delta.error)
+        assert delta.output is not None  # a sink hears of a request once, when it ends
         self.outputs[delta.request_id] = delta.output
         if self.done:  # a caller may be waiting on another thread's steps
             with self.wake:
@@ -130,12 +131,14 @@ class EngineLoop:
     ) -> list[RequestOutput]:
         """Runs prompts to completion through the loop, one output per prompt, in order."""
         if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+            each: Seq[SamplingParams | None] = [params] * len(prompts)
+        else:
+            each = params
+        if len(each) != len(prompts):
+            raise RequestError(f"got {len(prompts)} prompts but {len(each)} SamplingParams")
         order = [self._free_id() for _ in prompts]
         collector = _Collector(order, prompts, self._turn)
-        for request_id, prompt, p in zip(order, prompts, params):
+        for request_id, prompt, p in zip(order, prompts, each):
             self.submit(request_id, prompt, p, 0, collector)
         self._run_until(lambda: collector.done)
         outputs = [collector.outputs[r] for r in order]
@@ -288,7 +291,7 @@ class EngineLoop:
 
 
 def _new_tokens(request_id: str, tracked: _Tracked, tokens: list[list[int]],
-                logprobs: list[list[dict]] | None) -> Delta:  # fmt: skip
+                logprobs: list[list[dict] | None] | None) -> Delta:  # fmt: skip
     delta = Delta(request_id)
     while len(tracked.sent) < len(tokens):  # the prompt forked into its n samples
         tracked.sent.append(tracked.sent[0] if tracked.sent else 0)
@@ -296,7 +299,8 @@ def _new_tokens(request_id: str, tracked: _Tracked, tokens: list[list[int]],
         sent = tracked.sent[index]
         if len(ids) > sent:
             delta.new_tokens[index] = ids[sent:]
-            if logprobs is not None and logprobs[index] is not None:
-                delta.new_logprobs[index] = logprobs[index][sent : len(ids)]
+            rows = logprobs[index] if logprobs is not None else None
+            if rows is not None:
+                delta.new_logprobs[index] = rows[sent : len(ids)]
             tracked.sent[index] = len(ids)
     return delta

@@ -15,10 +15,14 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from servelab.step.sequence import SequenceStatus
+
+if TYPE_CHECKING:
+    from servelab.step.plan import StepPlan
 
 # finish reasons of requests that did not complete (the rest: "stop", "length")
 UNFINISHED_REASONS = ("abort", "rejected", "cache_full", "error")
@@ -298,19 +302,13 @@ class MetricsCollector:
         self._last_counters.update(counters)
         return out
 
-    def note_step(
-        self,
-        step: int,
-        scheduled: Iterable,
-        decoded_ids: Iterable[int] = (),
-        preempted: Iterable = (),
-    ) -> None:
+    def note_step(self, step: int, plan: StepPlan) -> None:
         """Remembers, per sequence id, its first scheduled step and its sampling
-        steps: `scheduled` are the step's `ScheduledSeq`s, `decoded_ids` the
-        sequences of its decode batch (scheduled before, one token each). Runs
-        after the step's finished requests were recorded: their sequences
-        (closed by `pop_sequence`) are skipped. `preempted`: the sequences the
-        step preempted (swapped out, or sent back to recompute)."""
+        steps, and the sequences the step preempted (swapped out, or sent back to
+        recompute). Runs after the step's finished requests were recorded: their
+        sequences (closed by `pop_sequence`) are skipped."""
+        # the plan's decode-batch rows were scheduled before and sample one token each
+        scheduled, decoded_ids, preempted = plan.items, plan.decode_seq_ids, plan.preempted
         closed = self._closed
         for seq in preempted:
             kind = "swap" if seq.status == SequenceStatus.SWAPPED else "recompute"

@@ -16,20 +16,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from servelab.engine.stop_strings import find_stop
-from servelab.step.sequence import FinishReason, RequestOutput, SequenceGroup
+from servelab.step.plan import SampledTokens
+from servelab.step.sequence import RequestOutput, SequenceGroup
 
 if TYPE_CHECKING:
     from servelab.engine.engine import Engine
-    from servelab.step.plan import SampledTokens
 
 
 def after_update(engine: Engine, sampled: SampledTokens | dict) -> list[RequestOutput]:
     """Records logprobs and applies stop strings for the watched requests;
     returns the outputs of the groups a stop string finished."""
     groups = [engine.groups[r] for r in list(engine.watched) if r in engine.groups]
-    logprobs = getattr(sampled, "logprobs", None)
-    if logprobs is not None:
-        _record_logprobs(groups, sampled.owners, logprobs)
+    if isinstance(sampled, SampledTokens) and sampled.logprobs is not None:
+        _record_logprobs(groups, sampled.owners, sampled.logprobs)
     if engine.tokenizer is None:
         return []
     done = []
@@ -58,7 +57,8 @@ def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[
         # a prompt that forked this step: the parent's entry, then its children's
         targets = [seq] + (group.seqs[-(len(got) - 1) :] if len(got) > 1 else [])
         for target, row in zip(targets, trimmed):  # children hold copies of the parent's list
-            target.logprobs.append(row)
+            if target.logprobs is not None:  # a list: its request asked for logprobs
+                target.logprobs.append(row)
 
 
 def _apply_stops(engine: Engine, group: SequenceGroup) -> bool:
@@ -68,6 +68,5 @@ def _apply_stops(engine: Engine, group: SequenceGroup) -> bool:
         text = find_stop(seq, engine.tokenizer)
         if text is not None:
             seq.stop_text = text
-            engine.scheduler.decode_batch = None  # it holds the row; rebuilt next step
-            engine.scheduler.finish(seq, FinishReason.STOP)
+            engine.scheduler.stop(seq)
     return group.is_finished

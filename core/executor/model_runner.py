@@ -65,7 +65,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.allocator = allocator
         self.sampler = sampler
-        self.logprobs_k = -1  # the most alternatives a live request wants; -1: none asks
+        self.logprobs_k = -1  # this step's plan.logprobs_k: the most alternatives asked; -1: none
         self.device = device
         self.generator = generator
         # CUDA: one pinned buffer for the step's inputs, one upload per step
@@ -278,6 +278,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         """prepare, run_model, sample: one step's sampled tokens."""
+        self.logprobs_k = plan.logprobs_k
         batch = self.prepare(plan)
         hidden = self.run_model(batch)
         return self.sample(hidden, batch)

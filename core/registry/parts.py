@@ -58,7 +58,8 @@ def part_info(kind: str, name: Any, cls: Any, plugin: str, origin: str) -> PartI
 
 
 def _description(cls: type) -> str:
-    if getattr(cls, "description", ""):
-        return cls.description
+    description = getattr(cls, "description", "")
+    if description:
+        return str(description)
     doc = cls.__dict__.get("__doc__") or ""
     return doc.strip().split("\n", 1)[0]

@@ -114,7 +114,9 @@ class ServelabPluginManager(pluggy.PluginManager):
 
     def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
         self._parts.clear()
-        self.origins.pop(name if name is not None else self.get_name(plugin), None)
+        key = name if name is not None else self.get_name(plugin)
+        if key is not None:
+            self.origins.pop(key, None)
         return super().unregister(plugin, name)
 
     def load_builtins(self, modules: Iterable[str], disabled: frozenset[str]) -> None:

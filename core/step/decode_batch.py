@@ -11,6 +11,8 @@ drops it on anything else (preemption, fork, abort, swap). `check` asserts the i
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -153,7 +155,8 @@ class DecodeBatch:
             block_size=bs,
             query_lens_cpu=[1] * n,
             seq_lens_cpu=seq_lens_list,
-            block_tables_cpu=LazyTables(tables, self.table_lens.copy()),
+            # a lazy list: a row is built when read
+            block_tables_cpu=cast("list[list[int]]", LazyTables(tables, self.table_lens.copy())),
             max_query_len=1 if n else 0,
             max_seq_len=max(seq_lens_list) if n else 0,
             **tensors,

@@ -55,7 +55,7 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        return (
+        return bool(
             self.num_query_tokens == 1 and self.samples and self.start >= self.seq.num_prompt_tokens
         )
 
@@ -93,16 +93,20 @@ class StepPlan:
         self.decode_seqs: list[Sequence] = decodes.seqs if decodes is not None else []
         self.decode_seq_ids: list[int] = decodes.seq_ids if decodes is not None else []
         self._listed: list[ScheduledSeq] | None = None
+        # the most logprob alternatives a live request asked for (-1: none asked);
+        # the engine sets it, the executor returns `SampledTokens.logprobs` when >= 0
+        self.logprobs_k = -1
 
     @property
     def num_batch_decodes(self) -> int:
-        return 0 if self.decodes is None else len(self.decode_starts)
+        return 0 if self.decode_starts is None else len(self.decode_starts)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
         if self.decodes is None:
             return self.items
         if self._listed is None:
+            assert self.decode_starts is not None  # set with decodes
             starts = self.decode_starts.tolist()
             self._listed = [
                 ScheduledSeq(seq, 1, start, True) for seq, start in zip(self.decode_seqs, starts)
@@ -113,6 +117,16 @@ class StepPlan:
     def scheduled(self, items: list[ScheduledSeq]) -> None:
         self.items, self.decodes, self.decode_starts, self._listed = items, None, None, None
         self.decode_seqs, self.decode_seq_ids = [], []
+
+    def counts(self) -> tuple[int, int, int]:
+        """(sequences, decode tokens, sampled tokens) of this step. A decode token is a
+        one-token step past the prompt, sampling or not (a recomputing sequence's
+        one-token chunk counts too; `num_decodes` would not)."""
+        rows = self.num_batch_decodes
+        decode_tokens = rows + sum(
+            1 for i in self.items if i.num_query_tokens == 1 and i.start >= i.seq.num_prompt_tokens
+        )
+        return rows + len(self.items), decode_tokens, rows + sum(1 for i in self.items if i.samples)
 
     @property
     def is_empty(self) -> bool:

@@ -17,6 +17,7 @@ import itertools
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelab.errors import RequestError
 
@@ -182,7 +183,8 @@ class Sequence:
         self.token_times: list[float] = []
         self.finished_time: float | None = None
         self.stop_text: str | None = None  # the text up to a matched stop string
-        self.stop_scan = None  # the stop-string search's place (servelab.engine.stop_strings)
+        # the stop-string search's place (a servelab.engine.stop_strings.StopScan)
+        self.stop_scan: Any = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
 
     # -- sizes

@@ -8,11 +8,13 @@ activation estimate, per device, as the CUDA path sizes it) or from
 arrivals are served without sleeping. Sampled tokens are stand-ins: a hash of
 (request, sample index, output position), never an EOS token, so forks differ,
 prefix caching of generated text behaves as for real, and requests run to
-`max_tokens`.
+`max_tokens`. Logprobs, when a request asks, are those of a uniform draw: every
+token's is -log(vocab), the alternatives the sampled token and the ids after it.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -143,7 +145,23 @@ class SimulatedExecutor(Executor):
     def execute(self, plan) -> SampledTokens:
         step, owners, tokens = self.read_plan(plan)
         self.time += self.cost.step_time(step)
-        return SampledTokens(owners, tokens)
+        sampled = SampledTokens(owners, tokens)
+        if plan.logprobs_k >= 0:
+            sampled.logprobs = self.stand_in_logprobs(tokens, plan.logprobs_k)
+        return sampled
+
+    def stand_in_logprobs(self, tokens: list[int], k: int) -> list[dict]:
+        """The rows `token_logprobs` returns, for tokens drawn uniformly over the vocab."""
+        vocab = self.model_config.vocab_size
+        logprob = -math.log(vocab)
+        return [
+            {
+                "token_id": t,
+                "logprob": logprob,
+                "top": [((t + j) % vocab, logprob) for j in range(min(k, vocab))],
+            }
+            for t in tokens
+        ]
 
     def read_plan(self, plan) -> tuple[StepShape, list[int], list[int]]:
         """The step's shape for the cost model, and its sampled tokens in the model

@@ -7,12 +7,12 @@ long prompt therefore never stalls the running decodes for more than a chunk."""
 from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
+from servelab.scheduling import SchedulerCore
 from servelab.step.sequence import Sequence
 
 
-class ChunkedScheduler(BaseScheduler):
+class ChunkedScheduler(SchedulerCore):
     description = "decodes first, then prefill chunks within a per-step token budget (Sarathi)"
     needs_whole_prompt_budget = False
 

@@ -3,10 +3,10 @@ and admits waiting requests while `max_num_seqs`, the token budget and KV room
 allow; prompts are prefilled whole."""
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.scheduler_base import BaseScheduler
+from servelab.scheduling import SchedulerCore
 
 
-class ContinuousScheduler(BaseScheduler):
+class ContinuousScheduler(SchedulerCore):
     description = "iteration-level batching: admit and retire requests every step (Orca)"
 
 

@@ -17,14 +17,14 @@ the configured preemption policy (swap or recompute). A request that has waited
 from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.scheduler_base import BaseScheduler, cdiv, queue_key
 from servelab.errors import ConfigError
-from servelab.step.plan import StepPlan
+from servelab.scheduling import SchedulerCore, cdiv, queue_key
 from servelab.step.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-class MultiLevelFeedbackQueue(BaseScheduler):
+class MultiLevelFeedbackQueue(SchedulerCore):
     description = "skip-join multi-level feedback queue, preempting lower queues (FastServe)"
+    swapped_in_admission_order = True  # a swapped request resumes in queue order, not first
 
     def __init__(
         self,
@@ -51,63 +51,26 @@ class MultiLevelFeedbackQueue(BaseScheduler):
         self.level: dict[str, int] = {}  # request id -> its queue
         self.level_start: dict[str, int] = {}  # request id -> output tokens when it entered it
         self.wait_since: dict[str, int] = {}  # request id -> step it began waiting
-        self.steps = 0
 
-    # -- the queues
     def quantum(self, level: int) -> int:
         return self.base_quantum * 2**level
 
-    def join_level(self, group: SequenceGroup) -> int:
-        """Skip-join: the highest queue whose quantum covers the first step."""
+    def on_add(self, group):  # skip-join: the highest queue whose quantum covers the first step
         first_step = group.seqs[0].num_prompt_tokens / self.prompt_tokens_per_step
-        for level in range(self.num_queues):
-            if self.quantum(level) >= first_step:
-                return level
-        return self.num_queues - 1
+        levels = [q for q in range(self.num_queues) if self.quantum(q) >= first_step]
+        self.level[group.request_id] = levels[0] if levels else self.num_queues - 1
+        self.level_start[group.request_id] = 0
 
     def rank(self, group: SequenceGroup) -> tuple:
         return (self.level[group.request_id], queue_key(group))
 
-    def add(self, group: SequenceGroup) -> None:
-        super().add(group)
-        self.level[group.request_id] = self.join_level(group)
-        self.level_start[group.request_id] = 0
+    def admission_order(self, candidates, plan):  # queue order, then the base order (stable)
+        return sorted(candidates, key=lambda g: self.level[g.request_id])
 
-    # -- one step
-    def schedule(self) -> StepPlan:
-        self.steps += 1
+    def pick_victims(self):
+        """Promotes the starved; then running groups of lower queues to preempt so that
+        waiting and swapped groups of higher queues get a slot and KV room."""
         self.promote_starved()
-        victims = self.level_victims()
-        if not victims and not self.swapped:
-            return super().schedule()  # admission in queue order (`admit`)
-        self.decode_batch = None
-        plan = StepPlan()
-        for group in victims:
-            self.running.remove(group)
-            self.preempt(group, plan)
-        budget = self.schedule_running(plan, self.max_num_batched_tokens)
-        self.admit(plan, budget)
-        plan.sort_decodes_first()
-        plan.copies = self.allocator.take_copies()
-        return plan
-
-    def promote_starved(self) -> None:
-        waiting = self.waiting + self.swapped
-        self.wait_since = {
-            g.request_id: self.wait_since.get(g.request_id, self.steps) for g in waiting
-        }
-        if self.starvation_steps is None:
-            return
-        for group in waiting:
-            rid = group.request_id
-            if self.level[rid] and self.steps - self.wait_since[rid] >= self.starvation_steps:
-                self.level[rid] = 0
-                self.level_start[rid] = max(s.num_output_tokens for s in group.seqs)
-                self.wait_since[rid] = self.steps
-
-    def level_victims(self) -> list[SequenceGroup]:
-        """Running groups of lower queues to preempt so that waiting and swapped
-        groups of higher queues get a slot and KV room, best candidate first."""
         running = sorted((g for g in self.running if not g.is_finished), key=self.rank)
         if not running:
             return []
@@ -116,48 +79,42 @@ class MultiLevelFeedbackQueue(BaseScheduler):
         victims: list[SequenceGroup] = []
         for group in sorted(self.waiting + self.swapped, key=self.rank):
             seqs, level = group.unfinished(), self.level[group.request_id]
-            blocks = self.blocks_to_start(group, seqs)
+            blocks = self.blocks_to_start(seqs)
             while (len(seqs) > free_slots or blocks > free_blocks) and running:
                 if self.level[running[-1].request_id] <= level:
                     break
                 victim = running.pop()
                 victims.append(victim)
                 free_slots += victim.num_unfinished
-                free_blocks += self.held_blocks(victim)
+                # an estimate: blocks shared with another group (a cached prefix) stay held
+                free_blocks += len(
+                    {b for s in victim.unfinished() for b in self.allocator.block_table(s)}
+                )
             if len(seqs) > free_slots or blocks > free_blocks:
                 break
             free_slots -= len(seqs)
             free_blocks -= blocks
         return victims
 
-    def blocks_to_start(self, group: SequenceGroup, seqs: list[Sequence]) -> int:
+    def promote_starved(self) -> None:
+        waiting = self.waiting + self.swapped
+        since = self.wait_since
+        self.wait_since = {g.request_id: since.get(g.request_id, self.step_count) for g in waiting}
+        if self.starvation_steps is None:
+            return
+        for group in waiting:
+            rid = group.request_id
+            if self.level[rid] and self.step_count - self.wait_since[rid] >= self.starvation_steps:
+                self.level[rid] = 0
+                self.level_start[rid] = max(s.num_output_tokens for s in group.seqs)
+                self.wait_since[rid] = self.step_count
+
+    def blocks_to_start(self, seqs: list[Sequence]) -> int:
         if seqs[0].status is SequenceStatus.SWAPPED:
             return sum(cdiv(s.num_tokens, self.allocator.block_size) for s in seqs)
         return sum(self.allocator.blocks_needed(s, s.num_tokens) for s in seqs)
 
-    def held_blocks(self, group: SequenceGroup) -> int:
-        # an estimate: blocks shared with another group (a cached prefix) stay held
-        return len({b for s in group.unfinished() for b in self.allocator.block_table(s)})
-
-    def admit(self, plan: StepPlan, budget: int) -> int:
-        """Waiting and swapped groups in queue order (then the base order) until one does not fit."""
-        just_preempted = {s.group for s in plan.preempted}
-        candidates = [g for g in self.waiting + self.swapped if g not in just_preempted]
-        level = self.level
-        candidates.sort(key=lambda g: (level[g.request_id], *self.order_key(g)))
-        for group in candidates:
-            if group in self.swapped:
-                used = self.resume_one(group, plan, budget)
-            else:
-                used = self.admit_one(group, plan, budget)
-            if used is None:
-                break
-            budget -= used
-        return budget
-
-    # -- after the forward: demotion
-    def update(self, plan, sampled, now) -> list[SequenceGroup]:
-        finished = super().update(plan, sampled, now)
+    def on_step_end(self, plan, finished):  # demotion: one queue per quantum spent
         for group in self.running:
             rid = group.request_id
             produced = max(s.num_output_tokens for s in group.seqs)
@@ -166,13 +123,10 @@ class MultiLevelFeedbackQueue(BaseScheduler):
             ] >= self.quantum(self.level[rid]):
                 self.level_start[rid] += self.quantum(self.level[rid])
                 self.level[rid] += 1
-        for group in finished:
-            self.forget(group.request_id)
-        return finished
 
-    def forget(self, request_id: str) -> None:
+    def on_request_end(self, group):
         for table in (self.level, self.level_start, self.wait_since):
-            table.pop(request_id, None)
+            table.pop(group.request_id, None)
 
 
 @hookimpl

@@ -14,13 +14,12 @@ from __future__ import annotations
 import time
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
-from servelab.step.plan import StepPlan
-from servelab.step.sequence import Sequence, SequenceGroup, finite_number
+from servelab.scheduling import SchedulerCore
+from servelab.step.sequence import SequenceGroup, finite_number
 
 
-class StaticScheduler(BaseScheduler):
+class StaticScheduler(SchedulerCore):
     description = "request-level batching: a new batch only when the whole previous one is done"
 
     clock = staticmethod(time.perf_counter)
@@ -44,8 +43,7 @@ class StaticScheduler(BaseScheduler):
         self.batch: list[SequenceGroup] = []  # the current batch, finished members included
         self.added_at: dict[str, float] = {}  # request id -> clock() when it was added
 
-    def add(self, group: SequenceGroup) -> None:
-        super().add(group)
+    def on_add(self, group):
         self.added_at[group.request_id] = self.clock()
 
     def batch_ready(self) -> bool:
@@ -55,50 +53,30 @@ class StaticScheduler(BaseScheduler):
         oldest = min(self.added_at.get(g.request_id, 0.0) for g in self.waiting)
         return self.clock() - oldest >= self.batch_timeout
 
-    def admit(self, plan: StepPlan, budget: int) -> int:
-        if not self.batch:
-            if not self.waiting or not self.batch_ready():
-                return budget
-            budget = self.admit_in_order(plan, budget, self.batch_size - len(self.running))
-            self.batch = list(self.running)
-            for group in self.batch:
-                self.added_at.pop(group.request_id, None)
-            return budget
-        # a running batch admits nobody new, only its own preempted members
-        for group in [g for g in self.waiting if g in self.batch]:
-            used = self.try_admit(group, plan, budget)
-            if used is None:
-                break
-            if group in self.waiting:
-                self.waiting.remove(group)
-            budget -= used
-        return budget
-
-    def schedule(self) -> StepPlan:
-        plan = super().schedule()
-        plan.idle_slots = sum(1 for g in self.batch for s in g.seqs if s.is_finished)
-        return plan
-
-    def group_done(self, group: SequenceGroup) -> bool:
-        return False  # the whole batch ends together, in update()
-
-    def update(self, plan, sampled, now) -> list[SequenceGroup]:
-        finished = super().update(plan, sampled, now)  # only groups dropped for a full cache
-        self.batch = [g for g in self.batch if g not in finished]
-        if not self.batch or not all(g.is_finished for g in self.batch):
-            return finished
-        done, self.batch = self.batch, []
-        for group in done:
+    def admission_order(self, candidates, plan):
+        if self.batch:  # a running batch admits nobody new, only its own preempted members
+            yield from [g for g in self.waiting if g in self.batch]
+            return
+        if not candidates or not self.batch_ready():
+            return
+        for group in candidates[: self.batch_size - len(self.running)]:
+            yield group  # resumed only once it was admitted (or dropped: the cache is too small)
             if group in self.running:
-                self.running.remove(group)
-            self.release_group(group)
-        return finished + done
+                self.batch.append(group)
+                self.added_at.pop(group.request_id, None)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        aborted = super().abort(request_id)
-        self.added_at.pop(request_id, None)
-        self.batch = [g for g in self.batch if g.request_id != request_id]
-        return aborted
+    def keeps_slot(self, group):
+        # the whole batch ends together: its finished members hold their slots until then
+        return group in self.batch and not all(g.is_finished for g in self.batch)
+
+    def on_step_end(self, plan, finished):
+        if self.batch and all(g.is_finished for g in self.batch):
+            self.batch = []
+
+    def on_request_end(self, group):
+        self.added_at.pop(group.request_id, None)
+        if group in self.batch:
+            self.batch.remove(group)
 
 
 @hookimpl

@@ -16,13 +16,12 @@ client that left the backlog), so idle time earns no credit to burst with.
 from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
-from servelab.step.plan import StepPlan
+from servelab.scheduling import SchedulerCore
 from servelab.step.sequence import SequenceGroup, finite_number
 
 
-class VirtualTokenCounter(BaseScheduler):
+class VirtualTokenCounter(SchedulerCore):
     description = "fair share: admit the backlogged client with the least weighted service (VTC)"
 
     def __init__(self, *args, w_prompt: float = 1.0, w_output: float = 2.0, **kwargs) -> None:
@@ -43,65 +42,47 @@ class VirtualTokenCounter(BaseScheduler):
         self.charged_prompt: set[str] = set()  # request ids whose prompt is counted
         self.last_left = 0.0  # counter of the last client whose backlog emptied
 
-    # -- arrivals: the counter lift
-    def add(self, group: SequenceGroup) -> None:
-        client = group.client
-        backlogged = {g.client for g in self.waiting}
-        super().add(group)  # raises, changing nothing, for a request that can never run
-        if client in backlogged:
-            return
-        floor = min((self.counter(c) for c in backlogged), default=self.last_left)
-        self.counters[client] = max(self.counter(client), floor)
-
     def counter(self, client: str | None) -> float:
         return self.counters.get(client, 0.0)
-
-    # -- admission: the least-served backlogged client first
-    def admit(self, plan: StepPlan, budget: int) -> int:
-        queues: dict[str | None, list[SequenceGroup]] = {}
-        for group in self.admission_order():  # each client's queue in base order
-            queues.setdefault(group.client, []).append(group)
-        while queues:
-            client = min(queues, key=lambda c: (self.counter(c), self.order_key(queues[c][0])))
-            group = queues[client][0]
-            used = self.admit_one(group, plan, budget)
-            if used is None:
-                break
-            budget -= used
-            queues[client].pop(0)
-            if not group.is_finished:
-                self.charge_prompt(group)
-            if not queues[client]:
-                del queues[client]
-                self.last_left = self.counter(client)
-        return budget
-
-    def charge_prompt(self, group: SequenceGroup) -> None:
-        # once per request: a preempted request admitted again was served its prompt already
-        if group.request_id not in self.charged_prompt:
-            self.charged_prompt.add(group.request_id)
-            self.charge(group.client, self.w_prompt * group.seqs[0].num_prompt_tokens)
 
     def charge(self, client: str | None, amount: float) -> None:
         self.counters[client] = self.counter(client) + amount
         self.served[client] = self.served.get(client, 0.0) + amount
 
-    # -- output tokens, counted as they are generated
-    def update(self, plan, sampled, now) -> list[SequenceGroup]:
-        finished = super().update(plan, sampled, now)
+    def on_add(self, group):  # the counter lift of a client that was not backlogged
+        backlogged = {g.client for g in self.waiting if g is not group}
+        if group.client not in backlogged:
+            floor = min((self.counter(c) for c in backlogged), default=self.last_left)
+            self.counters[group.client] = max(self.counter(group.client), floor)
+
+    def admission_order(self, candidates, plan):
+        """The least-served backlogged client's first request, again after each admission."""
+        queues: dict[str | None, list[SequenceGroup]] = {}
+        for group in candidates:  # each client's queue in base order
+            queues.setdefault(group.client, []).append(group)
+        while queues:
+            client = min(queues, key=lambda c: (self.counter(c), self.order_key(queues[c][0])))
+            group = queues[client].pop(0)
+            yield group  # resumed only once it was admitted
+            if not group.is_finished and group.request_id not in self.charged_prompt:
+                # once per request: a preempted request admitted again was charged already
+                self.charged_prompt.add(group.request_id)
+                self.charge(group.client, self.w_prompt * group.seqs[0].num_prompt_tokens)
+            if not queues[client]:
+                del queues[client]
+                self.last_left = self.counter(client)
+
+    def on_step_end(self, plan, finished):  # output tokens, charged as they are generated
         for group in self.running + finished:
             produced = sum(s.num_output_tokens for s in group.seqs)
             new = produced - self.charged_output.get(group.request_id, 0)
             if new:
                 self.charged_output[group.request_id] = produced
                 self.charge(group.client, self.w_output * new)
-        for group in finished:
-            self.forget(group.request_id)
-        return finished
 
-    def forget(self, request_id: str) -> None:
-        self.charged_output.pop(request_id, None)
-        self.charged_prompt.discard(request_id)
+    def on_request_end(self, group):
+        self.charged_output.pop(group.request_id, None)
+        self.charged_prompt.discard(group.request_id)
 
 
 @hookimpl

@@ -204,3 +204,31 @@ def test_the_batched_stand_in_tokens_equal_the_scalar_ones():
     batched = stand_in_tokens(np.array(keys, dtype=np.uint64), np.array(positions), 997)
     assert batched.tolist() == [stand_in_token(k, p, 997) for k, p in zip(keys, positions)]
     assert len(set(batched.tolist())) > 40  # spread over the vocabulary
+
+
+def test_logprobs_requests_run_on_the_simulated_executor():
+    """A request asking for logprobs is served (stand-in tokens drawn uniformly:
+    every token's logprob is -log(vocab)), not half-added and then failed."""
+    import math
+
+    engine = simulated()
+    vocab = engine.model_config.vocab_size
+    request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, logprobs=2))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (output,) = outputs
+    assert output.request_id == request_id and output.error is None
+    rows = output.outputs[0].logprobs
+    assert [row["token_id"] for row in rows] == output.outputs[0].token_ids
+    for row in rows:
+        assert row["logprob"] == pytest.approx(-math.log(vocab))
+        assert len(row["top"]) == 2 and row["top"][0][0] == row["token_id"]
+    # the same through LLM.generate, beside a request that asks for none
+    llm = LLM(model="tiny", executor="simulated")
+    with_lp, without = llm.generate(
+        [[1, 2, 3], [4, 5]],
+        [SamplingParams(max_tokens=2, logprobs=0), SamplingParams(max_tokens=2)],
+    )
+    assert [len(r["top"]) for r in with_lp.outputs[0].logprobs] == [0, 0]
+    assert not without.outputs[0].logprobs

@@ -97,7 +97,7 @@ def test_preempted_half_prefilled_sequence_restarts_correctly(policy):
         )
         eng = llm.engine
         half_prefilled = []
-        original = eng.scheduler.preempt
+        original = eng.scheduler._preempt  # spies on the core's preemption
 
         def spy(group, plan):
             half_prefilled.extend(
@@ -105,7 +105,7 @@ def test_preempted_half_prefilled_sequence_restarts_correctly(policy):
             )
             original(group, plan)
 
-        eng.scheduler.preempt = spy
+        eng.scheduler._preempt = spy
         for i in range(5):
             eng.add_request([20 + i] * (30 + i), greedy(12), request_id=f"r{i}", priority=i % 2)
         outs = {}

@@ -8,8 +8,8 @@ import json
 
 import pytest
 from servelab import LLM, SamplingParams, build_engine
-from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.registry.plugin_manager import get_plugin_manager
+from servelab.scheduling import SchedulerCore
 
 from servelab_sjf import TRACE_ENV, ShortestJobFirst
 
@@ -75,7 +75,7 @@ def test_scheduler_sjf_is_a_hydra_config_option(sjf_plugin):
     with initialize_config_module("servelab.conf", version_base="1.3"):
         cfg = compose("config", overrides=["scheduler=sjf", "scheduler.ageing=0.25"])
     own = inspect.signature(ShortestJobFirst.__init__).parameters
-    base = inspect.signature(BaseScheduler.__init__).parameters
+    base = inspect.signature(SchedulerCore.__init__).parameters
     assert dict(cfg.scheduler) == {
         "name": "sjf",
         "predictor": own["predictor"].default,

@@ -6,20 +6,20 @@ end-to-end latency drops. Ageing keeps that from starving a long request: each
 scheduler step a request waits counts as `ageing` tokens of work already done.
 
 Everything else — queues, KV admission, preemption, finishing — is
-`BaseScheduler`'s; only the admission order changes.
+`SchedulerCore`'s; this policy overrides three hooks: `on_add`,
+`admission_order` and `on_request_end` (plus `policy_stats` for the trace).
 """
 
 from __future__ import annotations
 
-from servelab.contracts.scheduler_base import BaseScheduler
 from servelab.errors import ConfigError
-from servelab.step.plan import StepPlan
+from servelab.scheduling import SchedulerCore
 from servelab.step.sequence import SequenceGroup
 
 PREDICTORS = ("max_tokens", "total")
 
 
-class ShortestJobFirst(BaseScheduler):
+class ShortestJobFirst(SchedulerCore):
     """Admits the waiting request with the least predicted work first; ageing prevents starvation.
 
     Options:
@@ -52,23 +52,14 @@ class ShortestJobFirst(BaseScheduler):
             raise ConfigError(f"sjf scheduler: ageing must be a number >= 0, got {ageing!r}")
         self.predictor = predictor
         self.ageing = float(ageing)
-        self.num_steps = 0  # schedule() calls so far: the clock ageing counts in
         self.enqueued_at: dict[str, int] = {}  # request -> step it first entered the queue
 
-    # -- the clock
-    def add(self, group: SequenceGroup) -> None:
-        super().add(group)
-        self.enqueued_at.setdefault(group.request_id, self.num_steps)
+    def on_add(self, group):
+        self.enqueued_at.setdefault(group.request_id, self.step_count)
 
-    def schedule(self) -> StepPlan:
-        self.num_steps += 1
-        return super().schedule()
-
-    def release_group(self, group: SequenceGroup) -> None:
-        super().release_group(group)
+    def on_request_end(self, group):
         self.enqueued_at.pop(group.request_id, None)
 
-    # -- the order
     def predicted_work(self, group: SequenceGroup) -> int:
         """Tokens the group is predicted to still need (see `predictor`)."""
         seqs = group.unfinished() or group.seqs
@@ -79,21 +70,12 @@ class ShortestJobFirst(BaseScheduler):
         return max(s.num_uncomputed_tokens for s in seqs) + outputs_left * samples
 
     def sjf_key(self, group: SequenceGroup) -> tuple:
-        aged = self.predicted_work(group) + self.ageing * self.enqueued_at.get(
-            group.request_id, self.num_steps
-        )
+        enqueued = self.enqueued_at.get(group.request_id, self.step_count)
+        aged = self.predicted_work(group) + self.ageing * enqueued
         return (group.priority, aged, group.arrival_time, group.seqs[0].seq_id)
 
-    def admit(self, plan: StepPlan, budget: int) -> int:
-        """Admits waiting groups shortest-first while limits allow; returns the budget left."""
-        for group in sorted(self.waiting, key=self.sjf_key):
-            used = self.try_admit(group, plan, budget)
-            if used is None:
-                break
-            if any(g is group for g in self.waiting):  # try_admit drops one that can never fit
-                self.waiting.remove(group)
-            budget -= used
-        return budget
+    def admission_order(self, candidates, plan):
+        return sorted(candidates, key=self.sjf_key)
 
-    def stats(self) -> dict[str, float]:
-        return {**super().stats(), "sjf_steps": self.num_steps}
+    def policy_stats(self):
+        return {"sjf_steps": self.step_count}

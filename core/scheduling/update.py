@@ -1,10 +1,12 @@
-"""`AfterTheForward`: the half of `BaseScheduler` that runs after the forward.
+"""`StepUpdate`: the half of `SchedulerCore` that runs after the forward.
 
 `update` advances every scheduled sequence, appends its sampled tokens (forking
 a group whose prompt just finished into its n samples), applies the stop rules,
-frees the finished, and keeps the decode batch (`servelab.step.decode_batch`)
-in step with the running sequences. It reads and writes `BaseScheduler`'s
-queues and limits; it is a part of that class, kept in its own module.
+frees the finished (unless the policy's `keeps_slot` holds them), keeps the
+decode batch (`servelab.step.decode_batch`) in step with the running
+sequences, then calls the policy's `on_step_end` and `on_request_end`. It reads
+and writes `SchedulerCore`'s queues and limits; it is a part of that class,
+kept in its own module.
 """
 
 from __future__ import annotations
@@ -22,19 +24,27 @@ if TYPE_CHECKING:
     from servelab.contracts.allocator import KVAllocator
 
 
-class AfterTheForward:
-    """`update` and what it needs; mixed into `BaseScheduler`."""
+class StepUpdate:
+    """`update` and what it needs; mixed into `SchedulerCore`."""
+
+    if TYPE_CHECKING:
+
+        @property
+        def num_running_seqs(self) -> int: ...
 
     allocator: KVAllocator
     running: list[SequenceGroup]
     swapped: list[SequenceGroup]
-    dropped: list[SequenceGroup]
+    cache_full: list[SequenceGroup]
     decode_batch: DecodeBatch | None
     decode_fast_path: bool
     max_num_batched_tokens: int
     max_model_len: int
-    num_running_seqs: int
-    release_group: Callable[[SequenceGroup], None]
+    _holds_slots: bool
+    _release_group: Callable[[SequenceGroup], None]
+    keeps_slot: Callable[[SequenceGroup], bool]
+    on_step_end: Callable[[StepPlan, list[SequenceGroup]], None]
+    on_request_end: Callable[[SequenceGroup], None]
 
     def update(
         self, plan: StepPlan, sampled: Mapping[int, list[int]], now: float
@@ -42,10 +52,10 @@ class AfterTheForward:
         """Advances every scheduled sequence, appends sampled tokens (forking a
         group whose prompt just finished), applies stop rules and frees the
         finished. Returns the groups that finished in this step."""
-        finished, self.dropped = self.dropped, []
+        finished, self.cache_full = self.cache_full, []
         stopped: set[SequenceGroup] = set()  # groups with a sequence finished in this step
         if plan.decodes is not None:
-            self.update_decode_batch(plan, sampled, now, stopped)
+            self._update_decode_batch(plan, sampled, now, stopped)
         forked = False
         for item in plan.items:
             seq = item.seq
@@ -54,25 +64,32 @@ class AfterTheForward:
             tokens = sampled.get(seq.seq_id)
             if tokens is None:
                 continue
-            targets = [seq] + self.fork(seq, len(tokens) - 1)
+            targets = [seq] + self._fork(seq, len(tokens) - 1)
             forked = forked or len(targets) > 1
             for target, token in zip(targets, tokens):
                 target.append_token(token)
                 target.token_times.append(now)
-                reason = self.stop_reason(target)
+                reason = self._stop_reason(target)
                 if reason is not None:
-                    self.finish(target, reason)
+                    self._finish(target, reason)
+                    assert target.group is not None  # a queued sequence belongs to its group
                     stopped.add(target.group)
-        if stopped:
+        if stopped or self._holds_slots:
             for group in list(self.running):  # in queue order
-                if group in stopped and group.is_finished and self.group_done(group):
-                    self.running.remove(group)
-                    self.release_group(group)
-                    finished.append(group)
-        self.refresh_decode_batch(plan, forked)
+                if not group.is_finished or (group not in stopped and not self._holds_slots):
+                    continue
+                if self._holds_slots and self.keeps_slot(group):
+                    continue
+                self.running.remove(group)
+                self._release_group(group)
+                finished.append(group)
+        self._refresh_decode_batch(plan, forked)
+        self.on_step_end(plan, finished)
+        for group in finished:
+            self.on_request_end(group)
         return finished
 
-    def update_decode_batch(
+    def _update_decode_batch(
         self,
         plan: StepPlan,
         sampled: Mapping[int, list[int]],
@@ -93,9 +110,9 @@ class AfterTheForward:
             self.decode_batch = None  # its copies of the block tables are stale: rebuilt next step
         ending = []
         for row, seq in candidates:
-            reason = self.stop_reason(seq)
+            reason = self._stop_reason(seq)
             if reason is not None:
-                self.finish(seq, reason)
+                self._finish(seq, reason)
                 stopped.add(seq.group)
                 ending.append(row)
         if ending:
@@ -103,7 +120,7 @@ class AfterTheForward:
             keep[ending] = False
             batch.keep(keep)
 
-    def refresh_decode_batch(self, plan: StepPlan, forked: bool) -> None:
+    def _refresh_decode_batch(self, plan: StepPlan, forked: bool) -> None:
         """After a step: keeps, grows or builds the decode batch when every
         running sequence now decodes, and drops it otherwise."""
         if forked or self.swapped or not self.decode_fast_path:
@@ -136,10 +153,11 @@ class AfterTheForward:
                 return
             batch.append(joining, [self.allocator.block_table(s) for s in joining])
 
-    def fork(self, parent: Sequence, count: int) -> list[Sequence]:
+    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         if count:
             self.decode_batch = None
         group = parent.group
+        assert group is not None  # a queued sequence belongs to its group
         children = []
         for _ in range(count):
             index = len(group.seqs)
@@ -150,7 +168,7 @@ class AfterTheForward:
             children.append(child)
         return children
 
-    def stop_reason(self, seq: Sequence) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
         token = seq.token_ids[-1]
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in seq.eos_token_ids):
@@ -159,15 +177,9 @@ class AfterTheForward:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Marks `seq` finished and frees its blocks at once (a group that keeps
+        its slot keeps the slot, not the blocks)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.on_seq_finished(seq)
-
-    def on_seq_finished(self, seq: Sequence) -> None:
-        """Frees a finished sequence's blocks at once (static batching defers this)."""
         self.allocator.free(seq)
-
-    def group_done(self, group: SequenceGroup) -> bool:
-        """Whether a finished group leaves the running queue now."""
-        return True

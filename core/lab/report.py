@@ -8,9 +8,10 @@ interval (lab/estimates.py, lab/stats.py). Writes into `--out` (default: the
 only PATH, else `./servelab-report`):
 - `summary.csv`: one row per configuration, best first: swept choices, then per
   figure its mean, std and interval; `runs.csv`: one row per run;
-- `summary.md`: provenance warnings, the claims and their verdicts, capacity
-  under the SLO, the key figures per configuration, failed runs, the plots;
-- the PNG plots of lab/plots.py and lab/plots_load.py.
+- `summary.md`: provenance warnings (mixed versions, busy machine), the claims
+  and their verdicts with their n, capacity under the SLO, the key figures per
+  configuration, failed runs, the plots;
+- the plots of lab/plots_registry.py (`report.plots`, `report.format`, `report.dpi`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from pathlib import Path
 from servelab.errors import ConfigError
 from servelab.lab.claims import CLAIM_OPS, ClaimResult, evaluate_claim, evaluate_claims
 from servelab.lab.estimates import estimate
-from servelab.lab.plots_load import draw_plots
-from servelab.lab.provenance import mixed_provenance
+from servelab.lab.plots_registry import draw_plots, plot_names, wanted_plots
+from servelab.lab.progress import Progress
+from servelab.lab.provenance import busy_warnings, mixed_provenance
 from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
 from servelab.lab.slo import add_slo_figures, capacity, slo_options
-from servelab.lab.stats import mean_estimate, rounded
+from servelab.lab.stats import INDICATIVE, MIN_REPEATS, mean_estimate, rounded
 from servelab.registry.typed import check_value
 
 __all__ = [  # callers import every report name from here, wherever it is defined
@@ -130,6 +132,8 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
         row = {"run": str(run.folder), **{k: run.swept.get(k, "") for k in swept}}
         row["repeat"] = run.repeat
         row.update(run.summary)
+        load = run.provenance.get("machine_load") or {}
+        row.update({k: load[k] for k in ("other_cpu_pct", "load_average_1m", "busy") if k in load})
         row["status"] = "error" if run.error else "ok"
         if run.error:
             row["error"] = run.error
@@ -147,6 +151,10 @@ REPORT_DEFAULTS = {
     "claims": [],
     "slo": None,
     "time_axis": "steps",  # the x axis of the timeline, KV and batch plots: steps | seconds
+    "min_repeats": MIN_REPEATS,  # a figure that varies is decided on at least this many repeats
+    "plots": "all",  # which plots to draw: all, none, or a list of names (lab/plots_registry.py)
+    "format": "png",  # png | pdf | svg
+    "dpi": 150,
 }
 REPORT_TYPES = {
     "title": str | None,
@@ -155,8 +163,13 @@ REPORT_TYPES = {
     "claims": list,
     "slo": dict | None,  # {ttft_ms, tpot_ms, itl_ms, percentile}: see lab/slo.py
     "time_axis": str,
+    "min_repeats": int,
+    "plots": str | list,
+    "format": str,
+    "dpi": int,
 }
 TIME_AXES = ("steps", "seconds")
+FORMATS = ("png", "pdf", "svg")
 
 
 def report_options(node: Mapping | None) -> dict:
@@ -169,8 +182,20 @@ def report_options(node: Mapping | None) -> dict:
             )
         if value is not None:
             options[key] = value
-    for key in ("title", "sort", "time_axis"):
+    for key in ("title", "sort", "time_axis", "min_repeats", "plots", "format", "dpi"):
         check_value(f"report option {key}", options[key], REPORT_TYPES[key])
+    if options["min_repeats"] < 2:
+        raise ConfigError(
+            f"report option min_repeats must be >= 2 (a t interval needs two repeats), "
+            f"got {options['min_repeats']!r}"
+        )
+    if options["format"] not in FORMATS:
+        raise ConfigError(
+            f"report option format must be one of {', '.join(FORMATS)}, got {options['format']!r}"
+        )
+    if not 20 <= options["dpi"] <= 1200:
+        raise ConfigError(f"report option dpi must be in [20, 1200], got {options['dpi']!r}")
+    options["plots"] = plot_names(options["plots"])
     for key in ("figures", "claims"):
         if not isinstance(options[key], (list, tuple)):
             raise ConfigError(f"report option {key} must be a list, got {options[key]!r}")
@@ -189,8 +214,11 @@ def report_settings(runs: Sequence[Run]) -> dict:
     return report_options((runs[0].results.get("config") or {}).get("report"))
 
 
-def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> Path:
-    """Loads the runs under `paths`; writes the tables, the claims and the plots."""
+def write_report(
+    paths: Sequence[str | Path], out: str | Path | None = None, progress: bool = True
+) -> Path:
+    """Loads the runs under `paths`; writes the tables, the claims and the plots,
+    showing its progress (lab/progress.py) unless `progress` is False."""
     runs = load_runs(paths)
     fixed = mark_swept(runs)
     settings = report_settings(runs)
@@ -204,13 +232,20 @@ def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> 
         dict.fromkeys([settings["sort"], *KEY_FIGURES, *slo_figures, *settings["figures"]])
     )
     every = list(dict.fromkeys([*shown, *_summary_keys(runs)]))
-    write_csv(out / "summary.csv", summary_rows(configs, every))
-    write_csv(out / "runs.csv", run_rows(runs))
-
-    claims = evaluate_claims(configs, settings["claims"])
-    capacities = capacity(configs, settings["slo"]) if settings["slo"] else []
-    written = draw_plots(configs, claims, settings, out)
-    warnings = mixed_provenance([run.provenance for run in runs])
+    plots = wanted_plots(settings)
+    with Progress("servelab-report", len(configs) + len(plots) + 1, progress) as bar:
+        # the figures per configuration: the percentile bootstraps are most of the work
+        for config in configs:
+            for name in every:
+                estimate(config, name)
+            bar.advance(f"estimates of {config.label}")
+        write_csv(out / "summary.csv", summary_rows(configs, every))
+        write_csv(out / "runs.csv", run_rows(runs))
+        claims = evaluate_claims(configs, settings["claims"], settings["min_repeats"])
+        capacities = capacity(configs, settings["slo"]) if settings["slo"] else []
+        bar.advance("claims")
+        written = draw_plots(configs, claims, settings, out, on_done=bar.advance)
+    warnings = mixed_provenance([run.provenance for run in runs]) + busy_warnings(runs)
     text = markdown(settings, configs, fixed, claims, shown, written, warnings, capacities)
     (out / "summary.md").write_text(text)
     return out
@@ -244,8 +279,50 @@ VERDICT_MARKS = {
     "holds": "✅ holds",
     "fails": "❌ fails",
     "inconclusive": "❔ inconclusive",
+    INDICATIVE: "🔸 indicative",
     None: "⚠️ cannot check",
 }
+
+
+def claim_line(claim: ClaimResult) -> str:
+    mark = VERDICT_MARKS[claim.verdict]
+    if claim.verdict == INDICATIVE:
+        mark += f" (n={claim.estimate.n})"
+    return f"- {mark}: {claim.text}"
+
+
+def claims_intro(settings: Mapping, configs: Sequence[Configuration], claims) -> list[str]:
+    """How the claims were decided: on intervals over repeats, or exactly (a
+    virtual clock), and what an indicative verdict still needs."""
+    finished = [c for c in configs if c.finished]
+    if finished and all(c.deterministic for c in finished):
+        ran = sorted({executor_text(run) for c in finished for run in c.finished})
+        lines = [f"Every run: {', '.join(ran)}. A virtual clock makes each figure an exact "
+                 "function of the config, so one run decides a claim; there are no intervals."]  # fmt: skip
+    else:
+        lines = [
+            "Decided on 95% confidence intervals over the repeats; ratios on the log scale. "
+            f"A figure that varies between repeats is decided on at least "
+            f"{settings['min_repeats']} repeats (report.min_repeats)."
+        ]
+    indicative = [c for c in claims if c.verdict == INDICATIVE]
+    if indicative:
+        more = max(c.more_repeats for c in indicative)
+        lines.append(
+            f"{len(indicative)} claim(s) are indicative only: run {more} more repeat(s) "
+            f"(`run.repeats={settings['min_repeats']}` or more) to decide them."
+        )
+    return lines + [""]
+
+
+def executor_text(run: Run) -> str:
+    """`executor=simulated, hardware=h100-sxm (exact figures)` from a run's provenance."""
+    choices = run.results.get("choices") or {}
+    hardware = (run.provenance.get("executor") or {}).get("hardware")
+    profile = choices.get("hardware") or (hardware or {}).get("name")
+    return f"executor={choices.get('executor', 'simulated')}" + (
+        f", hardware={profile}" if profile else ""
+    )
 
 
 def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacities) -> str:
@@ -253,8 +330,8 @@ def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacit
     lines += [f"> ⚠️ Warning: {w}; their figures may not be comparable." for w in warnings]
     lines += [""] if warnings else []
     if claims:
-        lines += ["## Claims", "", "Decided on 95% confidence intervals over the repeats.", ""]
-        lines += [f"- {VERDICT_MARKS[claim.verdict]}: {claim.text}" for claim in claims] + [""]
+        lines += ["## Claims", "", *claims_intro(settings, configs, claims)]
+        lines += [claim_line(claim) for claim in claims] + [""]
     if capacities:
         lines += capacity_lines(settings["slo"], capacities)
     runs = sum(len(c.runs) for c in configs)
@@ -281,8 +358,8 @@ def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacit
     if failed:
         lines += ["", f"## Failed runs ({len(failed)})", ""]
         lines += [f"- {c.label} (`{run.folder}`): {run.error}" for c, run in failed]
-    lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots] + [""]
-    return "\n".join(lines)
+    lines += ["", "## Plots", ""] + [f"![{name.rsplit('.', 1)[0]}]({name})" for name in plots]
+    return "\n".join(lines + [""])
 
 
 def _cell(value) -> str:
@@ -305,7 +382,8 @@ def capacity_lines(slo: Mapping, capacities: Sequence[dict]) -> list[str]:
         by_rate = ", ".join(f"{r:g}: {p:.0f}" for r, p in row["attainment_by_rate"].items())
         best = row["capacity_rps"]
         lines.append(
-            f"| {row['configuration']} | {'below the lowest rate' if best is None else f'{best:g}'} | {by_rate} |"
+            f"| {row['configuration']} | "
+            f"{'below the lowest rate' if best is None else f'{best:g}'} | {by_rate} |"
         )
     return lines + [""]
 

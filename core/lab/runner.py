@@ -32,7 +32,7 @@ from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.errors import ConfigError
 from servelab.lab.arrivals import ArrivalQueue
 from servelab.lab.fairness import fairness_figures
-from servelab.lab.provenance import provenance
+from servelab.lab.provenance import cpu_snapshot, machine_load, provenance
 from servelab.lab.report import report_options
 from servelab.lab.workload import WorkloadRequest, make_workload
 from servelab.registry.typed import check_value
@@ -227,7 +227,9 @@ def run_config(config: Mapping) -> RunResult:
     requests = make_workload(workload, engine.model_config.vocab_size, engine.max_model_len)
     if options["warmup"]:
         warm_up(engine)
+    before = cpu_snapshot()
     summary = serve(engine, requests, bool(options["progress"]), float(options["idle_sleep"]))
+    started["machine_load"] = machine_load(before, cpu_snapshot())
     records = list(engine.metrics.requests), list(engine.metrics.steps)
     return RunResult(engine, summary, *records, provenance=started)
 

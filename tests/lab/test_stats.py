@@ -210,3 +210,22 @@ def test_a_paired_ratio_is_the_paired_t_interval_of_the_log_ratios():
     # independently: scipy's paired t test of the logs
     ci = stats.ttest_rel(np.log(a), np.log(b)).confidence_interval(0.95)
     assert (paired.low, paired.high) == pytest.approx((math.exp(ci.low), math.exp(ci.high)))
+
+
+def test_large_samples_take_the_counted_bootstrap_with_the_same_interval(monkeypatch):
+    # per-token latencies: thousands of values a run. The counted draws (a normal count
+    # of resampled values below x, inverted) must match drawing every value
+    from servelab.lab import stats as module
+
+    rng = np.random.default_rng(9)
+    runs = [rng.lognormal(3 + 0.1 * rng.normal(), 0.5, 1500) for _ in range(4)]
+    for q in (50, 90):
+        assert module._counts_suffice(runs, q)
+        counted = percentile_estimate(runs, q)
+        monkeypatch.setattr(module, "COUNTED_MIN_VALUES", 10**12)  # every value drawn
+        drawn = percentile_estimate(runs, q)
+        monkeypatch.undo()
+        assert counted.mean == drawn.mean == pytest.approx(np.percentile(np.concatenate(runs), q))
+        assert counted.low == pytest.approx(drawn.low, rel=0.01)
+        assert counted.high == pytest.approx(drawn.high, rel=0.01)
+    assert not module._counts_suffice(runs, 99.9)  # 6 values past the percentile: drawn

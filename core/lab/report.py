@@ -155,6 +155,7 @@ REPORT_DEFAULTS = {
     "plots": "all",  # which plots to draw: all, none, or a list of names (lab/plots_registry.py)
     "format": "png",  # png | pdf | svg
     "dpi": 150,
+    "after_sweep": True,  # `servelab -m` writes the report when the sweep ends (cli.py)
 }
 REPORT_TYPES = {
     "title": str | None,
@@ -167,6 +168,7 @@ REPORT_TYPES = {
     "plots": str | list,
     "format": str,
     "dpi": int,
+    "after_sweep": bool,
 }
 TIME_AXES = ("steps", "seconds")
 FORMATS = ("png", "pdf", "svg")
@@ -182,7 +184,7 @@ def report_options(node: Mapping | None) -> dict:
             )
         if value is not None:
             options[key] = value
-    for key in ("title", "sort", "time_axis", "min_repeats", "plots", "format", "dpi"):
+    for key in ("title", "sort", "time_axis", "min_repeats", "plots", "format", "dpi", "after_sweep"):
         check_value(f"report option {key}", options[key], REPORT_TYPES[key])
     if options["min_repeats"] < 2:
         raise ConfigError(
@@ -245,7 +247,9 @@ def write_report(
         capacities = capacity(configs, settings["slo"]) if settings["slo"] else []
         bar.advance("claims")
         written = draw_plots(configs, claims, settings, out, on_done=bar.advance)
-    warnings = mixed_provenance([run.provenance for run in runs]) + busy_warnings(runs)
+    warnings = [f"{w}; their figures may not be comparable"
+                for w in mixed_provenance([run.provenance for run in runs])]  # fmt: skip
+    warnings += busy_warnings([run for run in runs if not run.virtual_clock])
     text = markdown(settings, configs, fixed, claims, shown, written, warnings, capacities)
     (out / "summary.md").write_text(text)
     return out
@@ -327,7 +331,7 @@ def executor_text(run: Run) -> str:
 
 def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacities) -> str:
     lines = [f"# {settings['title']}", ""]
-    lines += [f"> ⚠️ Warning: {w}; their figures may not be comparable." for w in warnings]
+    lines += [f"> ⚠️ Warning: {w}." for w in warnings]
     lines += [""] if warnings else []
     if claims:
         lines += ["## Claims", "", *claims_intro(settings, configs, claims)]
@@ -336,10 +340,18 @@ def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacit
         lines += capacity_lines(settings["slo"], capacities)
     runs = sum(len(c.runs) for c in configs)
     lines += [f"## Configurations ({len(configs)}, {runs} runs), best {settings['sort']} first", ""]
-    lines.append(
-        "Each figure: mean ± half-width of its 95% interval over the repeats "
-        "(t for means, bootstrap for percentiles); *exact*: a counted figure every repeat agrees on."
-    )
+    finished = [c for c in configs if c.finished]
+    if finished and all(c.deterministic for c in finished):
+        ran = sorted({executor_text(run) for c in finished for run in c.finished})
+        lines.append(f"Every run: {', '.join(ran)}, on a virtual clock: each figure is exact, "
+                     "a function of the config (no device ran the model).")  # fmt: skip
+        fixed = {k: v for k, v in fixed.items() if k != "device"}
+    else:
+        lines.append(
+            "Each figure: mean ± half-width of its 95% interval over the repeats (t for means, "
+            "cut at zero where negative values are impossible; bootstrap for percentiles); "
+            "*exact*: a counted figure every repeat agrees on."
+        )
     lines.append("")
     if fixed:
         lines += ["Same in every run: " + ", ".join(f"`{k}={v}`" for k, v in fixed.items()), ""]

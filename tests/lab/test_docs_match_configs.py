@@ -52,7 +52,7 @@ def test_the_guide_lists_every_option_of_every_group():
     listing = ABLATION[ABLATION.index("conf/config.yaml        defaults list") :]
     for group in ("model", "scheduler", "allocator", "preemption", "attention", "executor",
                   "hardware", "workload", "device"):  # fmt: skip
-        line = next((l for l in listing.splitlines() if l.startswith(f"conf/{group}/")), None)
+        line = next((ln for ln in listing.splitlines() if ln.startswith(f"conf/{group}/")), None)
         assert line is not None, f"docs/ablation.md lists no conf/{group}/"
         named = set(re.findall(r"[\w.-]+", line.split("/", 2)[2]))
         missing = options(group) - named
@@ -70,7 +70,7 @@ def test_the_readme_examples_run_in_seconds_on_a_cpu():
 def test_the_documented_command_line_claim_parses_and_decides():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    line = next(l for l in ABLATION.splitlines() if "'report.claims=" in l)
+    line = next(ln for ln in ABLATION.splitlines() if "'report.claims=" in ln)
     override = line[line.index("'") + 1 : line.rindex("'")]
     (parsed,) = OverridesParser.create().parse_overrides([override])
     (claim,) = parsed.value()

@@ -18,15 +18,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from PIL import Image
 
-from servelab.cli import report_main
-
 SERVELAB = Path(sys.executable).parent / "servelab"
 SIMULATED = ("executor=simulated", "hardware=cpu-local")  # a virtual clock, no model weights
 
 
 def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
-    """Runs `servelab -m experiment=PRESET ...` and `servelab-report` on its
-    folder; returns summary.csv's rows keyed by the swept values, "/"-joined."""
+    """Runs `servelab -m experiment=PRESET ...`, which reports on its folder when
+    it ends; returns summary.csv's rows keyed by the swept values, "/"-joined."""
     out = tmp_path / preset
     command = (
         [str(SERVELAB)]
@@ -43,7 +41,9 @@ def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    report_main([str(out)])
+    # the sweep ends by printing its folder and writing its report there (cli.ReportAtSweepEnd)
+    assert f"servelab: sweep folder: {out}\n" in done.stdout
+    assert f"servelab: report: {out / 'summary.md'}\n" in done.stdout
     with open(out / "summary.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     columns = list(rows[0])

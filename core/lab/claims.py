@@ -77,8 +77,8 @@ def evaluate_claims(
 
 def sample_text(value: Estimate, paired: bool = False) -> str:
     """`n=8 paired repeats`, `exact, n=1`: what an interval rests on."""
-    if value.exact:
-        return f"exact, n={value.n}"
+    if value.exact:  # the interval's text already says exact
+        return f"n={value.n}"
     return f"n={value.n}{' paired' if paired else ''} repeat{'s' if value.n != 1 else ''}"
 
 

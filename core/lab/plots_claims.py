@@ -43,7 +43,8 @@ def ratio_axis(ax, low: float, high: float, bound: float) -> None:
     ticks = [f for f in FOLDS if low <= f <= high]
     while len(ticks) > 7:  # keep 1 and thin the rest evenly
         ticks = [t for i, t in enumerate(ticks) if i % 2 == 0 or t == 1.0]
-    ticks = sorted({*ticks, bound})
+    # the bound is ticked; a fold-change tick within 8% of it would print over it
+    ticks = sorted({*(t for t in ticks if abs(math.log(t / bound)) > 0.08 or t == 1.0), bound})
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])

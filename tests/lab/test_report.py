@@ -134,7 +134,7 @@ def test_timed_claims_on_two_repeats_are_indicative(multirun):
     configs = group_runs(load_runs([multirun]))
     steps = {"figure": "steps", "run": "scheduler=fast", "vs": "scheduler=slow", "ratio_at_most": 1}
     (result,) = evaluate_claims(configs, [steps])
-    assert result.verdict == "holds" and "(exact, n=2)" in result.text
+    assert result.verdict == "holds" and "(exact) (n=2)" in result.text
     # report.min_repeats lowers the bar
     (loose,) = evaluate_claims(configs, [CLAIMS[0]], min_repeats=2)
     assert loose.verdict != "indicative" and loose.estimate.n == 2

@@ -271,7 +271,7 @@ def plot_timeline(configs: Sequence[Configuration], path: Path, axis: str = "ste
 
         axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle("Requests over time: waiting, running, holding a finished slot, preemptions")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))  # room for the title
     legend_below(fig, axes[:, 0], columns=3)
     save(fig, path)
     return True

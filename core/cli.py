@@ -63,8 +63,47 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
     meta["cuda_graphs"] = runner.graphs_status if runner is not None else "off (simulated)"
     save_run(folder, result, config, meta)
     title = ", ".join(f"{k}={_part_name(config[k])}" for k in KINDS if k in config)
-    print_summary(result.summary, title=f"{title}\n{folder}")
+    print_summary(result.summary, title=title)
+    print(f"servelab: run folder: {folder}")  # on its own line, so it can be copied
     return result.summary
+
+
+class ReportAtSweepEnd:
+    """A Hydra callback (conf/config.yaml, `hydra.callbacks`): when a sweep
+    (`-m`) ends, prints its folder and writes its report there, unless
+    `report.after_sweep=false`. A report that fails says why; the runs stay."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        pass
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        from servelab.lab.report import write_report
+
+        folder = Path(str(config.hydra.sweep.dir))
+        print(f"servelab: sweep folder: {folder}")
+        report = config.get("report") or {}
+        if not report.get("after_sweep", True):
+            print(f"servelab: report it with: servelab-report {folder}")
+            return
+        try:
+            out = write_report([folder])
+        except ServelabError as err:
+            print(f"servelab: the report failed: {err}", file=sys.stderr)
+            return
+        print(f"servelab: report: {out / 'summary.md'}")
+
+    # the rest of Hydra's callback interface: nothing to do
+    def on_run_start(self, config, **kwargs) -> None:
+        pass
+
+    def on_run_end(self, config, **kwargs) -> None:
+        pass
+
+    def on_job_start(self, config, **kwargs) -> None:
+        pass
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        pass
 
 
 def _part_name(node) -> str:
@@ -100,8 +139,65 @@ def main() -> None:
     try:
         app()
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"servelab: error: {composition_message(err)}", file=sys.stderr)
+        message = open_node_message(err, sys.argv[1:]) or composition_message(err)
+        print(f"servelab: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def open_node_message(err: BaseException, argv: list[str]) -> str | None:
+    """A misspelt option of a part or a workload (`scheduler.chunk_sise=3`):
+    Hydra only knows the node has no such key. Composed again with the option
+    added (`+`), the part's own check says what the Python API says, with the
+    valid keys. None when the error is another one, or the check passes."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    from servelab.errors import ConfigError
+    from servelab.lab.config_schema import OPEN_NODES
+
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        cause = cause.__cause__ or cause.__context__
+    full_key = str(getattr(cause, "full_key", "") or "")
+    node = full_key.partition(".")[0]
+    if node not in OPEN_NODES or node == "model" or "." not in full_key:
+        return None
+    overrides = []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue  # -m, --multirun and the like
+        key, _, value = arg.partition("=")
+        if "," in value and not value.startswith(("[", "{", "'", '"')):
+            value = value.split(",")[0]  # a swept choice: its first value will do
+        overrides.append(f"+{key}={value}" if key == full_key else f"{key}={value}")
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_module("servelab.conf", version_base="1.3"):
+            spec = OmegaConf.to_container(compose("config", overrides=overrides)[node], resolve=True)
+        return check_open_node(node, spec)
+    except ConfigError as problem:
+        return str(problem)
+    except Exception:  # noqa: BLE001 (the original message is still there to show)
+        return None
+
+
+def check_open_node(node: str, spec) -> str | None:
+    """The check `LLM(...)` makes of a part's or a workload's options; raises ConfigError."""
+    if node == "workload":
+        from servelab.lab.workload import check_keys, workload_options
+
+        options = dict(spec)
+        name = options.pop("name", None)
+        check_keys(options, list(workload_options(name)), f"workload {name!r}")
+        return None
+    from servelab.registry.options import check_options, describe_options, split_component
+    from servelab.registry.plugin_manager import lookup
+
+    name, options = split_component(spec, node)
+    check_options(node, name, options, describe_options(lookup(node, name), node))
+    return None
 
 
 def report_main(argv: list[str] | None = None) -> None:

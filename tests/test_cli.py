@@ -34,6 +34,8 @@ def test_one_run_writes_its_results_and_prints_the_summary(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "output_tok_s" in done.stdout and "scheduler=chunked" in done.stdout
+    # the run folder on a line of its own, whole, to copy (not wrapped in the table's title)
+    assert f"servelab: run folder: {tmp_path}" in done.stdout.splitlines()
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["scheduler"] == {
         "name": "chunked",

@@ -25,10 +25,14 @@ from servelab.registry.typed import check_value
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_MODEL_LEN = 1024
+
 ENGINE_DEFAULTS: dict[str, Any] = {
     "max_num_seqs": 64,
     "max_num_batched_tokens": None,  # None: max(2048, max_model_len)
-    "max_model_len": 1024,
+    # None: the model's max_position_embeddings (a checkpoint's config.json), at most
+    # DEFAULT_MAX_MODEL_LEN, so a small CPU model does not size its batches for 40k tokens
+    "max_model_len": None,
     "kv_cache_memory": "64MiB",
     "swap_space": "64MiB",
     "dtype": "float32",
@@ -56,7 +60,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 ENGINE_TYPES: dict[str, Any] = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int | None,
-    "max_model_len": int,
+    "max_model_len": int | None,
     "kv_cache_memory": int | str,
     "swap_space": int | str,
     "dtype": str,
@@ -138,6 +142,8 @@ def build_engine(config: Mapping) -> Engine:
         engine_options=opts,
     )
     model_config = executor.model_config
+    if opts["max_model_len"] is None:  # taken from the model, as vLLM takes it
+        opts["max_model_len"] = min(DEFAULT_MAX_MODEL_LEN, model_config.max_position_embeddings)
     max_model_len = int(opts["max_model_len"])
     if max_model_len > model_config.max_position_embeddings:
         raise ConfigError(

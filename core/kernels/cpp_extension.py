@@ -9,6 +9,11 @@ a warm cache is imported without running the compiler.
 The fallback, for every kernel: without a compiler, or with `SERVELAB_CPU_KERNEL=0`
 in the environment, `kernel()` is None and one logged line says why; callers
 then take their pure-torch path, which computes the same thing.
+
+A first build takes a minute or more, so it is announced: servelab's logger
+gets a handler of its own (`announce_handler`) that prints to stderr when the
+application has configured no logging (a script calling `LLM()`); where it
+has (Hydra, a server), the records go to its handlers instead, printed once.
 """
 
 from __future__ import annotations
@@ -37,6 +42,32 @@ except ImportError:  # not POSIX: no lock, concurrent first builds may race
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+
+
+class _AnnounceHandler(logging.StreamHandler):
+    """Prints servelab's INFO and above to stderr while the root logger has no
+    handler (nothing else would show them); otherwise leaves them to the root's."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def announce_handler() -> logging.Handler:
+    """Installs (once) the handler on the `servelab` logger and lets INFO through."""
+    logger = logging.getLogger("servelab")
+    for handler in logger.handlers:
+        if isinstance(handler, _AnnounceHandler):
+            return handler
+    handler = _AnnounceHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
+announce_handler()
 
 SWITCH = "SERVELAB_CPU_KERNEL"  # "0" turns every C++ kernel off
 CACHE_ENV = "SERVELAB_KERNEL_CACHE"  # the cache folder, instead of the default

@@ -5,7 +5,10 @@ absolute (`at_least`, `at_most`) or relative to other runs (`vs` with
 than a claim names, it is stated once per matching pair, so every comparison
 the sweep holds is decided, not only the first. The verdict (lab/stats.py) is
 `holds` when the whole 95% interval clears the bound, `fails` when it misses
-it, `inconclusive` otherwise; `None` when the runs it names are missing.
+it, `inconclusive` otherwise; `None` when the runs it names are missing. A
+timed figure (not exact) on fewer than `min_repeats` repeats is `indicative`:
+shown with its n and how many more repeats would let it be decided. Every
+claim line states its n.
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from servelab.errors import ConfigError
-from servelab.lab.estimates import estimate, ratio
+from servelab.lab.estimates import estimate, paired_repeats, ratio
 from servelab.lab.runs import Configuration, normalize
 from servelab.lab.stats import (
     FAILS,
     HOLDS,
+    INDICATIVE,
+    MIN_REPEATS,
     NO_ESTIMATE,
     VERDICT_RULES,
     Estimate,
     interval_text,
     is_counted,
-    rounded,
+    point_text,
     verdict,
 )
 
@@ -41,13 +46,21 @@ SHOWN = {
 @dataclass
 class ClaimResult:
     text: str
-    verdict: str | None  # holds | fails | inconclusive; None: the runs it names are missing
+    verdict: str | None  # holds | fails | inconclusive | indicative; None: runs missing
     figure: str = ""
     op: str = ""
     bound: float = float("nan")
     estimate: Estimate = NO_ESTIMATE
     # what the claim's plot draws: (label, estimate) per configuration it names
     bars: list[tuple[str, Estimate]] = field(default_factory=list)
+    min_repeats: int = MIN_REPEATS
+
+    @property
+    def more_repeats(self) -> int:
+        """Repeats still missing before an indicative claim can be decided."""
+        if self.verdict != INDICATIVE:
+            return 0
+        return max(0, self.min_repeats - self.estimate.n)
 
     @property
     def holds(self) -> bool | None:
@@ -55,9 +68,18 @@ class ClaimResult:
 
 
 def evaluate_claims(
-    configs: Sequence[Configuration], claims: Iterable[Mapping]
+    configs: Sequence[Configuration], claims: Iterable[Mapping], min_repeats: int = MIN_REPEATS
 ) -> list[ClaimResult]:
-    return [result for claim in claims for result in evaluate_claim(configs, claim)]
+    return [
+        result for claim in claims for result in evaluate_claim(configs, claim, min_repeats)
+    ]
+
+
+def sample_text(value: Estimate, paired: bool = False) -> str:
+    """`n=8 paired repeats`, `exact, n=1`: what an interval rests on."""
+    if value.exact:  # the interval's text already says exact
+        return f"n={value.n}"
+    return f"n={value.n}{' paired' if paired else ''} repeat{'s' if value.n != 1 else ''}"
 
 
 def parse_selector(selector: str) -> dict[str, str]:
@@ -77,7 +99,9 @@ def matches(config: Configuration, selector: dict[str, str]) -> bool:
     return all(config.params.get(k) == v for k, v in selector.items())
 
 
-def evaluate_claim(configs: Sequence[Configuration], claim: Mapping) -> list[ClaimResult]:
+def evaluate_claim(
+    configs: Sequence[Configuration], claim: Mapping, min_repeats: int = MIN_REPEATS
+) -> list[ClaimResult]:
     """One claim, stated for every configuration (pair) it matches."""
     claim = dict(claim)
     name, text = claim.pop("figure", None), claim.pop("text", None)
@@ -105,16 +129,20 @@ def evaluate_claim(configs: Sequence[Configuration], claim: Mapping) -> list[Cla
     for config in picked:
         value = estimate(config, name)
         if not CLAIM_OPS[op]:
-            detail = f"{name} = {rounded(value)} {interval_text(value)} ({config.label})"
+            detail = (
+                f"{name} = {point_text(value)} {interval_text(value)} ({config.label}; "
+                f"{sample_text(value)})"
+            )
             results.append(
                 ClaimResult(
                     f"{heading} — {detail} [claim {stated}]",
-                    verdict(value, op, bound),
+                    verdict(value, op, bound, min_repeats),
                     name,
                     op,
                     bound,
                     value,
                     [(config.label, value)],
+                    min_repeats,
                 )  # fmt: skip
             )
             continue
@@ -128,18 +156,20 @@ def evaluate_claim(configs: Sequence[Configuration], claim: Mapping) -> list[Cla
         base = estimate(partner, name)
         quotient = ratio(config, partner, name)
         detail = (
-            f"{name}: {rounded(value)} ({run_sel}) vs {rounded(base)} ({vs_sel}){where} = "
-            f"{rounded(quotient)}× {interval_text(quotient)}"
+            f"{name}: {point_text(value)} ({run_sel}) vs {point_text(base)} ({vs_sel}){where} = "
+            f"{point_text(quotient)}× {interval_text(quotient)} "
+            f"({sample_text(quotient, paired_repeats(config, partner))})"
         )
         results.append(
             ClaimResult(
                 f"{heading} — {detail} [claim {stated}]",
-                verdict(quotient, op, bound),
+                verdict(quotient, op, bound, min_repeats),
                 name,
                 op,
                 bound,
                 quotient,
-                [(f"{run_sel}{where}", quotient)],
+                [(f"{run_sel} vs {vs_sel}{where}", quotient)],
+                min_repeats,
             )  # fmt: skip
         )
     return results

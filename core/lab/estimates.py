@@ -66,13 +66,21 @@ def counted(config: Configuration, name: str) -> bool:
     return is_counted(name) or config.deterministic
 
 
+def paired_repeats(config: Configuration, baseline: Configuration) -> bool:
+    """Whether both ran the same repeats (an interleaved sweep): repeat i of one
+    then ran beside repeat i of the other."""
+    mine = {run.repeat for run in config.finished}
+    theirs = {run.repeat for run in baseline.finished}
+    return len(mine) == len(config.finished) == len(baseline.finished) > 1 and mine == theirs
+
+
 def ratio(config: Configuration, baseline: Configuration, name: str) -> Estimate:
-    """config's figure over baseline's. Where both ran the same repeats (an
-    interleaved sweep), repeat i of one is paired with repeat i of the other."""
+    """config's figure over baseline's (lab/stats.py's ratio_estimate), paired
+    where both ran the same repeats."""
     mine = {run.repeat: figure(run, name) for run in config.finished}
     theirs = {run.repeat: figure(run, name) for run in baseline.finished}
     exact = counted(config, name) and counted(baseline, name)
-    if len(mine) == len(config.finished) and set(mine) == set(theirs) and len(mine) > 1:
+    if paired_repeats(config, baseline):
         order = sorted(mine)
         return ratio_estimate([mine[i] for i in order], [theirs[i] for i in order],
                               counted=exact, paired=True)  # fmt: skip

@@ -23,11 +23,11 @@ MAX_WORKLOADS = 8
 RATE_BINS = 40
 
 
-def plot_workloads(runs: Sequence[Run], out: Path) -> list[str]:
-    """Draws `out/workload.png`; returns `["workload.png"]`, or `[]` when no run finished."""
+def plot_workloads(runs: Sequence[Run], path: Path) -> bool:
+    """Draws the workload plot at `path`; False when no run finished (nothing drawn)."""
     shapes = distinct_workloads(runs)
     if not shapes:
-        return []
+        return False
     plt = pyplot()
     fig, (prompts, outputs, rate) = plt.subplots(1, 3, figsize=(15, 4.2))
     drawn: set[tuple] = set()  # a rate sweep replays the same lengths: one histogram of them
@@ -51,8 +51,8 @@ def plot_workloads(runs: Sequence[Run], out: Path) -> list[str]:
         rate.legend(fontsize="small", frameon=False)
     fig.suptitle(title(runs[0], shapes), fontsize="medium")
     fig.tight_layout()
-    save(fig, out / "workload.png")
-    return ["workload.png"]
+    save(fig, path)
+    return True
 
 
 def distinct_workloads(runs: Sequence[Run]) -> list[tuple[str, list[dict]]]:

@@ -1,6 +1,11 @@
 """What produced a run: code, libraries, machine, config and command line, as
 `results.json` records it under `provenance`, and the report's check that a
-sweep's runs come from one machine and one set of versions."""
+sweep's runs come from one machine and one set of versions.
+
+The machine's load during a run (`machine_load`: the load average, and the
+share of the CPUs other processes used while it served) is recorded too: a
+timed figure from a busy machine is slower and noisier, and the report marks
+such runs instead of letting them pass as comparable."""
 
 from __future__ import annotations
 
@@ -89,6 +94,55 @@ def config_hash(config: Mapping) -> str:
     """A short hash of the resolved config (keys sorted): equal hashes, equal configs."""
     text = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# other processes using this share of every CPU's time make a run "busy"
+BUSY_OTHER_CPU_PCT = 25.0
+
+
+def cpu_snapshot() -> dict[str, float] | None:
+    """The machine's busy and total CPU seconds so far (/proc/stat, every core)
+    and this process's own; None where /proc is missing."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [float(v) for v in fields]
+    hz = float(os.sysconf("SC_CLK_TCK"))
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0.0)  # idle + iowait
+    own = os.times()
+    return {"total": sum(ticks[:8]) / hz, "busy": (sum(ticks[:8]) - idle) / hz,
+            "own": own.user + own.system + own.children_user + own.children_system}  # fmt: skip
+
+
+def machine_load(before: Mapping | None, after: Mapping | None) -> dict[str, Any]:
+    """The load between two snapshots: load averages now, other processes' share
+    of the machine's CPU time (percent of every core together), and `busy`."""
+    load: dict[str, Any] = {"cpus": os.cpu_count()}
+    try:
+        load["load_average_1m"], load["load_average_5m"], _ = (round(v, 2) for v in os.getloadavg())
+    except OSError:
+        pass
+    if before and after and after["total"] > before["total"]:
+        total = after["total"] - before["total"]
+        other = (after["busy"] - before["busy"]) - (after["own"] - before["own"])
+        load["other_cpu_pct"] = round(min(100.0, max(0.0, 100.0 * other / total)), 1)
+        load["busy"] = load["other_cpu_pct"] >= BUSY_OTHER_CPU_PCT
+    return load
+
+
+def busy_warnings(runs: Sequence[Any]) -> list[str]:
+    """One warning naming the runs whose machine was busy, if any."""
+    loads = [(run, (run.provenance or {}).get("machine_load") or {}) for run in runs]
+    busy = [(run, load) for run, load in loads if load.get("busy")]
+    if not busy:
+        return []
+    worst = max(load.get("other_cpu_pct", 0.0) for _, load in busy)
+    return [
+        f"{len(busy)} of {len(runs)} runs ran on a busy machine (other processes used up to "
+        f"{worst:g}% of the CPUs; busy: {BUSY_OTHER_CPU_PCT:g}% or more): their timed figures "
+        "are slower and noisier (runs.csv: other_cpu_pct, busy)"
+    ]
 
 
 def mixed_provenance(records: Sequence[Mapping | None]) -> list[str]:

@@ -8,9 +8,10 @@ interval (lab/estimates.py, lab/stats.py). Writes into `--out` (default: the
 only PATH, else `./servelab-report`):
 - `summary.csv`: one row per configuration, best first: swept choices, then per
   figure its mean, std and interval; `runs.csv`: one row per run;
-- `summary.md`: provenance warnings, the claims and their verdicts, capacity
-  under the SLO, the key figures per configuration, failed runs, the plots;
-- the PNG plots of lab/plots.py and lab/plots_load.py.
+- `summary.md`: provenance warnings (mixed versions, busy machine), the claims
+  and their verdicts with their n, capacity under the SLO, the key figures per
+  configuration, failed runs, the plots;
+- the plots of lab/plots_registry.py (`report.plots`, `report.format`, `report.dpi`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from pathlib import Path
 from servelab.errors import ConfigError
 from servelab.lab.claims import CLAIM_OPS, ClaimResult, evaluate_claim, evaluate_claims
 from servelab.lab.estimates import estimate
-from servelab.lab.plots_load import draw_plots
-from servelab.lab.plots_workload import plot_workloads
-from servelab.lab.provenance import mixed_provenance
+from servelab.lab.plots_registry import draw_plots, plot_names, wanted_plots
+from servelab.lab.progress import Progress
+from servelab.lab.provenance import busy_warnings, mixed_provenance
+from servelab.lab.report_markdown import markdown
 from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
 from servelab.lab.slo import add_slo_figures, capacity, slo_options
-from servelab.lab.stats import mean_estimate, rounded
+from servelab.lab.stats import MIN_REPEATS, mean_estimate
 from servelab.registry.typed import check_value
 
 __all__ = [  # callers import every report name from here, wherever it is defined
@@ -131,6 +133,8 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
         row = {"run": str(run.folder), **{k: run.swept.get(k, "") for k in swept}}
         row["repeat"] = run.repeat
         row.update(run.summary)
+        load = run.provenance.get("machine_load") or {}
+        row.update({k: load[k] for k in ("other_cpu_pct", "load_average_1m", "busy") if k in load})
         row["status"] = "error" if run.error else "ok"
         if run.error:
             row["error"] = run.error
@@ -148,6 +152,11 @@ REPORT_DEFAULTS = {
     "claims": [],
     "slo": None,
     "time_axis": "steps",  # the x axis of the timeline, KV and batch plots: steps | seconds
+    "min_repeats": MIN_REPEATS,  # a figure that varies is decided on at least this many repeats
+    "plots": "all",  # which plots to draw: all, none, or a list of names (lab/plots_registry.py)
+    "format": "png",  # png | pdf | svg
+    "dpi": 150,
+    "after_sweep": True,  # `servelab -m` writes the report when the sweep ends (cli.py)
 }
 REPORT_TYPES = {
     "title": str | None,
@@ -156,8 +165,14 @@ REPORT_TYPES = {
     "claims": list,
     "slo": dict | None,  # {ttft_ms, tpot_ms, itl_ms, percentile}: see lab/slo.py
     "time_axis": str,
+    "min_repeats": int,
+    "plots": str | list,
+    "format": str,
+    "dpi": int,
+    "after_sweep": bool,
 }
 TIME_AXES = ("steps", "seconds")
+FORMATS = ("png", "pdf", "svg")
 
 
 def report_options(node: Mapping | None) -> dict:
@@ -170,8 +185,20 @@ def report_options(node: Mapping | None) -> dict:
             )
         if value is not None:
             options[key] = value
-    for key in ("title", "sort", "time_axis"):
+    for key in ("title", "sort", "time_axis", "min_repeats", "plots", "format", "dpi", "after_sweep"):
         check_value(f"report option {key}", options[key], REPORT_TYPES[key])
+    if options["min_repeats"] < 2:
+        raise ConfigError(
+            f"report option min_repeats must be >= 2 (a t interval needs two repeats), "
+            f"got {options['min_repeats']!r}"
+        )
+    if options["format"] not in FORMATS:
+        raise ConfigError(
+            f"report option format must be one of {', '.join(FORMATS)}, got {options['format']!r}"
+        )
+    if not 20 <= options["dpi"] <= 1200:
+        raise ConfigError(f"report option dpi must be in [20, 1200], got {options['dpi']!r}")
+    options["plots"] = plot_names(options["plots"])
     for key in ("figures", "claims"):
         if not isinstance(options[key], (list, tuple)):
             raise ConfigError(f"report option {key} must be a list, got {options[key]!r}")
@@ -190,8 +217,11 @@ def report_settings(runs: Sequence[Run]) -> dict:
     return report_options((runs[0].results.get("config") or {}).get("report"))
 
 
-def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> Path:
-    """Loads the runs under `paths`; writes the tables, the claims and the plots."""
+def write_report(
+    paths: Sequence[str | Path], out: str | Path | None = None, progress: bool = True
+) -> Path:
+    """Loads the runs under `paths`; writes the tables, the claims and the plots,
+    showing its progress (lab/progress.py) unless `progress` is False."""
     runs = load_runs(paths)
     fixed = mark_swept(runs)
     settings = report_settings(runs)
@@ -205,14 +235,22 @@ def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> 
         dict.fromkeys([settings["sort"], *KEY_FIGURES, *slo_figures, *settings["figures"]])
     )
     every = list(dict.fromkeys([*shown, *_summary_keys(runs)]))
-    write_csv(out / "summary.csv", summary_rows(configs, every))
-    write_csv(out / "runs.csv", run_rows(runs))
-
-    claims = evaluate_claims(configs, settings["claims"])
-    capacities = capacity(configs, settings["slo"]) if settings["slo"] else []
-    written = draw_plots(configs, claims, settings, out)
-    written += plot_workloads(runs, out)  # workload.png: the replayed lengths and arrivals
-    warnings = mixed_provenance([run.provenance for run in runs])
+    plots = wanted_plots(settings)
+    with Progress("servelab-report", len(configs) + len(plots) + 1, progress) as bar:
+        # the figures per configuration: the percentile bootstraps are most of the work
+        for config in configs:
+            for name in every:
+                estimate(config, name)
+            bar.advance(f"estimates of {config.label}")
+        write_csv(out / "summary.csv", summary_rows(configs, every))
+        write_csv(out / "runs.csv", run_rows(runs))
+        claims = evaluate_claims(configs, settings["claims"], settings["min_repeats"])
+        capacities = capacity(configs, settings["slo"]) if settings["slo"] else []
+        bar.advance("claims")
+        written = draw_plots(configs, claims, settings, out, on_done=bar.advance)
+    warnings = [f"{w}; their figures may not be comparable"
+                for w in mixed_provenance([run.provenance for run in runs])]  # fmt: skip
+    warnings += busy_warnings([run for run in runs if not run.virtual_clock])
     text = markdown(settings, configs, fixed, claims, shown, written, warnings, capacities)
     (out / "summary.md").write_text(text)
     return out
@@ -240,76 +278,6 @@ def _summary_keys(runs: Sequence[Run]) -> list[str]:
     for run in runs:
         keys += [k for k, v in run.summary.items() if k not in keys and isinstance(v, (int, float))]
     return keys
-
-
-VERDICT_MARKS = {
-    "holds": "✅ holds",
-    "fails": "❌ fails",
-    "inconclusive": "❔ inconclusive",
-    None: "⚠️ cannot check",
-}
-
-
-def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacities) -> str:
-    lines = [f"# {settings['title']}", ""]
-    lines += [f"> ⚠️ Warning: {w}; their figures may not be comparable." for w in warnings]
-    lines += [""] if warnings else []
-    if claims:
-        lines += ["## Claims", "", "Decided on 95% confidence intervals over the repeats.", ""]
-        lines += [f"- {VERDICT_MARKS[claim.verdict]}: {claim.text}" for claim in claims] + [""]
-    if capacities:
-        lines += capacity_lines(settings["slo"], capacities)
-    runs = sum(len(c.runs) for c in configs)
-    lines += [f"## Configurations ({len(configs)}, {runs} runs), best {settings['sort']} first", ""]
-    lines.append(
-        "Each figure: mean ± half-width of its 95% interval over the repeats "
-        "(t for means, bootstrap for percentiles); *exact*: a counted figure every repeat agrees on."
-    )
-    lines.append("")
-    if fixed:
-        lines += ["Same in every run: " + ", ".join(f"`{k}={v}`" for k, v in fixed.items()), ""]
-    swept = list(configs[0].swept) if configs else []
-    header = ["#", *swept, "runs", *figures]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "|".join("---" for _ in header) + "|")
-    for i, config in enumerate(configs, start=1):
-        cells = [str(i), *(config.swept.get(k, "") for k in swept), str(len(config.finished))]
-        if not config.finished:
-            cells += ["failed"] + [""] * (len(figures) - 1)
-        else:
-            cells += [_cell(estimate(config, name)) for name in figures]
-        lines.append("| " + " | ".join(cells) + " |")
-    failed = [(config, run) for config in configs for run in config.runs if run.error]
-    if failed:
-        lines += ["", f"## Failed runs ({len(failed)})", ""]
-        lines += [f"- {c.label} (`{run.folder}`): {run.error}" for c, run in failed]
-    lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots] + [""]
-    return "\n".join(lines)
-
-
-def _cell(value) -> str:
-    text = rounded(value)
-    return f"{text} *exact*" if value.exact else text
-
-
-def capacity_lines(slo: Mapping, capacities: Sequence[dict]) -> list[str]:
-    targets = ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items() if k != "percentile")
-    lines = [
-        "## Capacity under the SLO",
-        "",
-        f"SLO: {targets} for {slo['percentile']:g}% of requests. Capacity: the highest "
-        "request rate whose mean attainment over the repeats reaches that share.",
-        "",
-        "| configuration | capacity (req/s) | attainment % by rate |",
-        "|---|---|---|",
-    ]
-    for row in capacities:
-        by_rate = ", ".join(f"{r:g}: {p:.0f}" for r, p in row["attainment_by_rate"].items())
-        best = row["capacity_rps"]
-        lines.append(
-            f"| {row['configuration']} | {'below the lowest rate' if best is None else f'{best:g}'} | {by_rate} |"
-        )
-    return lines + [""]
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

@@ -17,13 +17,15 @@ import csv
 import hashlib
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as Progress_
 from rich.table import Table
 
 from servelab.engine.build import build_engine
@@ -32,14 +34,15 @@ from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.errors import ConfigError
 from servelab.lab.arrivals import ArrivalQueue
 from servelab.lab.fairness import fairness_figures
-from servelab.lab.provenance import provenance
+from servelab.lab.progress import Progress, is_terminal
+from servelab.lab.provenance import cpu_snapshot, machine_load, provenance
 from servelab.lab.report import report_options
 from servelab.lab.workload import WorkloadRequest, make_workload, trace_source
 from servelab.registry.typed import check_value
 from servelab.step.sequence import SamplingParams
 
 RUN_DEFAULTS: dict[str, Any] = {
-    "progress": True,  # a live progress bar (requests done, tok/s)
+    "progress": True,  # progress: a live bar on a terminal, plain lines otherwise
     "warmup": True,  # one short request before the clock starts: first-call costs stay out
     "idle_sleep": 0.0005,  # seconds the runner sleeps when the engine has nothing to run
     "repeats": 1,  # how many times each configuration runs, each with a fresh engine
@@ -160,11 +163,15 @@ def output_digest(tokens: dict[str, list[list[int]]]) -> str:
 
 
 class ProgressBar:
-    """A rich progress bar of finished requests and output tok/s; a no-op when disabled."""
+    """Finished requests and output tok/s: a live rich bar on a terminal, plain
+    lines on stderr otherwise (a log, nohup, CI: lab/progress.py); a no-op
+    when disabled."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.enabled = enabled
-        self.progress = Progress(
+        self.terminal = enabled and is_terminal(sys.stdout)  # where rich draws
+        self.plain = Progress("serving", total, enabled=enabled and not self.terminal)
+        self.progress = Progress_(
             TextColumn("[bold]serving"),
             BarColumn(),
             MofNCompleteColumn(),
@@ -172,7 +179,7 @@ class ProgressBar:
             TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
             TimeElapsedColumn(),
             transient=True,
-            disable=not enabled,
+            disable=not self.terminal,
         )
         self.task = self.progress.add_task("serve", total=total, tok_s=0.0)
         self.tokens = 0
@@ -192,7 +199,11 @@ class ProgressBar:
         self.tokens += sum(s.sampled_tokens for s in steps[self.seen_steps :])
         self.seen_steps = len(steps)
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        self.progress.update(self.task, completed=len(engine.metrics.requests), tok_s=rate)
+        done = len(engine.metrics.requests)
+        if self.terminal:
+            self.progress.update(self.task, completed=done, tok_s=rate)
+        elif done > self.plain.done:
+            self.plain.advance("requests", steps=done - self.plain.done, detail=f"{rate:.1f} tok/s")
 
 
 def client_figures(engine) -> dict[str, float]:
@@ -228,7 +239,9 @@ def run_config(config: Mapping) -> RunResult:
     started.update(trace_source(requests))  # a public trace: its file, hash and what was capped
     if options["warmup"]:
         warm_up(engine)
+    before = cpu_snapshot()
     summary = serve(engine, requests, bool(options["progress"]), float(options["idle_sleep"]))
+    started["machine_load"] = machine_load(before, cpu_snapshot())
     records = list(engine.metrics.requests), list(engine.metrics.steps)
     return RunResult(engine, summary, *records, provenance=started)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import ClassVar
@@ -26,6 +27,20 @@ from servelab.step.metadata import AttentionMetadata
 NAME = "triton_paged"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+log = logging.getLogger(__name__)
+INTERPRETED_WARNING = (
+    "servelab: attention=triton_paged on a CPU runs its kernels in the Triton interpreter, "
+    "about 4 output tokens/s on the tiny model (a workload takes minutes); on a CPU, "
+    "attention=flash_varlen or per_request serve the same tokens in seconds"
+)
+
+
+@functools.cache
+def warn_interpreted() -> None:
+    """Says once per process that the kernels will be interpreted, and how slow that is."""
+    log.warning(INTERPRETED_WARNING)
 
 
 @functools.cache
@@ -98,6 +113,8 @@ class TritonPagedBackend(AttentionBackend):
                 f"attention backend '{NAME}' on device=cpu needs the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before servelab.plugins.attention.triton_kernels is imported"
             )
+        if device.type == "cpu":
+            warn_interpreted()
 
     def plan(self, meta: AttentionMetadata) -> TritonPagedPlan:
         return TritonPagedPlan(

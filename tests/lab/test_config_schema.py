@@ -81,7 +81,10 @@ def test_the_composed_defaults_equal_the_python_defaults():
             "run.bogus=1",
             "unknown run option 'bogus'; accepted: idle_sleep, progress, repeat, repeats, warmup",
         ),
-        ("report.colour=red", "unknown report option 'colour'; accepted: claims, figures"),
+        (
+            "report.colour=red",
+            "unknown report option 'colour'; accepted: after_sweep, claims, dpi, figures",
+        ),
         ("experiment=load_curv", "Could not find 'experiment/load_curv'"),
         ("scheduler=nope", "Available options in 'scheduler': chunked continuous"),
     ],

@@ -1,7 +1,9 @@
 """Each preset, end to end at a reduced size: its multirun through the
 `servelab` command, then `servelab-report`; the test reads the produced
-summary.csv and asserts the direction of the preset's claim, so a change that
-flips a claim fails here."""
+summary.csv and asserts the direction of the preset's counted claims (steps,
+tokens, bytes, hits), so a change that flips one fails here. Timed claims
+(tok/s, latencies) are the report's to decide, over repeats: a test never
+asserts the wall clock (tests/lab/test_wall_clock_asserts.py)."""
 
 from __future__ import annotations
 
@@ -16,15 +18,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from PIL import Image
 
-from servelab.cli import report_main
-
 SERVELAB = Path(sys.executable).parent / "servelab"
 SIMULATED = ("executor=simulated", "hardware=cpu-local")  # a virtual clock, no model weights
 
 
 def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
-    """Runs `servelab -m experiment=PRESET ...` and `servelab-report` on its
-    folder; returns summary.csv's rows keyed by the swept values, "/"-joined."""
+    """Runs `servelab -m experiment=PRESET ...`, which reports on its folder when
+    it ends; returns summary.csv's rows keyed by the swept values, "/"-joined."""
     out = tmp_path / preset
     command = (
         [str(SERVELAB)]
@@ -41,7 +41,9 @@ def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    report_main([str(out)])
+    # the sweep ends by printing its folder and writing its report there (cli.ReportAtSweepEnd)
+    assert f"servelab: sweep folder: {out}\n" in done.stdout
+    assert f"servelab: report: {out / 'summary.md'}\n" in done.stdout
     with open(out / "summary.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     columns = list(rows[0])
@@ -51,23 +53,6 @@ def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
     for row in rows:  # summary.md lists every configuration
         assert "| " + " | ".join(row[k] for k in swept) + f" | {row['runs']} |" in markdown
     return {key: {k: number(v) for k, v in row.items()} for key, row in zip(keys, rows)}
-
-
-def timing_claim_holds(first: dict, claim, rerun, attempts: int = 3) -> None:
-    """A claim about wall-clock figures (tok/s, latencies) must hold in one of
-    `attempts` runs: the two cores are shared, and a neighbour busy during one
-    configuration's run can invert a single comparison. A real regression
-    inverts every attempt. `claim(runs)` returns "" when it holds, else why not."""
-    reasons = []
-    runs = first
-    for attempt in range(attempts):
-        if attempt:
-            runs = rerun(attempt)
-        reason = claim(runs)
-        if not reason:
-            return
-        reasons.append(reason)
-    raise AssertionError(f"the claim failed in all {attempts} runs: {reasons}")
 
 
 def number(text: str):
@@ -83,19 +68,8 @@ def test_continuous_vs_static(tmp_path):
     backends = ("padded", "per_request", "flash_varlen")
     assert set(runs) == {f"{s}/{a}" for s in ("static", "continuous") for a in backends}
 
-    def faster(runs) -> str:
-        return "; ".join(
-            f"{a}: continuous {runs[f'continuous/{a}']['output_tok_s']:.0f} tok/s <= "
-            f"static {runs[f'static/{a}']['output_tok_s']:.0f}"
-            for a in backends
-            if runs[f"continuous/{a}"]["output_tok_s"] <= runs[f"static/{a}"]["output_tok_s"]
-        )
-
-    timing_claim_holds(
-        runs,
-        faster,
-        lambda i: run_preset(tmp_path / f"again{i}", "continuous_vs_static", *overrides),
-    )
+    # the timed claim (output tok/s) is the report's to decide, over repeats: a test
+    # asserts what the engine counted, which a busy machine cannot change
     for attention in backends:
         continuous, static = runs[f"continuous/{attention}"], runs[f"static/{attention}"]
         assert continuous["steps"] < 0.7 * static["steps"]
@@ -134,20 +108,6 @@ def test_prefix_caching(tmp_path):
     assert cached["prefill_tokens"] < 0.6 * plain["prefill_tokens"]
     assert cached["output_digest"] == plain["output_digest"]
 
-    def earlier_first_tokens(runs) -> str:
-        cached, plain = runs["true"], runs["false"]
-        if cached["ttft_mean_ms"] < plain["ttft_mean_ms"]:
-            return ""
-        return (
-            f"mean TTFT {cached['ttft_mean_ms']:.1f} ms cached >= {plain['ttft_mean_ms']:.1f} plain"
-        )
-
-    timing_claim_holds(
-        runs,
-        earlier_first_tokens,
-        lambda i: run_preset(tmp_path / f"again{i}", "prefix_caching", *overrides),
-    )
-
 
 def test_chunked_prefill(tmp_path):
     overrides = (
@@ -159,20 +119,7 @@ def test_chunked_prefill(tmp_path):
     assert whole["longest_stall_prefill_tokens"] == 1536
     assert chunked["longest_stall_prefill_tokens"] <= 2 * 512  # a chunk of each prompt in flight
 
-    def shorter_stalls(runs) -> str:
-        chunked, whole = runs["chunked"], runs["continuous"]
-        reasons = [
-            f"{figure}: chunked {chunked[figure]:.1f} >= continuous {whole[figure]:.1f}"
-            for figure in ("longest_stall_ms", "itl_p99_ms")
-            if chunked[figure] >= whole[figure]
-        ]
-        return "; ".join(reasons)
-
-    timing_claim_holds(
-        runs,
-        shorter_stalls,
-        lambda i: run_preset(tmp_path / f"again{i}", "chunked_prefill", *overrides),
-    )
+    # its stall in milliseconds is the preset report's timed claim, decided over repeats
 
 
 def test_swap_vs_recompute(tmp_path):
@@ -210,16 +157,6 @@ def test_fairness(tmp_path):
     assert fcfs["service_share_pct_light"] < 28 and vtc["service_share_pct_light"] > 32
     assert vtc["client_gap_to_bound"] < 1 < fcfs["client_gap_to_bound"]
     assert vtc["output_digest"] == fcfs["output_digest"]  # the order changes, not the tokens
-
-    def light_waits_less(runs) -> str:
-        fcfs, vtc = runs["continuous"], runs["vtc"]
-        if vtc["ttft_mean_ms_light"] < fcfs["ttft_mean_ms_light"]:
-            return ""
-        return f"light TTFT vtc {vtc['ttft_mean_ms_light']:.0f} >= fcfs {fcfs['ttft_mean_ms_light']:.0f}"
-
-    timing_claim_holds(
-        runs, light_waits_less, lambda i: run_preset(tmp_path / f"again{i}", "fairness")
-    )
 
 
 def preset_claims(preset: str) -> list[dict]:
@@ -296,20 +233,6 @@ def test_hybrid_preemption(tmp_path):
     assert 0 < hybrid["swapped_out_bytes"] < swap["swapped_out_bytes"]
     assert recompute["swapped_out_bytes"] == 0 == swap["recomputed_tokens"]
     assert len({run["output_digest"] for run in runs.values()}) == 1  # nothing lost either way
-
-    def keeps_up(runs) -> str:
-        hybrid = runs["hybrid"]["output_tok_s"]
-        return "; ".join(
-            f"hybrid {hybrid:.0f} tok/s < 0.9x {other} {runs[other]['output_tok_s']:.0f}"
-            for other in ("swap", "recompute")
-            if hybrid < 0.9 * runs[other]["output_tok_s"]
-        )
-
-    timing_claim_holds(
-        runs,
-        keeps_up,
-        lambda i: run_preset(tmp_path / f"again{i}", "hybrid_preemption", *overrides),
-    )
 
 
 def test_mlfq_vs_fcfs(tmp_path):

@@ -8,7 +8,13 @@ import platform
 
 import torch
 
-from servelab.lab.provenance import config_hash, mixed_provenance, provenance
+from servelab.lab.provenance import (
+    config_hash,
+    cpu_snapshot,
+    machine_load,
+    mixed_provenance,
+    provenance,
+)
 from servelab.lab.report import write_report
 from servelab.lab.runner import model_name, run_config, save_run
 
@@ -34,6 +40,35 @@ def test_results_json_records_code_libraries_machine_config_and_command(tmp_path
                                   "repeat": 0}}  # fmt: skip
     assert found["config_hash"] == config_hash(config)
     assert found["git_commit"] is None or len(found["git_commit"].split("+")[0]) == 40
+    # the machine's load while it served: load averages, other processes' share, busy or not
+    load = found["machine_load"]
+    assert load["cpus"] >= 1 and load["load_average_1m"] >= 0
+    assert 0 <= load["other_cpu_pct"] <= 100 and isinstance(load["busy"], bool)
+
+
+def test_other_processes_cpu_share_is_the_machines_busy_time_less_this_process():
+    # 2 cores for 10 s: 20 CPU-seconds; 15 busy, 5 of them ours -> others used 50%
+    before = {"total": 100.0, "busy": 40.0, "own": 3.0}
+    after = {"total": 120.0, "busy": 55.0, "own": 8.0}
+    load = machine_load(before, after)
+    assert load["other_cpu_pct"] == 50.0 and load["busy"]
+    quiet = machine_load(before, {"total": 120.0, "busy": 46.0, "own": 8.0})  # only ours
+    assert quiet["other_cpu_pct"] == 5.0 and not quiet["busy"]
+    assert "other_cpu_pct" not in machine_load(None, after)  # no /proc: no share, no verdict
+    snapshot = cpu_snapshot()
+    assert snapshot is None or snapshot["total"] >= snapshot["busy"] >= 0
+
+
+def test_a_report_marks_runs_from_a_busy_machine(tmp_path):
+    for i, share in enumerate((3.0, 80.0)):
+        result = run_config(TINY_RUN)
+        result.provenance["machine_load"] = {"other_cpu_pct": share, "busy": share >= 25}
+        save_run(tmp_path / str(i), result, TINY_RUN, {"overrides": [f"seed={i}"], "choices": {}})
+    out = write_report([tmp_path], progress=False)
+    text = (out / "summary.md").read_text()
+    assert "1 of 2 runs ran on a busy machine" in text and "80%" in text
+    rows = (out / "runs.csv").read_text().splitlines()
+    assert "other_cpu_pct" in rows[0] and "busy" in rows[0]
 
 
 def test_the_model_is_named_by_what_was_loaded():

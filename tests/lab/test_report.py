@@ -55,19 +55,29 @@ CLAIMS = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def multirun(tmp_path):
-    """Three configurations, two repeats each; the repeats' step times differ by
-    2% so each figure has a spread. Step times 0.1, 0.05, 0.2 s: output tok/s
-    3 x 3 / (3 x step)."""
-    root = tmp_path / "multirun"
+def make_multirun(root, jitters=(1.0, 1.02)):
+    """Three configurations, a repeat per jitter; the repeats' step times differ
+    by the jitter so each figure has a spread. Step times 0.1, 0.05, 0.2 s:
+    output tok/s 3 x 3 / (3 x step)."""
     job = 0
-    for repeat, jitter in enumerate((1.0, 1.02)):
+    for repeat, jitter in enumerate(jitters):
         for name, step, idle in (("slow", 0.1, 0), ("fast", 0.05, 0), ("slowest", 0.2, 2)):
             overrides = [f"run.repeat={repeat}", f"scheduler={name}", "workload.scale=0.5"]
             write_run(root / str(job), overrides, step * jitter, CLAIMS, idle=idle, repeat=repeat)
             job += 1
     return root
+
+
+@pytest.fixture
+def multirun(tmp_path):
+    """Two repeats: too few to decide a timed claim."""
+    return make_multirun(tmp_path / "multirun")
+
+
+@pytest.fixture
+def multirun5(tmp_path):
+    """Five repeats (report.min_repeats' default): timed claims are decided."""
+    return make_multirun(tmp_path / "multirun5", (1.0, 1.02, 0.99, 1.01, 1.03))
 
 
 def read_summary(path):
@@ -97,19 +107,46 @@ def test_summary_csv_has_one_row_per_configuration_best_first(multirun):
     assert len(read_summary(out / "runs.csv")) == 6
 
 
-def test_markdown_lists_every_configuration_and_decides_the_claims(multirun):
-    text = (write_report([multirun]) / "summary.md").read_text()
+def test_markdown_lists_every_configuration_and_decides_the_claims(multirun5):
+    text = (write_report([multirun5]) / "summary.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(table) == 1 + 3  # header + one row per configuration
     for name in ("fast", "slow", "slowest"):
-        assert any(f"| {name} | 2 |" in row for row in table)
+        assert any(f"| {name} | 5 |" in row for row in table)
     assert "# A fake sweep" in text and "`workload.scale=0.5`" in text
-    # fast / slow: 2x, and the 2% jitter of the repeats keeps the interval within [1.9, 2.1]
+    # fast / slow: 2x, and the 3% jitter of the repeats keeps the interval within [1.9, 2.1]
     assert "✅ holds: fast beats slow" in text and "[claim ≥ 1.8×]" in text
-    assert "❌ fails: slow is not that slow" in text
+    assert "(n=5 paired repeats)" in text  # every claim line says what it rests on
+    assert "❌ fails: slow is not that slow" in text and "slow; n=5 repeats" in text
     assert "⚠️ cannot check: a missing run" in text
+    assert "indicative" not in text
     for plot in PLOTS:
         assert f"({plot})" in text
+
+
+def test_timed_claims_on_two_repeats_are_indicative(multirun):
+    text = (write_report([multirun]) / "summary.md").read_text()
+    # the same 2x as with five repeats, but two repeats decide nothing timed
+    assert "🔸 indicative (n=2): fast beats slow" in text
+    assert "🔸 indicative (n=2): slow is not that slow" in text
+    assert "run 3 more repeat(s)" in text and "holds" not in text.split("## Configurations")[0]
+    # a counted figure every repeat agrees on is exact: one run decides it
+    configs = group_runs(load_runs([multirun]))
+    steps = {"figure": "steps", "run": "scheduler=fast", "vs": "scheduler=slow", "ratio_at_most": 1}
+    (result,) = evaluate_claims(configs, [steps])
+    assert result.verdict == "holds" and "(exact) (n=2)" in result.text
+    # report.min_repeats lowers the bar
+    (loose,) = evaluate_claims(configs, [CLAIMS[0]], min_repeats=2)
+    assert loose.verdict != "indicative" and loose.estimate.n == 2
+
+
+def test_no_interval_of_a_positive_figure_goes_below_zero(tmp_path):
+    # two repeats far apart: a t interval of the mean would reach below zero
+    root = make_multirun(tmp_path / "spread", (1.0, 12.0))
+    rows = read_summary(write_report([root]) / "summary.csv")
+    lows = [float(row[f"{name}_ci_low"]) for row in rows
+            for name in ("output_tok_s", "request_throughput", "ttft_p50_ms", "e2e_p50_ms")]  # fmt: skip
+    assert min(lows) >= 0 and 0.0 in lows  # cut at zero where the t interval crossed it
 
 
 def test_plots_open_and_are_not_blank(multirun):
@@ -137,7 +174,7 @@ def test_ratio_claims_pair_runs_that_share_the_other_swept_values(tmp_path):
     configs = group_runs(load_runs([tmp_path]))
     results = evaluate_claims(configs, [CLAIMS[0]])
     # one run a side: no interval, so a timed ratio is never decided
-    assert [r.verdict for r in results] == ["inconclusive", "inconclusive"]
+    assert [r.verdict for r in results] == ["indicative", "indicative"]
     assert "at allocator=a" in results[0].text and "at allocator=b" in results[1].text
     assert results[0].estimate.mean == pytest.approx(2.0)
     steps = {"figure": "steps", "run": "scheduler=fast", "vs": "scheduler=slow", "ratio_at_most": 1}

@@ -1,0 +1,93 @@
+"""`claims.png`: one panel per claim, one row per configuration (pair) it was
+stated for: the estimate with its 95% interval as a point and whisker, the
+bound dashed, and beside it n and the verdict. A ratio is drawn on a log axis
+centred on 1 (a fold-change up looks as large as the same fold-change down,
+and 0.987 against a bound of 0.95 is visible), with rows labelled "A vs B".
+Titles wrap instead of being cut."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+from servelab.lab.claims import ClaimResult
+from servelab.lab.plots import pyplot, save
+
+MAX_CLAIM_PANELS = 12
+COLORS = {"holds": "tab:green", "fails": "tab:red", "indicative": "tab:orange"}
+
+
+def _ratio_limits(claims: Sequence[ClaimResult], bound: float) -> tuple[float, float]:
+    """Symmetric log limits around 1 that show every interval and the bound."""
+    reach = abs(math.log(bound)) if bound > 0 else 0.0
+    for claim in claims:
+        value = claim.bars[0][1]
+        for x in (value.low, value.mean, value.high):
+            if math.isfinite(x) and x > 0:
+                reach = max(reach, abs(math.log(x)))
+    reach = max(reach * 1.25, math.log(1.05))
+    return math.exp(-reach), math.exp(reach)
+
+
+FOLDS = (1 / 16, 1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 8, 16)
+
+
+def ratio_axis(ax, low: float, high: float, bound: float) -> None:
+    """A log x axis from low to high, ticked at plain fold-changes and the bound."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax.set_xscale("log")
+    ax.set_xlim(low, high)
+    ticks = [f for f in FOLDS if low <= f <= high]
+    while len(ticks) > 7:  # keep 1 and thin the rest evenly
+        ticks = [t for i, t in enumerate(ticks) if i % 2 == 0 or t == 1.0]
+    # the bound is ticked; a fold-change tick within 8% of it would print over it
+    ticks = sorted({*(t for t in ticks if abs(math.log(t / bound)) > 0.08 or t == 1.0), bound})
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+
+
+def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
+    panels: dict[tuple, list[ClaimResult]] = {}
+    for claim in claims:
+        if claim.bars and claim.op:
+            key = (claim.text.split(" — ")[0], claim.figure, claim.op, claim.bound)
+            panels.setdefault(key, []).append(claim)
+    if not panels:
+        return False
+    panels = dict(list(panels.items())[:MAX_CLAIM_PANELS])
+    plt = pyplot()
+    heights = [len(group) + 2.2 for group in panels.values()]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.42 * sum(heights) + 0.8),
+                             squeeze=False, gridspec_kw={"height_ratios": heights})  # fmt: skip
+    for ax, ((heading, figure, op, bound), group) in zip(axes[:, 0], panels.items()):
+        ratio = op.startswith("ratio")
+        for y, claim in enumerate(group):
+            value = claim.bars[0][1]
+            finite = math.isfinite(value.low) and math.isfinite(value.high)
+            err = [[value.mean - value.low], [value.high - value.mean]] if finite else None
+            color = COLORS.get(claim.verdict, "tab:gray")
+            ax.errorbar(value.mean, y, xerr=err, fmt="o", color=color, capsize=5, ms=7, lw=2)
+            verdict = claim.verdict or "cannot check"
+            n = "exact" if value.exact else f"n={value.n}"
+            ax.annotate(f"{value.mean:.3g}{'×' if ratio else ''}  {n}  {verdict}",
+                        (1.01, y), xycoords=("axes fraction", "data"), va="center",
+                        color=color, fontsize=10)  # fmt: skip
+        ax.axvline(bound, color="black", linestyle="--", linewidth=1.2)
+        if ratio:
+            ax.axvline(1.0, color="0.5", linewidth=0.8)
+            ratio_axis(ax, *_ratio_limits(group, bound), bound)
+        ax.set_yticks(range(len(group)), [c.bars[0][0] for c in group], fontsize=9)
+        ax.set_ylim(len(group) - 0.5, -0.5)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+        what = f"{figure} ratio (log; grey: 1, no change)" if ratio else figure
+        ax.set_xlabel(f"{what}; dashed: the bound {bound:g}")
+        ax.set_title("\n".join(textwrap.wrap(heading, 80)), fontsize=11, loc="left")
+    fig.suptitle("Claims: estimate and 95% interval against the bound\n"
+                 "(green: holds, red: fails, grey: inconclusive, orange: indicative)")  # fmt: skip
+    fig.tight_layout()
+    save(fig, path)
+    return True

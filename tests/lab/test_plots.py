@@ -1,0 +1,98 @@
+"""The report's plots as a reviewer reads them: chosen by name, in the format
+and resolution asked for; ratio panels on a log axis centred on 1; identical
+series drawn once and named together; KV panels on one scale."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from PIL import Image
+
+from servelab.errors import ConfigError
+from servelab.lab.plots import same_series
+from servelab.lab.plots_claims import _ratio_limits
+from servelab.lab.plots_registry import PLOTS, plot_names, register_plot
+from servelab.lab.report import report_options, write_report
+from servelab.lab.runs import group_runs, load_runs
+from servelab.lab.stats import Estimate
+from tests.lab.test_report import make_multirun, write_run
+
+
+def set_report(root, **options) -> None:
+    """Rewrites every run's report node with `options` (the preset's, in a real sweep)."""
+    import json
+
+    for path in root.rglob("results.json"):
+        results = json.loads(path.read_text())
+        results["config"]["report"].update(options)
+        path.write_text(json.dumps(results))
+
+
+def test_plots_are_chosen_by_name_in_the_format_asked_for(tmp_path):
+    root = make_multirun(tmp_path / "runs")
+    set_report(root, plots=["claims", "throughput"], format="svg", dpi=72)
+    out = write_report([root], progress=False)
+    drawn = sorted(p.name for p in out.iterdir() if p.suffix in (".png", ".svg", ".pdf"))
+    assert drawn == ["claims.svg", "throughput.svg"]
+    assert (out / "claims.svg").read_text().lstrip().startswith("<?xml")
+    assert "![claims](claims.svg)" in (out / "summary.md").read_text()
+
+
+def test_the_dpi_sets_the_resolution(tmp_path):
+    sizes = {}
+    for dpi in (50, 100):
+        root = make_multirun(tmp_path / f"runs{dpi}")
+        set_report(root, plots=["throughput"], dpi=dpi)
+        with Image.open(write_report([root], progress=False) / "throughput.png") as image:
+            sizes[dpi] = image.width
+    assert sizes[100] == pytest.approx(2 * sizes[50], rel=0.05)
+
+
+def test_bad_plot_options_name_the_valid_choices():
+    with pytest.raises(ConfigError, match="accepted: all, none, or a list of claims, throughput"):
+        report_options({"plots": ["claims", "thruput"]})
+    with pytest.raises(ConfigError, match="png, pdf, svg"):
+        report_options({"format": "jpeg"})
+    with pytest.raises(ConfigError, match="min_repeats must be >= 2"):
+        report_options({"min_repeats": 1})
+    assert report_options({"plots": "none"})["plots"] == []
+
+
+def test_a_plot_module_registers_its_own_plot(tmp_path):
+    drawn = []
+
+    def shapes(job, path):
+        drawn.append(len(job.configs))
+        return False  # nothing to draw: no file, not listed
+
+    register_plot("workload_shape", shapes)
+    try:
+        assert "workload_shape" in plot_names("all")
+        root = make_multirun(tmp_path / "runs")
+        set_report(root, plots=["workload_shape"])
+        out = write_report([root], progress=False)
+        assert "workload_shape" not in (out / "summary.md").read_text()
+    finally:
+        PLOTS.pop("workload_shape")
+
+
+def test_ratio_axes_are_centred_on_one():
+    claim = type("C", (), {"bars": [("a vs b", Estimate(0.987, 0.01, 0.97, 1.005, 8))]})
+    low, high = _ratio_limits([claim], bound=0.95)
+    assert low * high == pytest.approx(1.0)  # as far below 1 as above, in fold-change
+    assert low < 0.95 and high > 1.005  # the bound and the whole interval show
+    assert high < 1.2  # zoomed on the data: a 1% effect is visible, not a sliver of a bar
+    wide = type("C", (), {"bars": [("a vs b", Estimate(2.0, 0.1, 1.8, 2.2, 8))]})
+    assert _ratio_limits([wide], bound=1.2)[1] > 2.2 and math.isclose(
+        math.prod(_ratio_limits([wide], bound=1.2)), 1.0
+    )
+
+
+def test_identical_series_are_drawn_once_and_named_together(tmp_path):
+    for i, name in enumerate(("a", "b", "c")):
+        write_run(tmp_path / str(i), [f"scheduler={name}"], 0.1, idle=2 if name == "c" else 0)
+    configs = group_runs(load_runs([tmp_path]))
+    merged = same_series(configs, lambda run: [[s["step"], s["num_seqs"], s["idle_slots"]]
+                                                for s in run.steps()])  # fmt: skip
+    assert sorted(label for label, _ in merged) == ["scheduler=a = scheduler=b", "scheduler=c"]

@@ -21,8 +21,10 @@ from dataclasses import asdict, dataclass
 MARGIN_S = 5.0  # kept back from the deadline: free the engine, write the row, exit
 
 
-class PhaseTimeout(Exception):
-    """The phase's deadline passed (or `timeout` sent SIGTERM) in `stage`."""
+class PhaseTimeout(BaseException):
+    """The phase's deadline passed (or `timeout` sent SIGTERM) in `stage`. A
+    BaseException, like KeyboardInterrupt: the engine's step catches Exception (a
+    failed step fails its requests and goes on), and a timeout must end the run."""
 
 
 class StepFailed(Exception):

@@ -1,10 +1,13 @@
 """The throughput benchmark's rows and reports, and the device check's merged report.
 
-`gpu_throughput.py` writes `gpu_throughput.{md,json}` per run folder (`--merge`
-joins several); `gpu_check.sh` records each phase (name, exit status, seconds,
-time limit, log) in `phases.tsv`, and `python benchmarks/gpu_report.py --check
-FOLDER RUNS...` merges the runs and turns that into `gpu_check.json` and
-`gpu_check.md`: every planned phase listed, one that never ran says so.
+`gpu_throughput.py` writes `gpu_throughput.{md,json}` into `--out` (`--merge`
+joins several) and, with `--records FILE`, appends every run's row to FILE as
+the run goes. `gpu_check.sh` appends each phase's record (planned, started,
+done: name, exit status, seconds, time limit, log) to the same file,
+`records.jsonl`; `python benchmarks/gpu_report.py --check FOLDER` turns it
+into `gpu_check.json` and `gpu_check.md`: every planned phase listed (one that
+never ran says so), a row still "running" in a phase that timed out says which
+stage it stopped in, and only rows that finished show figures.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+RECORDS = "records.jsonl"
+
 
 @dataclass
 class RunResult:
     backend: str
     graphs: str
     status: str = "ok"
+    requests: int = 0  # the requests this run was given
     requests_done: int = 0
     output_tokens: int = 0
     wall_s: float = 0.0
@@ -29,29 +35,37 @@ class RunResult:
     decode_steps: int = 0
     decode_tok_s: float = 0.0
     roofline_fraction: float = float("nan")
+    bandwidth: float = 0.0  # this process's measured copy bandwidth, bytes/s
     kv_cache_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def has_figures(self) -> bool:
+        """Only a run that finished its timed loop without an error has figures."""
+        return self.status.startswith(("ok", "partial")) and self.wall_s > 0
 
 
 def table(results: list[RunResult]) -> str:
     lines = [
-        "| backend | graphs | output tok/s | decode tok/s | decode roofline | done | wall s | status |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| backend | graphs | output tok/s | decode tok/s | decode roofline | done | wall s "
+        "| copy GB/s | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         status = "; ".join([r.status, *r.notes])
-        if not r.wall_s:  # skipped or refused: no figures
-            lines.append(f"| {r.backend} | {r.graphs} | - | - | - | - | - | {status} |")
+        copy = f"{r.bandwidth / 1e9:,.0f}" if r.bandwidth else "-"
+        if not r.has_figures:  # skipped, failed or stopped: no figures
+            lines.append(f"| {r.backend} | {r.graphs} | - | - | - | - | - | {copy} | {status} |")
             continue
         roof = "-" if math.isnan(r.roofline_fraction) else f"{100 * r.roofline_fraction:.1f}%"
         lines.append(
             f"| {r.backend} | {r.graphs} | {r.output_tok_s:,.0f} | {r.decode_tok_s:,.0f} | "
-            f"{roof} | {r.requests_done} | {r.wall_s:.1f} | {status} |"
+            f"{roof} | {r.requests_done}/{r.requests} | {r.wall_s:.1f} | {copy} | {status} |"
         )
     return "\n".join(lines)
 
 
-def write_report(args, header: str, bandwidth: float, results: list[RunResult]) -> str:
+def write_report(args, header: str, results: list[RunResult]) -> str:
     report = header + "\n\n" + table(results) + "\n"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -59,9 +73,7 @@ def write_report(args, header: str, bandwidth: float, results: list[RunResult]) 
             f.write(report)
         runs = [asdict(r) for r in results]
         with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
-            json.dump(
-                {"header": header, "bandwidth_bytes_per_s": bandwidth, "runs": runs}, f, indent=1
-            )
+            json.dump({"header": header, "runs": runs}, f, indent=1)
     return report
 
 
@@ -75,43 +87,62 @@ def merge(folders: list[str], out: str | None) -> str:
     if not parts:
         return "no results"
     results = [RunResult(**run) for part in parts for run in part["runs"]]
-    args = argparse.Namespace(out=out)
-    return write_report(args, parts[0]["header"], parts[0]["bandwidth_bytes_per_s"], results)
+    return write_report(argparse.Namespace(out=out), parts[0]["header"], results)
+
+
+def read_records(path: str) -> tuple[dict[str, dict], list[RunResult], str | None]:
+    """(phases by name, last record of each; each run's last row; the header)."""
+    phases: dict[str, dict] = {}
+    runs: dict[tuple[str, str], dict] = {}
+    header = None
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            kind = record.pop("kind")
+            if kind == "phase":
+                phases[record["name"]] = {**phases.get(record["name"], {}), **record}
+            elif kind == "run":
+                runs[record["backend"], record["graphs"]] = record
+            elif kind == "header":
+                header = record["text"]
+    return phases, [RunResult(**r) for r in runs.values()], header
+
+
+def phase_status(rc: str) -> str:
+    return {"planned": "not run", "started": "cut off", "0": "ok", "124": "timed out"}.get(
+        rc, "killed at its limit" if rc == "137" else f"exit {rc}"
+    )
 
 
 def check_report(folder: str) -> str:
-    """`gpu_check.{json,md}` in `folder` from its `phases.tsv` and `gpu_throughput.json`."""
-    phases = []
-    with open(os.path.join(folder, "phases.tsv")) as f:
-        for line in f:
-            name, rc, seconds, limit, log = line.rstrip("\n").split("\t")
-            status = {"planned": "not run", "0": "ok", "124": "timed out"}.get(rc, f"exit {rc}")
-            phases.append(
-                dict(name=name, status=status, rc=rc, seconds=seconds, limit_s=limit, log=log)
-            )
-    # a phase appears once planned and again when done: the last record wins
-    merged = {p["name"]: p for p in phases}
-    throughput_path = os.path.join(folder, "gpu_throughput.json")
-    throughput = json.load(open(throughput_path)) if os.path.isfile(throughput_path) else None
+    """`gpu_check.{json,md}` in `folder` from its `records.jsonl`."""
+    phases, runs, header = read_records(os.path.join(folder, RECORDS))
+    for p in phases.values():
+        p["status"] = phase_status(str(p["rc"]))
+    for run in runs:  # its process died before it could say: the phase's record says why
+        if run.status.startswith(("running", "not started")):
+            run.status = f"stopped ({run.status}): no figures"
     with open(os.path.join(folder, "gpu_check.json"), "w") as f:
-        json.dump({"phases": list(merged.values()), "throughput": throughput}, f, indent=1)
+        json.dump(
+            {"phases": list(phases.values()), "header": header, "runs": [asdict(r) for r in runs]},
+            f,
+            indent=1,
+        )
     lines = ["| phase | status | seconds | limit s | log |", "|---|---|---:|---:|---|"]
     lines += [
         f"| {p['name']} | {p['status']} | {p['seconds']} | {p['limit_s']} | {p['log']} |"
-        for p in merged.values()
+        for p in phases.values()
     ]
+    lines.append(f"\nplanned limits: {sum(int(p['limit_s']) for p in phases.values())} s")
     report = "\n".join(lines) + "\n"
-    if throughput is not None:
-        runs = [RunResult(**run) for run in throughput["runs"]]
-        report += "\n" + throughput["header"] + "\n\n" + table(runs) + "\n"
+    if runs:
+        report += "\n" + (header or "") + "\n\n" + table(runs) + "\n"
     with open(os.path.join(folder, "gpu_check.md"), "w") as f:
         f.write(report)
     return report
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "--check":
-        raise SystemExit("usage: python benchmarks/gpu_report.py --check FOLDER [RUN_FOLDER...]")
-    if sys.argv[3:]:  # the runs' reports first, merged into FOLDER/gpu_throughput.*
-        merge(sys.argv[3:], sys.argv[2])
+    if len(sys.argv) != 3 or sys.argv[1] != "--check":
+        raise SystemExit("usage: python benchmarks/gpu_report.py --check FOLDER")
     print(check_report(sys.argv[2]))

@@ -9,6 +9,14 @@ lengths are uniform in [100, 1024], seed 0, `ignore_eos`, bf16.
     python benchmarks/gpu_throughput.py --tiny               # CPU smoke test, tiny model
     python benchmarks/gpu_throughput.py --backends triton_paged --graphs on --compile
 
+Every backend runs the same requests: `--first N` runs only the first N of the
+workload's (a slow backend's row says "first N of 256 requests"), so rates
+compare. `--phase-seconds` is the one deadline of the whole process (import,
+engine build, compiles, warm-up, timed run; see `gpu_phase.py`); `--records
+FILE` appends each run's row as it goes, so a run killed at its limit leaves a
+row saying where it stopped. A failed step or a request ending in an error makes
+the row an error naming it, with no figures.
+
 Figures per run:
 - output tok/s: sampled tokens / wall time of the timed run (warm-up excluded);
 - decode roofline: a decode step must read every weight once and every
@@ -28,23 +36,31 @@ the capture happens when the engine is built); `--variants` checks it launch by 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import gc
-import os
-import random
-import statistics
-import sys
 import time
-import traceback
-from dataclasses import dataclass
 
-import torch
+STARTED = time.monotonic()  # the phase's limit counts from here: before torch is imported
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
 
 # the benchmark's own modules sit beside it (also when a test loads this file by path)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_variants  # noqa: E402
+from gpu_phase import Phase, PhaseTimeout, StepFailed, StepShapes  # noqa: E402
 from gpu_report import RunResult, merge, table, write_report  # noqa: E402
+from gpu_workload import (  # noqa: E402
+    Workload,
+    make_workload,
+    measure_bandwidth,
+    warm_up,
+)
 
 from servelab import LLM, ConfigError, SamplingParams  # noqa: E402
 from servelab.engine.build import attention_backend  # noqa: E402
@@ -55,94 +71,7 @@ CUDA_BACKENDS = ("triton_paged", "flash_varlen", "padded", "per_request")
 TINY_BACKENDS = ("per_request", "padded", "flash_varlen")
 
 
-# -- workload
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(
-    num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int
-) -> Workload:
-    """Prompt and output lengths uniform in [min_len, max_len], random token ids."""
-    rng = random.Random(seed)
-    prompts, output_lens = [], []
-    for _ in range(num_requests):
-        prompt_len = rng.randint(min_len, max_len)
-        prompts.append([rng.randrange(vocab_size) for _ in range(prompt_len)])
-        output_lens.append(rng.randint(min_len, max_len))
-    return Workload(prompts, output_lens)
-
-
-# -- device figures
-
-
-def measure_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
-    """Device memory bandwidth in bytes/s: a large copy, bytes read + written, median."""
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).uniform_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(iters + 3):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            begin = time.perf_counter()
-            dst.copy_(src)
-            seconds = time.perf_counter() - begin
-        if i >= 3:  # warm-up copies first
-            times.append(seconds)
-    del src, dst
-    return 2 * (nbytes // 2) * 2 / statistics.median(times)
-
-
 # -- one run
-
-
-@dataclass
-class StepShape:
-    context_tokens: int  # sum of the scheduled sequences' context after the step
-    decode_only: bool
-
-
-class StepShapes:
-    """Records each step's scheduled context by wrapping the scheduler's
-    `schedule()`; records line up with `engine.metrics.steps` (the engine
-    records a step under the same condition)."""
-
-    def __init__(self, scheduler) -> None:
-        self.shapes: list[StepShape] = []
-        schedule = scheduler.schedule
-
-        def recording_schedule():
-            plan = schedule()
-            if not (plan.is_empty and not plan.preempted):
-                # a decode batch's rows (one token each at `decode_starts`) read as
-                # arrays: listing `plan.scheduled` would add host work to every step
-                batch_context = 0
-                if plan.decodes is not None:
-                    batch_context = int(plan.decode_starts.sum()) + plan.num_batch_decodes
-                self.shapes.append(
-                    StepShape(
-                        context_tokens=batch_context
-                        + sum(i.start + i.num_query_tokens for i in plan.items),
-                        decode_only=all(i.num_query_tokens == 1 for i in plan.items),
-                    )
-                )
-            return plan
-
-        scheduler.schedule = recording_schedule
 
 
 def workload_kv_bytes(args, config, workload: Workload) -> int:
@@ -179,81 +108,79 @@ def build_llm(args, backend: str, graphs: bool, kv_bytes: int | None) -> LLM:
     return LLM(model=args.model, attention=attention, allocator=allocator, **options)
 
 
-def warm_up(llm: LLM, args, vocab_size: int) -> None:
-    """Runs, before the clock starts, every kernel variant the timed run can launch:
-    - one prompt alone per power-of-two length up to `max_len`, and `max_len`: a step's
-      attention tiles follow its longest query rounded up to a power of two, and its
-      decode steps give the one-token tiles;
-    - with graphs captured, a decode batch at every bucket size (each graph replays);
-    - up to 32 requests of varied lengths finishing one by one (mixed prefill and
-      decode steps, many batch sizes; the allocator warms up)."""
-    rng = random.Random(1)
-
-    def prompts(count: int, length: int) -> list[list[int]]:
-        return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
-
-    def short(max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-    lengths = {1 << k for k in range(args.max_len.bit_length()) if 1 << k <= args.max_len}
-    for length in sorted(lengths | {args.max_len}):
-        llm.generate(prompts(1, length), short(2))
-    for bucket in captured_buckets(llm):
-        llm.generate(prompts(bucket, 4), short(3))
-    count = min(32, args.max_num_seqs)
-    warm = make_workload(count, args.min_len // 4 + 1, args.max_len // 4 + 1, vocab_size, seed=1)
-    llm.generate(warm.prompts, [short(min(n, 64)) for n in warm.output_lens])
-
-
-def captured_buckets(llm: LLM) -> tuple[int, ...]:
-    """The decode batch sizes the engine captured graphs for (none when eager)."""
-    graphs = llm.engine.runner.graphs
-    return tuple(graphs.buckets) if graphs is not None and graphs.enabled else ()
-
-
-def timed_run(llm: LLM, workload: Workload, max_seconds: float) -> tuple[int, float, list]:
-    """Runs the workload (stopping at `max_seconds`); returns (requests done,
-    wall seconds, [(StepRecord, StepShape)] of the timed steps)."""
+def timed_run(
+    llm: LLM, workload: Workload, max_seconds: float, deadline: float = float("inf")
+) -> tuple[int, float, list]:
+    """Runs the workload, stopping at `max_seconds` or the phase's `deadline`
+    (`time.monotonic()`); returns (requests done, wall seconds, [(StepRecord,
+    StepShape)] of the timed steps). A failed step or an errored request: StepFailed."""
     engine = llm.engine
-    shapes = StepShapes(engine.scheduler)
-    first_step = len(engine.metrics.steps)
+    shapes = StepShapes(engine)
+    first_record = len(engine.metrics.steps)
+    failures_before = dict(engine.step_failures)
     for prompt, n in zip(workload.prompts, workload.output_lens):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    done = 0
+    done, errors = 0, []
     begin = time.perf_counter()
-    while engine.has_unfinished() and time.perf_counter() - begin < max_seconds:
-        done += len(engine.step())
+    while (
+        engine.has_unfinished()
+        and time.perf_counter() - begin < max_seconds
+        and time.monotonic() < deadline
+    ):
+        outputs = engine.step()
+        done += len(outputs)
+        errors += [o.error for o in outputs if o.error]
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - begin
-    steps = engine.metrics.steps[first_step:]
-    if len(steps) != len(shapes.shapes):  # an engine that records steps differently
-        print(f"warning: {len(steps)} step records but {len(shapes.shapes)} scheduled steps")
-    return done, wall, list(zip(steps, shapes.shapes))
+    failed = {
+        key: n - failures_before.get(key, 0)
+        for key, n in engine.step_failures.items()
+        if n > failures_before.get(key, 0)
+    }
+    if failed or errors:
+        where = ", ".join(f"{n} in {stage} ({kind})" for (stage, kind), n in failed.items())
+        first = f"; first: {errors[0]}" if errors else ""
+        raise StepFailed(
+            f"{sum(failed.values())} failed steps{': ' + where if where else ''}, "
+            f"{len(errors)} requests ended in an error{first}"
+        )
+    return done, wall, shapes.pair(engine.metrics.steps[first_record:])
 
 
-def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
-    result = RunResult(backend, mode_label(args, graphs))
+def run_one(
+    args, backend: str, graphs: bool, workload, bandwidth, phase: Phase | None = None
+) -> RunResult:
+    """One backend and graphs mode: a row with figures, or with the error or the
+    stage it stopped in and none. The row is written at every stage (`phase`)."""
+    phase = phase or Phase(time.monotonic(), None, None)
+    result = RunResult(
+        backend, mode_label(args, graphs), requests=len(workload.prompts), bandwidth=bandwidth
+    )
+    result.notes += workload_notes(args)
     config = named_config(args.model)
     llm = None
     try:
+        phase.enter("building the engine (weights, KV cache, graph capture)", result)
         kv_bytes = None if args.device == "cuda" else workload_kv_bytes(args, config, workload)
-        llm = build_llm(args, backend, graphs, kv_bytes)
-    except ConfigError as err:
-        result.status = f"config error: {err}"
-        return result
-    except Exception as err:  # e.g. a graph capture failing while the engine is built
-        traceback.print_exc()
-        result.status = f"error building: {type(err).__name__}: {err}"
-        return result
-    try:
+        try:
+            llm = build_llm(args, backend, graphs, kv_bytes)
+        except ConfigError as err:
+            result.status = f"config error: {err}"
+            return result
+        except Exception as err:  # e.g. a graph capture failing while the engine is built
+            traceback.print_exc()
+            result.status = f"error building: {type(err).__name__}: {err}"
+            return result
+        phase.enter("warming up (first compiles)", result)
         recorder = kernel_variants.VariantRecorder() if args.variants else None
         with recorder or contextlib.nullcontext():
             warm_up(llm, args, config.vocab_size)
             warm_keys = recorder.take() if recorder else set()
             compiled_before = kernel_variants.compiled_variants()
             dynamo_before = dynamo_graphs()
-            done, wall, paired = timed_run(llm, workload, args.max_seconds)
+            phase.enter("timed run", result)
+            done, wall, paired = timed_run(llm, workload, args.max_seconds, phase.deadline)
         result.notes += variant_notes(recorder, warm_keys, compiled_before)
         if args.compile:
             result.notes.append(
@@ -261,28 +188,47 @@ def run_one(args, backend: str, graphs: bool, workload, bandwidth) -> RunResult:
             )
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
         result.kv_cache_bytes = llm.engine.kv_cache.device_pool.nbytes
-        kv_per_token = config.kv_bytes_per_token(args.dtype)
+        figures(result, paired, weight_bytes, config.kv_bytes_per_token(args.dtype))
         result.requests_done, result.wall_s = done, wall
-        result.output_tokens = sum(step.sampled_tokens for step, _ in paired)
         result.output_tok_s = result.output_tokens / wall if wall > 0 else 0.0
-        decode = [(s, shape) for s, shape in paired if shape.decode_only]
-        result.decode_steps = len(decode)
-        decode_wall = sum(s.wall_time for s, _ in decode)
-        if decode and decode_wall > 0:
-            result.decode_tok_s = sum(s.sampled_tokens for s, _ in decode) / decode_wall
-            floor = sum(weight_bytes + sh.context_tokens * kv_per_token for _, sh in decode)
-            result.roofline_fraction = floor / bandwidth / decode_wall
+        result.status = "ok"
         if done < len(workload.prompts):
-            result.status = f"partial: stopped at {args.max_seconds:.0f} s"
+            stop = "the phase deadline" if time.monotonic() >= phase.deadline else "--max-seconds"
+            result.status = f"partial: {done} of {len(workload.prompts)} requests by {stop}"
         if graphs:
             result.notes += graph_notes(llm.engine.runner)
+    except PhaseTimeout as err:
+        result.status = str(err)
+        phase.write(result)  # at once: SIGKILL follows SIGTERM within seconds
+    except StepFailed as err:
+        result.status = f"error: {err}"
     except Exception as err:  # one backend's failure is a row of the table, not the end
         traceback.print_exc()
         result.status = f"error: {type(err).__name__}: {err}"
     finally:
         del llm  # no other reference may keep the engine (its KV cache) alive past here
         free_device_memory(args.device)
+        phase.write(result)
     return result
+
+
+def figures(result: RunResult, paired: list, weight_bytes: int, kv_per_token: int) -> None:
+    """Output tokens, decode rate and decode roofline fraction of the timed steps."""
+    result.output_tokens = sum(step.sampled_tokens for step, _ in paired)
+    decode = [(s, shape) for s, shape in paired if shape.decode_only]
+    result.decode_steps = len(decode)
+    decode_wall = sum(s.wall_time for s, _ in decode)
+    if decode and decode_wall > 0:
+        result.decode_tok_s = sum(s.sampled_tokens for s, _ in decode) / decode_wall
+        floor = sum(weight_bytes + sh.context_tokens * kv_per_token for _, sh in decode)
+        result.roofline_fraction = floor / result.bandwidth / decode_wall
+
+
+def workload_notes(args) -> list[str]:
+    """Says when a run takes only the first requests of the shared workload."""
+    if args.first is not None and args.first < args.requests:
+        return [f"first {args.first} of {args.requests} requests"]
+    return []
 
 
 def mode_label(args, graphs: bool) -> str:
@@ -336,7 +282,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--backends", nargs="+", default=None, help=f"default: {' '.join(CUDA_BACKENDS)}"
     )
     p.add_argument("--graphs", choices=("off", "on", "both"), default="both")
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--requests", type=int, default=256, help="the workload every backend shares")
+    p.add_argument(
+        "--first", type=int, default=None, help="run only the first N requests (a slow backend)"
+    )
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -346,6 +295,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-seconds", type=float, default=120.0, help="per run; partial runs say so")
+    p.add_argument(
+        "--phase-seconds",
+        type=float,
+        default=None,
+        help="the whole process's deadline (import, build, compiles, warm-up, timed run)",
+    )
+    p.add_argument("--records", default=None, help="append each run's row (JSON lines) here")
     p.add_argument("--bandwidth-bytes", type=int, default=2 * 1024**3, help="size of the copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -398,11 +354,25 @@ def plan_runs(args) -> list[tuple[str, bool, str | None]]:
     return runs
 
 
-def main(argv=None) -> list[RunResult]:
+def main(argv=None, started: float | None = None) -> list[RunResult]:
+    """Runs the planned runs; `started` (default now) is when the phase's clock started."""
     args = parse_args(argv)
     if args.merge:
         print(merge(args.merge, args.out))
         return []
+    phase = Phase(
+        time.monotonic() if started is None else started, args.phase_seconds, args.records
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    if args.phase_seconds is not None:
+        phase.raise_on_sigterm()
+    try:
+        return run_planned(args, phase)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_planned(args, phase: Phase) -> list[RunResult]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny on a CPU")
     device = torch.device(args.device)
@@ -410,25 +380,68 @@ def main(argv=None) -> list[RunResult]:
     workload = make_workload(
         args.requests, args.min_len, args.max_len, config.vocab_size, args.seed
     )
-    bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     header = (
-        f"{args.model} ({args.dtype}) on {name}: {len(workload.prompts)} requests, prompt and "
+        f"{args.model} ({args.dtype}): {len(workload.prompts)} requests, prompt and "
         f"output lengths uniform in [{args.min_len}, {args.max_len}], "
-        f"{workload.num_output_tokens} output tokens; copy bandwidth {bandwidth / 1e9:,.0f} GB/s"
+        f"{workload.num_output_tokens} output tokens"
     )
+    workload.prompts, workload.output_lens = (
+        workload.prompts[: args.first],
+        workload.output_lens[: args.first],
+    )
+    runs = plan_runs(args)
+    results = [
+        RunResult(
+            backend,
+            mode_label(args, graphs),
+            status=skip or "not started",
+            requests=len(workload.prompts),
+        )
+        for backend, graphs, skip in runs
+    ]
+    for row in results:  # every planned row on disk before anything can hang
+        phase.write(row)
+    first = next((r for r, (_, _, skip) in zip(results, runs) if not skip), None)
+    if first is None:  # every run skipped
+        print(write_report(args, header, results))
+        return results
+    try:
+        phase.enter("measuring the copy bandwidth", first)
+        bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
+    except PhaseTimeout as err:
+        first.status = str(err)
+        phase.write(first)
+        return results
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    header += f"; {name}"
+    phase.write_header(header)
     print(header, flush=True)
-    results = []
-    for backend, graphs, skip in plan_runs(args):
+    for i, (backend, graphs, skip) in enumerate(runs):
         if skip:
-            results.append(RunResult(backend, mode_label(args, True), status=skip))
-        else:
-            results.append(run_one(args, backend, graphs, workload, bandwidth))
-            print(table(results[-1:]).splitlines()[-1], flush=True)
-        write_report(args, header, bandwidth, results)  # after every run: a timeout keeps the rest
-    print("\n" + write_report(args, header, bandwidth, results))
+            continue
+        if any(r.status.startswith("timed out") for r in results):
+            results[i].status = "not started: the phase timed out"
+            phase.write(results[i])
+            continue
+        results[i] = run_one(args, backend, graphs, workload, bandwidth, phase)
+        print(table(results[i : i + 1]).splitlines()[-1], flush=True)
+        write_report(args, header, results)  # after every run: a timeout keeps the rest
+    print("\n" + write_report(args, header, results))
     return results
 
 
+def exit_status(results: list[RunResult]) -> int:
+    """124 when a run timed out, 1 when one failed, else 0 (the phase's record)."""
+    if any(r.status.startswith("timed out") for r in results):
+        return 124
+    failed = ("error", "config error", "running", "not started")
+    return 1 if any(r.status.startswith(failed) for r in results) else 0
+
+
 if __name__ == "__main__":
-    main()
+    status = exit_status(main(started=STARTED))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # every row is on disk: skip the interpreter's teardown (freeing a CUDA context and
+    # torch's threads), which could outlast the 5 s between `timeout`'s SIGTERM and SIGKILL
+    os._exit(status)

@@ -3,10 +3,15 @@ registers, spills and resident blocks per SM, read from the CUDA assembler.
 
 Triton ships `ptxas`, so `triton.compile` with a `GPUTarget("cuda", 90, 32)`
 needs no GPU; the compiled kernel's register figures come from the driver on
-a GPU only, so this script runs `ptxas -v` on the kernel's PTX itself.
+a GPU only, so this script runs `ptxas -v` on the kernel's PTX itself. Every
+head size the engine's named models use (16, 64, 128) and the largest the
+attention backend takes (256), in every dtype it takes, each kernel at the
+launch parameters the engine picks (`attention_tiles`, `compile_specs`).
 
-    python benchmarks/triton_registers.py            # Qwen3-0.6B shapes, bf16 and fp32
-    python benchmarks/triton_registers.py --json out.json --tiny
+    python benchmarks/triton_registers.py                  # every shape and dtype
+    python benchmarks/triton_registers.py --json out.json
+    PYTHONPATH=/work/venvs/triton36/lib/python3.11/site-packages \
+        python benchmarks/triton_registers.py              # another Triton's compiler
 
 Must run with TRITON_INTERPRET unset (it sets 0 itself): the kernels have to
 be defined as compiled functions.
@@ -37,8 +42,22 @@ from servelab.plugins.attention.triton_tiles import attention_tiles  # noqa: E40
 SM90_REGISTERS = 65536  # per SM
 SM90_MAX_BLOCKS = 32
 SM90_SHARED = 227 * 1024  # per SM, usable by blocks
-TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+TL_DTYPE = {
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
+DTYPES = tuple(TYPE)
+# (hidden, heads, kv_heads, head_dim, inner): Qwen3-0.6B, the tiny test model, the
+# `bench` model, and head_dim 256 (the largest the attention backend takes)
+SHAPES = (
+    (1024, 16, 8, 128, 3072),
+    (64, 4, 2, 16, 128),
+    (256, 4, 2, 64, 512),
+    (2048, 8, 4, 256, 6144),
+)
 
 
 @dataclass
@@ -108,6 +127,9 @@ def attention(heads, kv_heads, head_dim, dtype, max_query_len, name) -> Compiled
     group = heads // kv_heads
     tiles = attention_tiles(max_query_len, group, head_dim, dtype, interpreted=False)
     t = TYPE[dtype]
+    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    # as `paged_attention` launches it compiled: 16-bit operands stay 16-bit for the tensor cores
+    dot = TL_DTYPE[dtype] if dtype.itemsize == 2 else acc
     pointers = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t)
     pointers |= dict(block_tables_ptr="i32", seq_lens_ptr="i32", query_start_loc_ptr="i32")
     constexprs = dict(
@@ -116,8 +138,8 @@ def attention(heads, kv_heads, head_dim, dtype, max_query_len, name) -> Compiled
         HEAD_DIM=head_dim,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        ACC_DTYPE=tl.float32,
-        DOT_DTYPE=TL_DTYPE[dtype],
+        ACC_DTYPE=acc,
+        DOT_DTYPE=dot,
         OFFSET_64=False,
     )
     label = (name, f"{heads}/{kv_heads} heads, d {head_dim}", t)
@@ -161,14 +183,11 @@ def fused(hidden, heads, kv_heads, head_dim, inner, dtype) -> list[Compiled]:
     return out
 
 
-def report(tiny: bool = False) -> list[Compiled]:
-    """Every kernel at the Qwen3-0.6B shapes (and the tiny test model's with `tiny`)."""
-    shapes = [(1024, 16, 8, 128, 3072)]
-    if tiny:
-        shapes.append((64, 4, 2, 16, 128))
+def report(shapes=SHAPES, dtypes=DTYPES) -> list[Compiled]:
+    """Every kernel at each of `shapes` (see SHAPES) in each of `dtypes`."""
     rows = []
     for hidden, heads, kv_heads, head_dim, inner in shapes:
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in dtypes:
             rows.append(attention(heads, kv_heads, head_dim, dtype, 1, "paged_attention decode"))
             rows.append(attention(heads, kv_heads, head_dim, dtype, 512, "paged_attention prefill"))
             rows.append(store(kv_heads, head_dim, dtype))
@@ -178,6 +197,8 @@ def report(tiny: bool = False) -> list[Compiled]:
 
 def markdown(rows: list[Compiled]) -> str:
     lines = [
+        f"Triton {triton.__version__}, sm_90",
+        "",
         "| kernel | shape | dtype | registers | spill bytes | shared bytes | warps | blocks/SM |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
@@ -191,14 +212,19 @@ def markdown(rows: list[Compiled]) -> str:
 
 def main(argv=None) -> list[Compiled]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="also the tiny test model's shapes")
-    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--json", default=None, help="write the rows (and the Triton version) here")
+    p.add_argument("--head-dims", type=int, nargs="+", default=None, help="only these shapes")
+    p.add_argument("--dtypes", nargs="+", choices=list(TYPE.values()), default=None)
     args = p.parse_args(argv)
-    rows = report(args.tiny)
+    shapes = [s for s in SHAPES if args.head_dims is None or s[3] in args.head_dims]
+    dtypes = [d for d in DTYPES if args.dtypes is None or TYPE[d] in args.dtypes]
+    rows = report(shapes, dtypes)
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+            json.dump(
+                {"triton": triton.__version__, "rows": [asdict(r) for r in rows]}, f, indent=1
+            )
     return rows
 
 

@@ -26,6 +26,30 @@ class AttentionTiles:
     num_stages: int = 2
 
 
+# GPU tiles: (bytes per element, decode step, head size up to) -> (block_m, block_n,
+# num_warps, num_stages), chosen so that every kernel compiles for sm_90 without
+# register spills under Triton 3.6 and 3.9 (`benchmarks/triton_registers.py`;
+# tests/plugins/test_triton_sm90.py) and decode keeps 4 blocks per SM up to head
+# size 128. Decode is bandwidth-bound: occupancy first (16 keys a tile keeps a
+# [16, 128] tile's addresses in registers; 32 for 4-byte types at head size <= 64,
+# where 16 spilled under 3.6). 4-byte prefill takes 32 x 16 (32 x 32 spilled 1,792
+# bytes at head size 128 under 3.6); head size 256 halves the tiles of 4- and
+# 8-byte types, and 16-bit types keep 8 warps (4 spill at 255 registers).
+GPU_TILES: dict[tuple[int, bool, int], tuple[int, int, int, int]] = {
+    (2, True, 256): (16, 16, 4, 2),
+    (2, False, 128): (64, 64, 8, 2),
+    (2, False, 256): (32, 32, 8, 2),
+    (4, True, 64): (16, 32, 4, 1),
+    (4, True, 256): (16, 16, 4, 2),
+    (4, False, 128): (32, 16, 4, 1),
+    (4, False, 256): (16, 16, 4, 1),
+    (8, True, 128): (16, 32, 8, 1),
+    (8, False, 128): (32, 32, 8, 1),
+    (8, True, 256): (16, 16, 8, 1),
+    (8, False, 256): (16, 16, 8, 1),
+}
+
+
 def attention_tiles(
     max_query_len: int,
     group_size: int,
@@ -34,29 +58,19 @@ def attention_tiles(
     interpreted: bool,
 ) -> AttentionTiles:
     """Picks tiles for a step. The interpreter pays per program and per loop
-    iteration, not per element, so it gets the largest tiles; a GPU gets tiles
-    that fit registers and shared memory (smaller for 4- and 8-byte types)."""
+    iteration, not per element, so it gets the largest tiles; a GPU gets the
+    `GPU_TILES` entry of the dtype's size, step kind and head size."""
     group_pad = next_power_of_2(group_size)
     rows_needed = next_power_of_2(max(max_query_len, 1) * group_pad)
     if interpreted:
         return AttentionTiles(block_m=max(16, group_pad, min(rows_needed, 128)), block_n=256)
-    wide = dtype.itemsize >= 4 or head_dim > 128
-    if rows_needed <= 16 and dtype.itemsize <= 4:
-        # Decode: bandwidth-bound, so occupancy first. 16 keys a tile keeps a
-        # [16, 128] tile's addresses in registers: sm_90, Qwen3-0.6B heads,
-        # 127 registers in bf16 / 124 in fp32, no spills, 4 blocks per SM
-        # (BLOCK_N=32: 167 registers, 3 blocks; 64: 255 and spills).
-        return AttentionTiles(block_m=max(16, group_pad), block_n=16, num_warps=4, num_stages=2)
-    block_m = 16 if rows_needed <= 16 else (32 if wide else 64)
-    block_n = 32 if wide else 64
-    return AttentionTiles(
-        block_m=max(block_m, group_pad),
-        block_n=block_n,
-        # 16-bit prefill tiles spill with 4 warps (255 registers, sm_90), not with 8 (188);
-        # float64 tiles need 8 warps to spill less; float32 spills with 8, not 4.
-        num_warps=8 if dtype.itemsize in (2, 8) else 4,
-        num_stages=1 if dtype.itemsize >= 4 else 2,
-    )
+    decode = rows_needed <= 16
+    size = min(dtype.itemsize, 8)
+    key = next(
+        k for k in sorted(GPU_TILES) if k[:2] == (size, decode) and head_dim <= k[2]
+    )  # the smallest head-size class that holds head_dim
+    block_m, block_n, num_warps, num_stages = GPU_TILES[key]
+    return AttentionTiles(max(block_m, group_pad), block_n, num_warps, num_stages)
 
 
 @functools.lru_cache(maxsize=64)

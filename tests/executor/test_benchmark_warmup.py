@@ -1,6 +1,7 @@
 """The throughput benchmark's warm-up launches every Triton kernel variant its timed
 run launches (keys recorded as Triton specialises, kernels interpreted), and with
-graphs captured it runs a decode batch at every bucket size."""
+graphs captured it runs a decode batch at every bucket size. The first test runs
+`triton_paged` on CPU tensors: it skips where the kernels are compiled."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from servelab.model.config import named_config
 from tests.benchmark_scripts import load_benchmark
+from tests.executor.decode_scenes import skip_unless_triton_interpreted
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,7 @@ def tiny_engine(bench, backend="triton_paged"):
 
 
 def test_warm_up_launches_every_variant_the_timed_run_launches(bench):
+    skip_unless_triton_interpreted()
     variants = sys.modules["kernel_variants"]
     args, config, workload, llm = tiny_engine(bench)
     with variants.VariantRecorder() as recorder:
@@ -59,7 +62,8 @@ def test_variant_keys_follow_triton_specialisation(bench):
 def test_warm_up_runs_a_decode_batch_at_every_graph_bucket(bench, monkeypatch):
     def batch_sizes(buckets) -> Counter:
         args, config, _, llm = tiny_engine(bench, backend="per_request")
-        monkeypatch.setattr(bench, "captured_buckets", lambda _: buckets)
+        # the warm-up asks its own module which buckets the engine captured
+        monkeypatch.setattr(sys.modules["gpu_workload"], "captured_buckets", lambda _: buckets)
         sizes = Counter()
         step = llm.engine.step
         monkeypatch.setattr(

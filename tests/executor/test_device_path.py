@@ -90,6 +90,7 @@ def test_graph_safety_comes_from_the_backend():
     assert not backend_is_graph_safe(SimpleNamespace(name="triton_paged", graph_safe=False))
 
 
+@pytest.mark.gpu_path
 def test_padded_decode_matches_eager_and_writes_only_real_slots():
     """What a replay computes (static buffers, padded to 8 then 4 rows, graph-safe
     backend), run eagerly: the second step's padding rows were real rows of the first."""
@@ -100,6 +101,7 @@ def test_padded_decode_matches_eager_and_writes_only_real_slots():
     assert torch.all(runner.static.slot_mapping[3:4] == PAD_SLOT)
 
 
+@pytest.mark.gpu_path
 def test_one_big_bucket_pads_a_single_sequence():
     scene = make_scene(TRITON_DEVICE, torch.float64, "triton_paged", prompt_lens=(5, 2), second=1)
     runner = scene_runner(scene, TRITON_DEVICE, buckets=[8])

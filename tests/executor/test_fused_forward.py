@@ -32,6 +32,7 @@ def fused_candidate(scene):
     )
 
 
+@pytest.mark.gpu_path
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_fused_decode_equals_the_torch_forward(dtype, tol):
     scene = make_scene(TRITON_DEVICE, dtype, "triton_paged")
@@ -60,6 +61,7 @@ def per_layer(counts: dict, layers: int, once: int) -> float:
     return (sum(counts.values()) - once) / layers
 
 
+@pytest.mark.gpu_path
 def test_a_fused_decode_step_launches_at_most_ten_kernels_per_layer(monkeypatch):
     # bfloat16, the CUDA default: the torch path's RMSNorm is then seven ops
     scene = make_scene(TRITON_DEVICE, torch.bfloat16, "triton_paged")

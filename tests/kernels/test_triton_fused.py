@@ -16,6 +16,13 @@ from servelab.kernels import triton_fused as tf
 from servelab.model.transformer import apply_rope, rms_norm
 
 DEVICE = "cpu" if tf.INTERPRETED else "cuda"
+pytestmark = [
+    pytest.mark.gpu_path,
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(),
+        reason="Triton kernels compiled (TRITON_INTERPRET=0) and no CUDA device to run them on",
+    ),
+]
 TOL = {  # (atol, rtol)
     torch.float64: (1e-14, 1e-14),
     torch.float32: (1e-6, 4e-7),

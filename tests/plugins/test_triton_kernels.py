@@ -29,6 +29,13 @@ from servelab.step.metadata import AttentionMetadata
 ON_GPU = torch.cuda.is_available() and not tk.INTERPRETED
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 cuda_only = pytest.mark.skipif(not ON_GPU, reason="needs compiled Triton kernels on a CUDA device")
+pytestmark = [
+    pytest.mark.gpu_path,
+    pytest.mark.skipif(
+        not (ON_GPU or tk.INTERPRETED),
+        reason="Triton kernels compiled (TRITON_INTERPRET=0) and no CUDA device to run them on",
+    ),
+]
 
 MAX_MODEL_LEN = 64
 BATCHES = {  # name: (query_lens, context_lens), decodes first

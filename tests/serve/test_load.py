@@ -38,7 +38,7 @@ async def stream_all(url: str, batch: list[list[int]], max_tokens: int) -> list[
 
     async def one(prompt):
         tokens = []
-        stream = await client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens,
+        stream = await client.completions.create(model=None, prompt=prompt, max_tokens=max_tokens,
                                                  temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True})  # fmt: skip
         async for chunk in stream:

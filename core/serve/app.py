@@ -91,7 +91,7 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
     api_key = options.get("api_key")
     vocab = engine.model_config.vocab_size
     max_len = engine.max_model_len
-    checker = PromptChecker(engine.tokenizer, vocab, max_len)
+    app.state.checker = checker = PromptChecker(engine.tokenizer, vocab, max_len)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):

@@ -2,11 +2,12 @@
 costly work: the body's size and arrival time, prompt lengths before tokenizing
 (and before checking each token id), stop lists and logit_bias sizes.
 
-Text is tokenized on a worker thread, never on the event loop (a long prompt would
-stall every stream) and never on the engine thread (it would stall every step).
-A text longer than `max_model_len * longest token` characters cannot fit, whatever
-its tokens: a token is at least one character of text... at most `longest token`
-characters, so it is refused without tokenizing.
+Text is tokenized on a worker thread, by a call that releases the GIL, never on the
+event loop (a long prompt would stall every stream) and never on the engine thread
+(it would stall every step).
+No token's text is longer than the tokenizer's longest (`longest_token_chars`), so a
+text longer than `max_model_len` times that has more than `max_model_len` tokens,
+whatever they are: it is refused without tokenizing.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ def longest_token_chars(tokenizer) -> int:
     if tokenizer is None:
         return 1
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    return max((len(tokenizer.decode([t], skip_special_tokens=False)) for t in range(vocab)),
-               default=1) or 1  # fmt: skip
+    # a token's text decoded alone has at least one character per character its bytes
+    # start in any context (a cut UTF-8 sequence decodes to a replacement character)
+    texts = tokenizer.decode_batch([[t] for t in range(vocab)], skip_special_tokens=False)
+    return max(map(len, texts), default=1) or 1
 
 
 async def read_body(request, max_bytes: int, timeout: float) -> bytes:
@@ -72,10 +75,12 @@ class PromptChecker:
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send token ids", field)
             self.check_text(prompt, field)
+            # encode_batch releases the GIL while it works (encode holds it: the event
+            # loop would stall even with the call on another thread)
             encoded = await asyncio.to_thread(
-                self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens
+                self.tokenizer.encode_batch, [prompt], add_special_tokens=add_special_tokens
             )
-            ids = encoded.ids
+            ids = encoded[0].ids
         else:
             ids = prompt
         if not ids:

@@ -82,6 +82,12 @@ def checked_params(params: Any, request_id: str, vocab_size: int) -> SamplingPar
             f"request {request_id!r}: stop token id {outside[0]} is outside the vocabulary "
             f"[0, {vocab_size})"
         )
+    biased = [t for t in params.logit_bias or () if not 0 <= t < vocab_size]
+    if biased:
+        raise RequestError(
+            f"request {request_id!r}: logit_bias token id {biased[0]} is outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
     return params
 
 

@@ -51,7 +51,8 @@ def find_stop(seq: Sequence, tokenizer) -> str | None:
     new = new_text(tokenizer, ids, start + scan.prefix, start + scan.read)
     unfinished = new.endswith(REPLACEMENT)
     searched = scan.tail + (new.rstrip(REPLACEMENT) if unfinished else new)
-    if any(stop in searched for stop in stops):
+    # no stop string ends the first min_tokens output tokens (vLLM's rule)
+    if seq.num_output_tokens > seq.params.min_tokens and any(stop in searched for stop in stops):
         return _text_before_first_stop(tokenizer.decode(seq.output_token_ids), stops)
     if new and not unfinished:
         keep = max(len(s) for s in stops) - 1

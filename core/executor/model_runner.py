@@ -44,7 +44,8 @@ class StepBatch:
     sample_positions: list[int]  # output position of the token each sample draws
     sample_indices: list[int]  # which of the n samples (seeded sampling tells them apart)
     sample_owners: list[int]  # seq_id that receives each sampled token
-    all_greedy: bool
+    all_greedy: bool  # every row takes the raw logits' argmax (no sampling, no processing)
+    sample_seqs: list | None = None  # each sample row's sequence (logits processing reads it)
 
 
 class ModelRunner:
@@ -132,6 +133,7 @@ class ModelRunner:
         positions: list[int] = []
         indices: list[int] = []
         owners: list[int] = []
+        seqs: list = []
         all_greedy = True
         num_sampling = 0  # sampling sequences so far: the hidden row of the next one
         num_decodes = 0
@@ -159,7 +161,7 @@ class ModelRunner:
             if not samples:
                 continue
             p = seq.params
-            if all_greedy and not p.greedy:
+            if all_greedy and not (p.greedy and not p.processes_logits):
                 all_greedy = False
             forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
             for k in range(forks):
@@ -168,6 +170,7 @@ class ModelRunner:
                 positions.append(num_outputs)
                 indices.append(k if forks > 1 else seq.sample_index)
                 owners.append(seq.seq_id)
+                seqs.append(seq)
             num_sampling += 1
         staging = self.staging
         if staging is not None:  # the ids go up in the metadata's copy
@@ -184,7 +187,9 @@ class ModelRunner:
             staging=staging,
         )
         attn_plan, ids = self._plan_and_ids(meta, input_ids)
-        return StepBatch(ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy)
+        return StepBatch(
+            ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy, seqs
+        )
 
     def _plan_and_ids(
         self, meta: AttentionMetadata, input_ids: list[int]
@@ -222,7 +227,8 @@ class ModelRunner:
             indices = [s.sample_index for s in seqs]
         owners = plan.decode_seq_ids
         return StepBatch(
-            ids, meta, attn_plan, rows, params, positions, indices, owners, batch.all_greedy
+            ids, meta, attn_plan, rows, params, positions, indices, owners, batch.all_greedy,
+            None if batch.all_greedy else seqs,
         )
 
     # -- the forward
@@ -270,6 +276,7 @@ class ModelRunner:
                 batch.sample_positions,
                 self.generator,
                 batch.sample_indices,
+                batch.sample_seqs,
             ).tolist()
         sampled = SampledTokens(batch.sample_owners, tokens)
         if self.logprobs_k >= 0:  # only while a live request asked for logprobs

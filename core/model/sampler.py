@@ -11,13 +11,17 @@ Rules:
   E is counter-based, a hash of (key, token id) in torch ops, one batched pass for all seeded
   rows instead of a launch per row. Unseeded rows draw from `generator`, which must be on
   the logits' device (torch's default where None), in one batched call;
-- no [N, V] tensor is built on another device than the logits' (no per-step upload).
+- no [N, V] tensor is built on another device than the logits' (no per-step upload);
+- rows with logits processing (penalties, min_tokens, logit_bias:
+  `servelab.model.logits_processing`) have it applied first; both rules then read the
+  processed logits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from servelab.model.logits_processing import process_logits
 from servelab.step.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -102,12 +106,19 @@ class Sampler:
         output_positions: list[int],
         generator: torch.Generator | None = None,
         sample_indices: list[int] | None = None,
+        seqs: list | None = None,
     ) -> torch.Tensor:
         """logits [N, V]; `output_positions[i]` is how many tokens row i's sequence
         has generated so far (the index of the token being drawn); `sample_indices`
-        tells the n samples of one seeded request apart (default 0).
+        tells the n samples of one seeded request apart (default 0); `seqs[i]` is row
+        i's sequence (needed only when a row's params process logits).
         Returns LongTensor [N] on the logits' device."""
         num_rows, vocab_size = logits.shape
+        if any(p.processes_logits for p in params):
+            if seqs is None:
+                raise ValueError("logits processing (penalties, min_tokens, logit_bias) needs "
+                                 "each row's sequence: pass seqs")  # fmt: skip
+            logits = process_logits(logits, params, seqs)
         greedy_tokens = logits.argmax(dim=-1)
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -117,8 +128,8 @@ class Sampler:
 
         # -- per-row parameters as tensors (greedy rows get neutral values)
         temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        top_ks = [
-            p.top_k if p.top_k > 0 and not g else vocab_size
+        top_ks = [  # a top_k past the vocabulary keeps every token
+            min(p.top_k, vocab_size) if p.top_k > 0 and not g else vocab_size
             for p, g in zip(params, greedy, strict=True)
         ]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]

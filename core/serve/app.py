@@ -1,26 +1,32 @@
-"""The OpenAI-compatible HTTP app (FastAPI) over one `AsyncEngine`.
+"""The OpenAI-compatible HTTP app (FastAPI) over one `AsyncEngine`, with vLLM's routes
+and conventions.
 
-Every request is checked before the engine sees it (auth first: a wrong key
-reaches no engine code), then becomes one engine request per prompt. A stream
-sends one server-sent event per engine step that brought tokens; a client that
-goes away aborts its engine requests, which frees their blocks. Errors use
-OpenAI's JSON shape: 400 bad request (naming the field), 401 wrong key, 429
-full queue, 500 an engine failure of the requests it touched.
+Every request is checked before the engine sees it, cheapest check first: auth (a
+wrong key reaches no engine code), the body's size and arrival (`limits`), its
+fields (`protocol`), the model's name, list sizes, then prompt lengths before any
+tokenizing (done on a worker thread) or per-id check. An admitted request's engine
+requests are submitted in the same event-loop turn as the queue check that counted
+them (`submission`). Errors use OpenAI's JSON shape on every route: 400 bad request
+(naming the field), 401 wrong key, 404 unknown model or route, 408 slow body, 413
+body too large, 429 full queue, 500 an engine failure of the request it touched,
+503 shutting down or an engine that stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from servelab.serve.async_engine import AsyncEngine
 from servelab.serve.choices import Choices
+from servelab.serve.limits import PromptChecker, check_sizes, output_budget, read_body
 from servelab.serve.metrics import ServerMetrics
 from servelab.serve.protocol import (
     ApiError,
@@ -28,11 +34,14 @@ from servelab.serve.protocol import (
     CompletionRequest,
     prompts_of,
     sampling_params,
+    unsupported,
     validation_error,
 )
+from servelab.serve.responses import stream_events, whole_response
+from servelab.serve.submission import Submission
 from servelab.serve.text import ChatTemplate
 
-POLL_S = 0.25  # how often a response that does not stream checks for a gone client
+LARGE_BODY = 1 << 16  # bodies past this many bytes are parsed on a worker thread
 
 
 def _no_telemetry() -> dict:
@@ -45,6 +54,13 @@ def _no_telemetry() -> dict:
         return {}
     off = ("tracing", "metrics", "logs", "operation_spans")
     return {"telemetry": dict.fromkeys(off, False)}
+
+
+def servelab_version() -> str:
+    try:
+        return version("servelab")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class BearerAuth:
@@ -71,18 +87,38 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
                metrics: ServerMetrics, choices: dict | None = None) -> FastAPI:  # fmt: skip
     engine = aengine.engine
     app = FastAPI(title="servelab", **_no_telemetry())
+    app.state.live = live = set()  # open submissions (shutdown tells each)
     api_key = options.get("api_key")
+    vocab = engine.model_config.vocab_size
+    max_len = engine.max_model_len
+    app.state.checker = checker = PromptChecker(engine.tokenizer, vocab, max_len)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):  # unknown route, wrong method
+        body = ApiError(err.status_code, str(err.detail), kind="invalid_request_error").body()
+        return JSONResponse(body, status_code=err.status_code)
 
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.get("/health")
     async def health():
+        problem = aengine.problem()
+        if problem is not None:
+            return JSONResponse(ApiError(503, problem).body(), status_code=503)
         return {"status": "ok"}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def server_version():
+        return {"version": servelab_version()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -91,170 +127,131 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
-                "created": 0, "owned_by": "servelab", "max_model_len": engine.max_model_len,
-                "vocab_size": engine.model_config.vocab_size,
-                "servelab_choices": choices or {}}]}  # fmt: skip
+                "created": 0, "owned_by": "servelab", "root": model_name, "max_model_len": max_len,
+                "vocab_size": vocab, "servelab_choices": choices or {}}]}  # fmt: skip
 
-    def parse(model, body: bytes):
+    async def parse(request: Request, model):
+        body = await read_body(request, options["max_body_bytes"], options["body_timeout"])
         try:
-            return model.model_validate_json(body)
+            if len(body) > LARGE_BODY:
+                req = await asyncio.to_thread(model.model_validate_json, body)
+            else:
+                req = model.model_validate_json(body)
         except ValidationError as err:
             raise validation_error(err.errors()) from None
+        if getattr(req, "model", None) not in (None, model_name):
+            raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
+        return req
 
-    def token_ids(prompt, field: str) -> list[int]:
-        if isinstance(prompt, str):
-            if engine.tokenizer is None:
-                raise ApiError(400, "this model has no tokenizer: send token ids", field)
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=field == "prompt").ids
+    async def chat_prompt(req: ChatRequest) -> str:
+        messages = [m.for_template() for m in req.messages]
+        for m in messages:
+            checker.check_text(m["content"], "messages")
+        return await asyncio.to_thread(template.render, messages, req.add_generation_prompt,
+                                       req.chat_template_kwargs)  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request, options["max_body_bytes"], options["body_timeout"])
+        data = _json_object(body)
+        if "messages" in data:
+            req = await asyncio.to_thread(ChatRequest.model_validate, data)
+            ids = await checker.token_ids(await chat_prompt(req), "messages", False)
+        elif isinstance(data.get("prompt"), str):
+            ids = await checker.token_ids(data["prompt"], "prompt",
+                                          data.get("add_special_tokens", True) is True)  # fmt: skip
         else:
-            ids = list(prompt)
-        vocab = engine.model_config.vocab_size
-        if not ids:
-            raise ApiError(400, f"{field} is empty", field)
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(
-                400, f"{field} has a token id outside the vocabulary [0, {vocab})", field
-            )
-        if len(ids) > engine.max_model_len:
-            raise ApiError(400, f"{field} has {len(ids)} tokens, more than max_model_len="
-                           f"{engine.max_model_len}", field)  # fmt: skip
-        return ids
+            raise ApiError(400, "send `prompt` (text) or `messages`", "prompt")
+        return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": None}
 
-    def check_stops(params) -> None:
-        vocab = engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ApiError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request, options["max_body_bytes"], options["body_timeout"])
+        tokens = _json_object(body).get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise ApiError(400, "tokens must be a list of token ids", "tokens")
+        if len(tokens) > max_len or (tokens and (min(tokens) < 0 or max(tokens) >= vocab)):
+            raise ApiError(400, f"tokens must be at most {max_len} ids in [0, {vocab})", "tokens")
+        if engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "tokens")
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await request.body())
-        prompts = [token_ids(p, "prompt") for p in prompts_of(req.prompt)]
-        params = sampling_params(req, req.max_tokens, req.logprobs, options["max_n"])
-        check_stops(params)
-        echo = [engine.tokenizer.decode(p) if engine.tokenizer else "" for p in prompts]
-        return await run(request, req, prompts, params, chat=False, echo=echo if req.echo else None)
+        req = await parse(request, CompletionRequest)
+        unsupported(req)
+        check_sizes(req, options, vocab)
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported by "
+                           "servelab", "echo")  # fmt: skip
+        texts = prompts_of(req.prompt)
+        if len(texts) > options["max_prompts"]:
+            raise ApiError(400, f"prompt holds {len(texts)} prompts, more than "
+                           f"serve.max_prompts={options['max_prompts']}", "prompt")  # fmt: skip
+        add_special = req.add_special_tokens is not False
+        prompts = [await checker.token_ids(p, "prompt", add_special) for p in texts]
+        params = [_params(req, output_budget(req.max_tokens, len(p), max_len, 16), req.logprobs)
+                  for p in prompts]  # fmt: skip
+        echo = None
+        if req.echo:
+            echo = [await asyncio.to_thread(engine.tokenizer.decode, p) if engine.tokenizer
+                    else "" for p in prompts]  # fmt: skip
+        return await run(request, req, prompts, params, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse(ChatRequest, await request.body())
-        text = template.render([m.model_dump(exclude_none=True) for m in req.messages])
-        prompt = token_ids(text, "messages")
+        req = await parse(request, ChatRequest)
+        unsupported(req)
+        check_sizes(req, options, vocab)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        add_special = req.add_special_tokens is True  # the template has them (vLLM's default)
+        prompt = await checker.token_ids(await chat_prompt(req), "messages", add_special)
+        requested = req.max_completion_tokens or req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, req.max_completion_tokens or req.max_tokens, k,
-                                 options["max_n"])  # fmt: skip
-        check_stops(params)
-        return await run(request, req, [prompt], params, chat=True, echo=None)
+        params = _params(req, output_budget(requested, len(prompt), max_len, None), k)
+        return await run(request, req, [prompt], [params], chat=True, echo=None)
+
+    def _params(req, max_tokens: int, logprobs):
+        min_tokens = req.min_tokens
+        if min_tokens > max_tokens:  # the context left less room than asked for
+            req = req.model_copy(update={"min_tokens": max_tokens})
+        return sampling_params(req, max_tokens, logprobs, options["max_n"])
 
     async def run(request: Request, req, prompts, params, chat: bool, echo):
-        if aengine.num_pending + len(prompts) > options["max_queued_requests"]:
-            raise ApiError(429, f"the server is full ({options['max_queued_requests']} requests "
-                           "queued or running); retry later")  # fmt: skip
+        if problem := aengine.problem():
+            raise ApiError(503, problem)
+        limit = options["max_queued_requests"]
+        if aengine.num_pending + len(prompts) > limit:
+            raise ApiError(429, f"the server is full ({limit} requests queued or running; "
+                           "serve.max_queued_requests); retry later")  # fmt: skip
         kind = "chatcmpl" if chat else "cmpl"
         base = f"{kind}-{uuid.uuid4().hex}"
-        choices = Choices(engine.tokenizer, prompts, params.n, params.stop, params.logprobs, chat)
-        events = _merge([aengine.generate(f"{base}-{i}", p, params, req.priority)
-                         for i, p in enumerate(prompts)])  # fmt: skip
+        # no await between the check above and this submission: the count stays exact
+        sub = Submission(aengine, base, prompts, params, req.priority, live)
+        n = params[0].n
+        out = Choices(engine.tokenizer, prompts, n, params[0].stop, params[0].logprobs, chat)
         head = {"id": base, "created": int(time.time()), "model": model_name}
         if req.stream:
-            usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(_sse(events, choices, head, chat, usage, echo),
-                                     media_type="text/event-stream")  # fmt: skip
-        # wait for the next Delta without cancelling it when the poll for a gone client
-        # comes first (wait_for would cancel it, and a cancelled stream aborts its request)
-        following = None
-        try:
-            while True:
-                following = following or asyncio.ensure_future(events.__anext__())
-                done, _ = await asyncio.wait({following}, timeout=POLL_S)
-                if not done:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
-                try:
-                    item = following.result()
-                except StopAsyncIteration:
-                    break
-                following = None
-                _check(*item)
-                choices.apply(*item)
-        finally:
-            if following is not None and not following.done():
-                following.cancel()  # the client went away: the stream aborts its requests
-                await asyncio.wait({following})
-            await events.aclose()
-        if choices.error:
-            raise ApiError(500, f"the engine failed: {choices.error}")
-        body = {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": choices.final(echo), "usage": choices.usage()}  # fmt: skip
-        return JSONResponse(body)
-
-    def _observe(item) -> None:
-        metrics_times.setdefault(item[1].request_id, []).append(time.perf_counter())
-        if item[1].finished:
-            metrics.token_gaps(metrics_times.pop(item[1].request_id, []))
-
-    metrics_times: dict[str, list[float]] = {}
-
-    async def _merge(iterators):
-        """(prompt index, Delta) pairs from several engine requests as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, iterator):
-            async for delta in iterator:
-                await queue.put((i, delta))
-
-        tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
-        done = 0
-        try:
-            while done < len(tasks):
-                item = await queue.get()
-                done += item[1].finished
-                _observe(item)
-                yield item
-        finally:
-            for task in tasks:  # a client gone: each generator's own finally aborts it
-                task.cancel()
-
-    async def _sse(events, choices: Choices, head, chat, usage, echo):
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        try:
-            if chat:
-                first = [{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None} for i in range(len(choices.texts))]  # fmt: skip
-                yield _event({**head, "object": kind, "choices": first})
-            elif echo is not None:
-                first = [{"index": i, "text": echo[i // choices.n], "logprobs": None,
-                          "finish_reason": None} for i in range(len(choices.texts))]  # fmt: skip
-                yield _event({**head, "object": kind, "choices": first})
-            async for item in events:
-                if item[1].rejected or (item[1].finished and item[1].error and item[1].output
-                                        and item[1].output.finish_reason == "error"):  # fmt: skip
-                    status = 400 if item[1].rejected else 500
-                    yield _event(ApiError(status, item[1].error or "failed").body())
-                    break
-                pieces = choices.apply(*item)
-                if chat:
-                    pieces = [{"index": p["index"], "delta": {"content": p["text"]},
-                               "logprobs": p["logprobs"], "finish_reason": p["finish_reason"],
-                               "token_ids": p["token_ids"]} for p in pieces]  # fmt: skip
-                if pieces:
-                    yield _event({**head, "object": kind, "choices": pieces})
-            else:
-                if usage:
-                    yield _event({**head, "object": kind, "choices": [], "usage": choices.usage()})
-            yield "data: [DONE]\n\n"
-        finally:
-            await events.aclose()
+            so = req.stream_options
+            usage = so is not None and bool(so.include_usage)
+            continuous = usage and bool(so.continuous_usage_stats)
+            return StreamingResponse(
+                stream_events(sub, out, head, chat, usage, continuous, echo, metrics),
+                media_type="text/event-stream",
+            )
+        return await whole_response(request, sub, out, head, chat, echo, metrics)
 
     return app
 
 
-def _check(index: int, delta) -> None:
-    if delta.rejected:
-        raise ApiError(400, delta.error or "bad request", "prompt")
+def _json_object(body: bytes) -> dict:
+    import json
 
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
+    try:
+        data = json.loads(body)
+    except ValueError as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return data

@@ -56,6 +56,16 @@ class AsyncEngine:
     def on_finish(self, callback: Callable[[RequestOutput], None] | None) -> None:
         self.loop.on_finish = callback
 
+    def problem(self) -> str | None:
+        """Why the engine cannot serve (its loop's thread not running, or a failure
+        that ends the engine); None when it can."""
+        thread = self.loop._thread
+        if thread is None or not thread.is_alive():
+            return "the engine loop is not running"
+        if self.loop.fatal is not None:
+            return f"the engine failed: {self.loop.fatal}"
+        return None
+
     @property
     def num_pending(self) -> int:
         """Requests submitted to the loop and not yet finished."""

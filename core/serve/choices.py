@@ -8,8 +8,10 @@ from __future__ import annotations
 from servelab.serve.async_engine import Delta
 from servelab.serve.text import StreamText, token_text
 
-# engine reasons a client understands; an aborted or cache-full request stopped early
-_REASONS = {"stop": "stop", "length": "length", "cache_full": "length", "abort": "abort"}
+# engine reasons as vLLM reports them; a request that outgrew the whole KV cache was
+# stopped by the server, not by its length: "abort", with stop_reason "cache_full"
+_REASONS = {"stop": "stop", "length": "length", "cache_full": "abort", "abort": "abort",
+            "error": "error"}  # fmt: skip
 
 
 class Choices:
@@ -22,6 +24,8 @@ class Choices:
         self.tokens: list[list[int]] = [[] for _ in range(count)]
         self.lps: list[list[dict]] = [[] for _ in range(count)]
         self.reasons: list[str | None] = [None] * count
+        self.stop_reasons: list[str | None] = [None] * count
+        self.finals: list[str | None] = [None] * count  # the engine's final texts
         self.error: str | None = None
 
     def apply(self, prompt_index: int, delta: Delta) -> list[dict]:
@@ -39,16 +43,20 @@ class Choices:
             lps = delta.new_logprobs.get(sample, [])
             self.tokens[i] += ids
             self.lps[i] += lps
-            reason = None
+            reason = stop_reason = None
             if sample in finals:  # the engine's text: a stop string's match cut off
                 self.texts[i].token_ids += ids
+                self.finals[i] = finals[sample].text
                 text = self.texts[i].finish(finals[sample].text)
-                reason = self.reasons[i] = _REASONS.get(finals[sample].finish_reason, "stop")
+                engine_reason = finals[sample].finish_reason
+                reason = self.reasons[i] = _REASONS.get(engine_reason, "stop")
+                if engine_reason == "cache_full":
+                    stop_reason = self.stop_reasons[i] = "cache_full"
             else:
                 text = self.texts[i].push(ids)
             pieces.append({"index": i, "text": text, "token_ids": ids,
                            "logprobs": self.logprobs_json(lps, len(self.texts[i].sent) - len(text)),
-                           "finish_reason": reason})  # fmt: skip
+                           "finish_reason": reason, "stop_reason": stop_reason})  # fmt: skip
         return pieces
 
     def logprobs_json(self, entries: list[dict], offset: int = 0):
@@ -69,7 +77,8 @@ class Choices:
         return {
             "tokens": [tok(e["token_id"]) for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{tok(t): lp for t, lp in e["top"]} for e in entries],
+            # two tokens may decode to one string: the likelier keeps it (listed first)
+            "top_logprobs": [_first_wins((tok(t), lp) for t, lp in e["top"]) for e in entries],
             "text_offset": offsets,
         }
 
@@ -83,10 +92,11 @@ class Choices:
         """The whole choices, for a response that does not stream."""
         out = []
         for i, text in enumerate(self.texts):
-            body = text.sent
+            body = self.finals[i] if self.finals[i] is not None else text.sent
             if echo_texts is not None:
                 body = echo_texts[i // self.n] + body
-            choice = {"index": i, "finish_reason": self.reasons[i], "token_ids": self.tokens[i],
+            choice = {"index": i, "finish_reason": self.reasons[i],
+                      "stop_reason": self.stop_reasons[i], "token_ids": self.tokens[i],
                       "logprobs": self.logprobs_json(self.lps[i])}  # fmt: skip
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": body}
@@ -94,3 +104,10 @@ class Choices:
                 choice["text"] = body
             out.append(choice)
         return out
+
+
+def _first_wins(pairs) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        out.setdefault(key, value)
+    return out

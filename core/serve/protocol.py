@@ -1,6 +1,12 @@
-"""The OpenAI request shapes the server accepts, checked strictly (an unknown or
-mistyped field is a 400 naming it), and their translation to `SamplingParams`.
-Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}."""
+"""The OpenAI request shapes the server accepts, parsed the way vLLM's OpenAI server
+parses them, and their translation to `SamplingParams`.
+
+A field servelab knows and implements is typed and checked (a bad value is a 400
+naming it); a field vLLM or OpenAI knows and servelab does not implement is accepted
+at its neutral value and answers 400 "... is not supported by servelab" otherwise; a
+field nobody knows is a 400 naming it. Errors are OpenAI's JSON:
+{"error": {"message", "type", "param", "code"}}.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or {400: "invalid_request_error", 401: "authentication_error",
+                             404: "not_found_error", 413: "invalid_request_error",
                              429: "rate_limit_error"}.get(status, "server_error")  # fmt: skip
 
     def body(self) -> dict:
@@ -31,65 +38,178 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # usage in every chunk (with include_usage)
+
+
+# fields vLLM or OpenAI accept that servelab does not implement: the values that mean
+# "not used" (anything else is a 400 "not supported by servelab")
+NEUTRAL: dict[str, tuple] = {
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0, 1),
+    "min_p": (None, 0.0, 0),
+    "prompt_logprobs": (None,),
+    "include_stop_str_in_output": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None,),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "skip_special_tokens": (None, True),
+    "chat_template": (None,),
+    "documents": (None,),
+    "continue_final_message": (None, False),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+}
+# accepted and without effect on the tokens (bookkeeping a client may send)
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls",
+           "spaces_between_special_tokens", "request_id", "cache_salt", "kv_transfer_params")  # fmt: skip
 
 
 class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     n: int = 1
+    best_of: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: int = 0
-    user: str | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    add_special_tokens: bool | None = None
+    # neutral-only and ignored fields (checked by `unsupported`)
+    for _name in NEUTRAL:
+        locals()[_name] = None
+        __annotations__[_name] = Any
+    for _name in IGNORED:
+        locals()[_name] = None
+        __annotations__[_name] = Any
+    del _name
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: content a string (text parts joined
+        with newlines, vLLM's rule; null content is empty)."""
+        message = self.model_dump(exclude_none=True)
+        message["content"] = content_text(self.content)
+        return message
+
+
+def content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise ApiError(400, f"content part of type {kind!r} is not supported by servelab "
+                           "(text parts only)", f"messages.content.{i}.type")  # fmt: skip
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, "a text content part needs a string `text`",
+                           f"messages.content.{i}.text")  # fmt: skip
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-def sampling_params(request: _Sampling, max_tokens: int | None, logprobs: int | None,
+def unsupported(request: _Sampling) -> None:
+    """A 400 for a field servelab does not implement, set to a value that would matter."""
+    for name, neutral in NEUTRAL.items():
+        value = getattr(request, name)
+        if not any(value == v and type(value) is type(v) for v in neutral):
+            raise ApiError(400, f"{name}={value!r:.60} is not supported by servelab", name)
+    if request.best_of is not None and request.best_of != request.n:
+        raise ApiError(400, "best_of other than n is not supported by servelab", "best_of")
+    if getattr(request, "echo", False) and isinstance(request, ChatRequest):
+        raise ApiError(400, "echo in chat is not supported by servelab", "echo")
+
+
+def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
                     max_n: int) -> SamplingParams:  # fmt: skip
     """The request's SamplingParams; a bad value is a 400 naming its field."""
     if request.n > max_n:
         raise ApiError(400, f"n must be at most {max_n}, got {request.n}", "n")
+
+    def given(value, default):
+        return default if value is None else value
+
     try:
         return SamplingParams(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
+            temperature=given(request.temperature, 1.0),
+            top_p=given(request.top_p, 1.0),
+            top_k=given(request.top_k, -1),
             n=request.n,
             seed=request.seed,
-            max_tokens=16 if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             stop=[] if request.stop is None else request.stop,
             stop_token_ids=request.stop_token_ids or [],
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            repetition_penalty=given(request.repetition_penalty, 1.0),
+            frequency_penalty=given(request.frequency_penalty, 0.0),
+            presence_penalty=given(request.presence_penalty, 0.0),
+            min_tokens=request.min_tokens,
+            logit_bias=request.logit_bias,
         )
     except RequestError as err:  # its message starts with the field's name
-        raise ApiError(400, str(err), str(err).split(" ", 1)[0]) from None
+        message = str(err)
+        param = message.split(" ", 1)[0].split("[", 1)[0]
+        raise ApiError(400, message, param) from None
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:
@@ -99,6 +219,9 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('msg')}", None)
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"{param}: unknown field (servelab accepts vLLM's and OpenAI's "
+                        "request fields; see docs/serving.md)", param)  # fmt: skip
     return ApiError(400, f"{param or 'body'}: {first.get('msg')}", param)
 
 

@@ -2,9 +2,10 @@
 device, engine options) plus the `serve` node, behind uvicorn.
 
 On SIGINT or SIGTERM uvicorn stops accepting and lets in-flight requests finish
-for `serve.grace_period` seconds, then cancels them (a cancelled stream aborts
-its engine request); the engine loop then aborts whatever is left, and the
-process exits 0 once every KV block is free (1, with a message, if one leaked).
+for `serve.grace_period` seconds; shortly before it ends, every open stream gets
+an error event and `[DONE]` (and a response that does not stream a 503), which
+aborts their engine requests; the engine loop then aborts whatever is left, and
+the process exits 0 once every KV block is free (1, with a message, if one leaked).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from servelab.serve.app import create_app
 from servelab.serve.async_engine import AsyncEngine
 from servelab.serve.config import serve_options
 from servelab.serve.metrics import ServerMetrics
+from servelab.serve.submission import mark_all
 from servelab.serve.text import ChatTemplate
 
 log = logging.getLogger(__name__)
@@ -51,21 +53,67 @@ def model_folder(config: Mapping) -> str | None:
 
 
 def _uvicorn_server():
+    import asyncio
+
     import uvicorn
 
     class Quiet(uvicorn.Server):
         """uvicorn's server, minus re-raising the signal after a graceful shutdown
-        (which would end the process by that signal instead of exit status 0)."""
+        (which would end the process by that signal instead of exit status 0), and
+        with every open stream ended (an error event, then `[DONE]`) shortly before
+        the grace period runs out, so no client sees a cut connection."""
+
+        grace_period = 10.0
+        live: set = set()
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
+        async def shutdown(self, sockets=None) -> None:
+            close_at = max(0.0, self.grace_period - min(1.0, self.grace_period / 2))
+            timer = asyncio.get_running_loop().call_later(close_at, mark_all, self.live)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
     return Quiet
 
 
-def _Uvicorn(config):
-    return _uvicorn_server()(config)
+def header_timed(base: type, timeout: float) -> type:
+    """uvicorn's HTTP protocol `base`, closing a connection that has not sent a whole
+    request head within `timeout` seconds of connecting (a slow client holds no
+    connection open indefinitely; a body that is slow answers 408 in the app)."""
+
+    class HeaderTimed(base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(timeout, self._head_late)
+
+        def _head_late(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeaderTimed
+
+
+def _http_protocol(timeout: float) -> type:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools is optional for uvicorn
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return header_timed(base, timeout)
+
+
+def _Uvicorn(config, grace_period: float, live: set):
+    server = _uvicorn_server()(config)
+    server.grace_period, server.live = grace_period, live
+    return server
 
 
 class Server:
@@ -77,9 +125,7 @@ class Server:
         self.options = serve_options(config.get("serve"))
         engine_config = {k: v for k, v in config.items() if k not in NOT_ENGINE_NODES}
         self.engine = build_engine(engine_config)
-        self.metrics = ServerMetrics()
-        self.aengine = AsyncEngine(self.engine, on_step=lambda a: self.metrics.after_step(a.engine))
-        self.aengine.on_finish = lambda out: self.metrics.request_done(out.metrics)
+        self.aengine = AsyncEngine(self.engine)
         folder = model_folder(config)
         name = self.options["served_model_name"]
         if name is None:
@@ -90,6 +136,9 @@ class Server:
                 else (node if isinstance(node, str) else node.get("name", "model"))
             )
         self.model_name = name
+        self.metrics = ServerMetrics(name)
+        self.metrics.bind(self.engine)
+        self.aengine.on_finish = lambda out: self.metrics.request_done(out.metrics)
         self.app = create_app(self.aengine, self.options, name, ChatTemplate(folder), self.metrics,
                               self.choices)  # fmt: skip
         self.uvicorn = None
@@ -104,8 +153,10 @@ class Server:
             log_level=self.options["log_level"],
             timeout_graceful_shutdown=max(1, round(self.options["grace_period"])),
             lifespan="off",
+            http=_http_protocol(self.options["header_timeout"]),
+            limit_concurrency=self.options["max_connections"],
         )
-        self.uvicorn = _Uvicorn(config)
+        self.uvicorn = _Uvicorn(config, self.options["grace_period"], self.app.state.live)
         return self.uvicorn
 
     def run(self) -> int:

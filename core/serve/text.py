@@ -4,8 +4,8 @@ engine's stop-string scan does, `servelab.engine.stop_strings`): the window's
 text past that of its already settled tokens is the new text, settled unless it
 ends in a replacement character (an unfinished UTF-8 sequence: it waits for the
 next tokens). Text that could still be the start of a stop string is held back;
-the engine's final text (stop string excluded) closes the stream. Chat templates are rendered with jinja2 in a
-sandbox, as Hugging Face's `apply_chat_template` does."""
+the engine's final text (stop string excluded) closes the stream. Chat templates
+are rendered with jinja2 in a sandbox, as Hugging Face's `apply_chat_template` does."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class StreamText:
             self.text += new
             self.prefix, self.read = self.read, len(self.token_ids)
         text = self.text
-        safe = text[: len(text) - self.hold] if self.hold else text
+        safe = text[: max(0, len(text) - self.hold)]  # never a negative slice
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
         delta, self.sent = safe[len(self.sent) :], safe
@@ -55,16 +55,19 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 class ChatTemplate:
-    """The model folder's chat template (tokenizer_config.json), or none."""
+    """The model folder's chat template, or none: `chat_template.jinja` (where
+    transformers now saves it) first, else `chat_template` in tokenizer_config.json."""
 
     def __init__(self, folder: str | Path | None) -> None:
         self.template = None
         self.special: dict[str, str] = {}
         path = Path(folder) / "tokenizer_config.json" if folder else None
-        if path is None or not path.is_file():
-            return
-        config = json.loads(path.read_text())
-        template = config.get("chat_template")
+        config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+        jinja = Path(folder) / "chat_template.jinja" if folder else None
+        if jinja is not None and jinja.is_file():
+            template = jinja.read_text()
+        else:
+            template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
@@ -85,17 +88,20 @@ class ChatTemplate:
             env.globals["raise_exception"] = raise_exception
             self.template = env.from_string(template)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               extra: dict | None = None) -> str:  # fmt: skip
         if self.template is None:
             raise ApiError(
                 400,
-                "this model has no chat template (no chat_template in its "
-                "tokenizer_config.json); use /v1/completions with a prompt instead",
+                "this model has no chat template (no chat_template.jinja, no chat_template "
+                "in its tokenizer_config.json); use /v1/completions with a prompt instead",
                 "messages",
             )
         try:
             return self.template.render(
-                messages=messages, add_generation_prompt=True, **self.special
+                **{**(extra or {}), **self.special},
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as err:  # the template's own raise_exception, or a bad message
             raise ApiError(

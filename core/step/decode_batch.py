@@ -42,7 +42,7 @@ class DecodeBatch:
         self.table_lens = np.zeros(0, dtype=np.int64)
         self.watched: set[int] = set()  # rows' seq ids whose tokens a stop rule must check
         self.stop_tokens: frozenset[int] = frozenset()  # the union of their stop tokens
-        self.all_greedy = True
+        self.all_greedy = True  # every row plain argmax (greedy, no logits processing)
         self.next_input: list[int] = []  # each row's last token: the step's input id
         self._arange_cache: dict[int, tuple] = {}  # see _aranges
         self._written: tuple | None = None  # see written_blocks
@@ -86,7 +86,7 @@ class DecodeBatch:
             if tokens:
                 self.watched.add(seq.seq_id)
                 stops |= tokens
-            if not params.greedy:
+            if not params.greedy or params.processes_logits:
                 self.all_greedy = False
         self.stop_tokens = frozenset(stops)
 
@@ -102,7 +102,7 @@ class DecodeBatch:
         self.tables = self.tables[mask]
         self.table_lens = self.table_lens[mask]
         self.watched &= set(self.seq_ids)
-        self.all_greedy = all(s.params.greedy for s in self.seqs)
+        self.all_greedy = all(s.params.greedy and not s.params.processes_logits for s in self.seqs)
 
     # -- one step
     def rows_needing_block(self) -> np.ndarray:

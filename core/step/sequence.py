@@ -53,6 +53,12 @@ class SamplingParams:
     # text that ends the request at its first match (excluded from the text)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k
+    # logits processing before temperature (vLLM's and OpenAI's meanings; 1.0 / 0 / None: off)
+    repetition_penalty: float = 1.0  # > 0: a seen token's (prompt or output) logit / p if > 0, * p else
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this once the token is in the output
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         """Checks every field: a bad value is a RequestError naming the field,
@@ -82,6 +88,33 @@ class SamplingParams:
             logprobs=None
             if self.logprobs is None
             else _integer("logprobs", self.logprobs, "in [0, 20] or None", lambda x: 0 <= x <= 20),
+            repetition_penalty=_real(
+                "repetition_penalty", self.repetition_penalty, "> 0 (1 is off)", lambda x: x > 0
+            ),
+            frequency_penalty=_real(
+                "frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda x: -2 <= x <= 2
+            ),
+            presence_penalty=_real(
+                "presence_penalty", self.presence_penalty, "in [-2, 2]", lambda x: -2 <= x <= 2
+            ),
+            min_tokens=_integer(
+                "min_tokens",
+                self.min_tokens,
+                f">= 0 and <= max_tokens={self.max_tokens}",
+                lambda x: 0 <= x and (not is_integer(self.max_tokens) or x <= self.max_tokens),
+            ),
+            logit_bias=_bias("logit_bias", self.logit_bias),
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processing (penalties, min_tokens, logit_bias) is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
         )
 
     @property
@@ -134,6 +167,21 @@ def _token_list(name: str, value) -> list[int]:
     if bad:
         raise RequestError(f"{name} must be a list of integer token ids, got {bad[0]!r} in it")
     return [int(t) for t in items]
+
+
+def _bias(name: str, value) -> dict[int, float] | None:
+    """A map of token id (an integer, or its decimal string as JSON sends it) to a bias."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(f"{name} must be a map of token id to bias, got {value!r:.80}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not is_integer(token) or token < 0:
+            raise RequestError(f"{name} keys must be token ids (integers >= 0), got {key!r:.40}")
+        out[int(token)] = _real(f"{name}[{key}]", bias, "in [-100, 100]", lambda x: -100 <= x <= 100)
+    return out or None
 
 
 def _text_list(name: str, value) -> list[str]:

@@ -247,3 +247,19 @@ def test_a_generator_on_another_device_is_refused():
     params = [SamplingParams(temperature=1.0)] * 2
     with pytest.raises(ValueError, match="generator is on cpu"):
         Sampler().sample(logits, params, [0, 0], torch.Generator(device="cpu"))
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    """A top_k larger than any tensor index (2**70) samples as top_k off, and fails nothing."""
+    import torch
+
+    from servelab.model.sampler import Sampler
+    from servelab.step.sequence import SamplingParams
+
+    logits = torch.randn(2, 16, dtype=torch.float64)
+    huge = SamplingParams(temperature=1.0, top_k=2**70, seed=5)
+    off = SamplingParams(temperature=1.0, top_k=-1, seed=5)
+    sampler = Sampler()
+    assert sampler.sample(logits, [huge, off], [0, 0]).tolist() == sampler.sample(
+        logits, [off, off], [0, 0]
+    ).tolist()

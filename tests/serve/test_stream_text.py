@@ -58,3 +58,13 @@ def test_text_that_may_start_a_stop_string_is_held_back(tokenizer):
     sent = "".join(stream.push([i]) for i in ids)
     assert "-" not in sent and "ab".startswith(sent)
     assert sent + stream.finish("ab") == "ab"
+
+
+@pytest.mark.parametrize("text,stop", [("\n", "\n\n\n\n"), ("TT", "TTTT"), ("\u00e9 T", "TTTT"), ("caf\u00e9 T", "TTTT")])
+def test_text_shorter_than_the_longest_stop_sends_nothing_early(tokenizer, text, stop):
+    # fewer characters than the hold-back: none is settled yet (no negative slice)
+    ids = tokenizer.encode(text)
+    stream = StreamText(tokenizer, stops=[stop])
+    sent = "".join(stream.push([i]) for i in ids)
+    hold = len(stop) - 1
+    assert sent == text[: max(0, len(text) - hold)]

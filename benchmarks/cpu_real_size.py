@@ -195,6 +195,12 @@ def servelab_worker(args) -> dict:
 
 
 def vllm_worker(args) -> dict:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # built for another torch: a text model needs none, so vLLM goes without
+        for name in [m for m in sys.modules if m.startswith("torchvision")]:
+            del sys.modules[name]
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
     from vllm import LLM, SamplingParams
 
     requests = json.loads(args.workload.read_text())

@@ -17,7 +17,7 @@ import torch
 from servelab.errors import ConfigError
 from servelab.executor.fused_forward import FusedForward
 from servelab.executor.kernel_forward import KernelForward
-from servelab.kernels import cpu_fused, cpu_linear
+from servelab.kernels import cpu_fused, cpu_linear, cpu_matmul
 from servelab.kernels.cpp_extension import BUILD_PROBLEM
 from servelab.model.transformer import Transformer
 
@@ -70,10 +70,13 @@ class TorchForward:
 
 
 def cpu_kernel_problems(model: Transformer) -> list[str]:
-    """Why the C++ CPU kernels cannot run `model` (empty: they can)."""
-    found = cpu_fused.problems(model.device, model.dtype)  # and cpu_linear's: the same
-    if not found and cpu_linear.kernel() is None:
-        found.append(BUILD_PROBLEM)
+    """Why the C++ CPU kernels cannot run `model` (empty: they can). bfloat16 and
+    float16 weights run with float32 activations (`KernelForward`)."""
+    reduced = model.dtype in cpu_matmul.REDUCED
+    found = cpu_fused.problems(model.device, torch.float32 if reduced else model.dtype)
+    if not found and cpu_matmul.path_for(model.dtype).name == "servelab":
+        if cpu_linear.kernel() is None:
+            found.append(BUILD_PROBLEM)
     return found
 
 

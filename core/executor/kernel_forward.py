@@ -10,7 +10,11 @@ same). The program packs the weights once (a second copy of each projection)
 and packs them again whenever any parameter was replaced or changed in place.
 Under tensor parallelism (the model's `all_reduce` set) the o and down matmuls'
 partial sums are all-reduced, so the one-call decoder, which has no such step
-between its layers, is not used.
+between its layers, is not used. The projections take `cpu_matmul.path_for`'s
+path for the weights' dtype: servelab's packed kernel (and the one-call decoder),
+or oneDNN over prepacked weights. bfloat16 / float16 weights keep float32
+activations (norms, RoPE, residual, logits); q/k/v are rounded to the KV cache's
+dtype for attention.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear
+from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear, cpu_matmul
+from servelab.model.transformer import rope_cos_sin
 
 if TYPE_CHECKING:
     from servelab.model.transformer import Transformer
@@ -67,17 +72,20 @@ class GatedMatmul(NamedTuple):
 
 
 class LayerProgram(NamedTuple):
+    """One layer's weights as its kernels take them: `Matmul` / `GatedMatmul` for
+    servelab's kernel, `cpu_matmul.PackedMatmul` for oneDNN (gate_up then unfused)."""
+
     attn_norm: torch.Tensor
     attn_eps: float
-    qkv: Matmul
+    qkv: Any
     q_norm: torch.Tensor | None  # Qwen3's per-head norms, else None
     k_norm: torch.Tensor | None
     qk_eps: float
-    o: Matmul
+    o: Any
     mlp_norm: torch.Tensor
     mlp_eps: float
-    gate_up: GatedMatmul
-    down: Matmul
+    gate_up: Any
+    down: Any
 
 
 def _stacked(linears, fused) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -91,23 +99,31 @@ def _stacked(linears, fused) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
-def _layer_program(layer) -> LayerProgram:
+def _layer_program(layer, servelab: bool, dtype: torch.dtype) -> LayerProgram:
+    """`servelab`: packed for servelab's kernel, else `PackedMatmul`s; the norms'
+    weights in `dtype`, the activations'."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv_weight, qkv_bias = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], attn.qkv)
     gate_up_weight, _ = _stacked([mlp.gate_proj, mlp.up_proj], mlp.gate_up)
     qk_norm = attn.q_norm is not None
+    pack = Matmul.pack if servelab else cpu_matmul.PackedMatmul
+    gate_up = GatedMatmul.pack(gate_up_weight) if servelab else pack(gate_up_weight, None)
+
+    def norm(module) -> torch.Tensor:
+        return module.weight.detach().to(dtype)
+
     return LayerProgram(
-        attn_norm=layer.input_layernorm.weight.detach(),
+        attn_norm=norm(layer.input_layernorm),
         attn_eps=float(layer.input_layernorm.eps),
-        qkv=Matmul.pack(qkv_weight, qkv_bias),
-        q_norm=attn.q_norm.weight.detach() if qk_norm else None,
-        k_norm=attn.k_norm.weight.detach() if qk_norm else None,
+        qkv=pack(qkv_weight, qkv_bias),
+        q_norm=norm(attn.q_norm) if qk_norm else None,
+        k_norm=norm(attn.k_norm) if qk_norm else None,
         qk_eps=float(attn.q_norm.eps) if qk_norm else 0.0,
-        o=Matmul.pack(attn.o_proj.weight, attn.o_proj.bias),
-        mlp_norm=layer.post_attention_layernorm.weight.detach(),
+        o=pack(attn.o_proj.weight, attn.o_proj.bias),
+        mlp_norm=norm(layer.post_attention_layernorm),
         mlp_eps=float(layer.post_attention_layernorm.eps),
-        gate_up=GatedMatmul.pack(gate_up_weight),
-        down=Matmul.pack(mlp.down_proj.weight, mlp.down_proj.bias),
+        gate_up=gate_up,
+        down=pack(mlp.down_proj.weight, mlp.down_proj.bias),
     )
 
 
@@ -127,6 +143,14 @@ def identity(slots: list[tuple[dict, str]]) -> list:
     ]
 
 
+def _call(x: torch.Tensor, matmul: cpu_matmul.PackedMatmul) -> torch.Tensor:
+    return matmul(x)
+
+
+def _gated(x: torch.Tensor, matmul: cpu_matmul.PackedMatmul) -> torch.Tensor:
+    return cpu_matmul.silu_mul(matmul(x), matmul.out_features // 2)
+
+
 class KernelForward:
     """`Transformer.forward` / `compute_logits` / argmax through the C++ CPU kernels."""
 
@@ -134,10 +158,17 @@ class KernelForward:
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
+        path = cpu_matmul.path_for(model.dtype)
+        self._servelab = path.name == "servelab"
+        # the activations' dtype: float32 for reduced-precision weights
+        self.dtype = torch.float32 if model.dtype in cpu_matmul.REDUCED else model.dtype
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._paged_backend: tuple[Any, bool] = (None, False)  # (backend, implements the protocol)
         self._fused = cpu_fused.kernel()
-        self._linear = cpu_linear.kernel()
-        assert self._fused is not None and self._linear is not None, "kernels not built"
+        # servelab's matmul and one-call decoder: built only for the path that runs them
+        self._linear = cpu_linear.kernel() if self._servelab else None
+        assert self._fused is not None, "kernels not built"
+        assert self._linear is not None or not self._servelab, "kernels not built"
         self._slots = parameter_slots(model)
         head = model.model.embed_tokens if model.lm_head is None else model.lm_head
         self._head_slot = [(head._parameters, "weight")]  # all the LM head reads
@@ -145,22 +176,29 @@ class KernelForward:
         self._key: list | None = None
         self._layers: list[LayerProgram] = []
         self._final: tuple[torch.Tensor, float] | None = None
-        self._lm_head: Matmul | None = None
+        self._lm_head: Any = None
         # the whole layer loop in one C++ call, for steps whose attention is the
         # paged kernel (`cpu_decoder`); None where it cannot be built
-        self._decoder = cpu_decoder.kernel()
+        self._decoder = cpu_decoder.kernel() if self._servelab else None
         self._decoder_args: tuple[list, list, list] = ([], [], [])
 
     def _program(self) -> list[LayerProgram]:
         key = identity(self._slots)
         if key != self._key:
-            model = self.model
-            self._layers = [_layer_program(layer) for layer in model.model.layers]
-            self._decoder_args = cpu_decoder.layer_arguments(self._layers)
+            model, servelab, dtype = self.model, self._servelab, self.dtype
+            self._layers = [_layer_program(layer, servelab, dtype) for layer in model.model.layers]
+            if servelab:
+                self._decoder_args = cpu_decoder.layer_arguments(self._layers)
             norm = model.model.norm
-            self._final = (norm.weight.detach(), float(norm.eps))
+            self._final = (norm.weight.detach().to(dtype), float(norm.eps))
             params, name = self._head_slot[0]
-            self._lm_head = Matmul.pack(params[name], None)
+            pack = Matmul.pack if servelab else cpu_matmul.PackedMatmul
+            self._lm_head = pack(params[name], None)
+            if model.rope_cos.dtype == dtype:
+                self._rope = (model.rope_cos, model.rope_sin)
+            else:  # the model's tables are rounded to its dtype: float64's, in ours
+                cos, sin = rope_cos_sin(model.config, model.rope_cos.device)
+                self._rope = (cos.to(dtype), sin.to(dtype))
             self._head_key = identity(self._head_slot)
             self._key = key
         return self._layers
@@ -177,14 +215,15 @@ class KernelForward:
         model = self.model
         config = model.config
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        cos, sin = model.rope_cos, model.rope_sin
+        cos, sin = self._rope
         embed = model.model.embed_tokens.weight
         # tensor parallelism's all-reduce, read from a layer (the model's property would be
         # one more call per step); None in one process
         blocks = model.model.layers
         all_reduce = blocks[0].mlp.all_reduce if len(blocks) else None
         if (
-            self._decoder is not None
+            self._servelab
+            and self._decoder is not None
             and all_reduce is None
             and kv_caches
             and kv_caches[0][0].dtype == embed.dtype
@@ -205,10 +244,23 @@ class KernelForward:
                     tables, lens, slots, positions, cos, sin,
                     num_heads, num_kv_heads, head_dim, backend.scale, weight, eps,
                 )  # fmt: skip
-        fused, linear, gated = self._fused, self._linear.linear, self._linear.linear_gated
+        fused = self._fused
+        if self._servelab:
+            linear, linear_gated = self._linear.linear, self._linear.linear_gated
+
+            def matmul(x, packed):
+                return linear(x, *packed)
+
+            def gated(x, packed):
+                return linear_gated(x, *packed)
+        else:
+            matmul, gated = _call, _gated
         qk_heads = num_heads + num_kv_heads
         head_split = (num_heads, num_kv_heads, num_kv_heads)
         residual = model.model.embed_tokens(input_ids)
+        if residual.dtype != self.dtype:
+            residual = residual.to(self.dtype)
+        kv_dtype = kv_caches[0][0].dtype if kv_caches else self.dtype
         num_tokens = residual.shape[0]
         delta = None
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
@@ -216,19 +268,21 @@ class KernelForward:
                 h = fused.rms_norm(residual, layer.attn_norm, layer.attn_eps)
             else:
                 h = fused.add_rms_norm(residual, delta, layer.attn_norm, layer.attn_eps)
-            qkv = linear(h, *layer.qkv)
+            qkv = matmul(h, layer.qkv)
             fused.qk_norm_rope_(
                 qkv, layer.q_norm, layer.k_norm, layer.qk_eps, cos, sin, positions,
                 num_heads, num_kv_heads,
             )  # fmt: skip
+            if kv_dtype != qkv.dtype:  # attention reads and writes the cache's dtype
+                qkv = qkv.to(kv_dtype)
             # one split, not three slices: tensor indexing from Python costs microseconds each
             q, k, v = qkv.view(num_tokens, qk_heads + num_kv_heads, head_dim).split(head_split, 1)
             out = backend.forward(q, k, v, kv_cache, attn_plan)
-            delta = linear(out.reshape(num_tokens, num_heads * head_dim), *layer.o)
+            delta = matmul(out.reshape(num_tokens, num_heads * head_dim), layer.o)
             if all_reduce is not None:
                 delta = all_reduce(delta)
             h = fused.add_rms_norm(residual, delta, layer.mlp_norm, layer.mlp_eps)
-            delta = linear(gated(h, *layer.gate_up), *layer.down)
+            delta = matmul(gated(h, layer.gate_up), layer.down)
             if all_reduce is not None:
                 delta = all_reduce(delta)
         weight, eps = self._final
@@ -240,7 +294,9 @@ class KernelForward:
         # after a forward, only the head's own weight needs checking
         if identity(self._head_slot) != self._head_key:
             self._program()
-        return self._linear.linear(hidden, *self._lm_head)
+        if self._servelab:
+            return self._linear.linear(hidden, *self._lm_head)
+        return self._lm_head(hidden)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._fused.argmax_rows(logits)

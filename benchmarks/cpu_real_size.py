@@ -1,0 +1,311 @@
+"""servelab on this CPU at a real model's size: Qwen3-0.6B's shape with random
+weights, against the machine's measured limits, optionally beside vLLM's CPU backend.
+
+The checkpoint (28 layers, hidden 1,024, 16 query / 8 KV heads, head_dim 128,
+intermediate 3,072, vocabulary 151,936, tied embedding; seed 0) is written in
+Hugging Face's format to a temporary folder, so both engines load the same
+weights. Workload: `--requests` requests (default 32), prompts uniform in
+[64, 512] tokens, outputs uniform in [32, 128], greedy, `ignore_eos`, all at
+once; servelab runs `continuous` + `paged` + `flash_varlen`.
+
+Measured in this process first: the float32 matmul peak (MKL), the bfloat16 one
+(oneDNN where the CPU runs it natively, else torch's), and the memory read
+bandwidth. Each engine run is a fresh process; runs alternate (servelab, vLLM,
+vLLM, servelab per repeat) so a slow spell of a shared machine falls on both.
+Reported per run: output tok/s; for servelab also the prefill steps' matmul
+TFLOP/s and the decode steps' weight-read GB/s, as fractions of the peaks, and
+the greedy tokens' agreement with vLLM's.
+
+    python benchmarks/cpu_real_size.py --dtypes float32 bfloat16
+    python benchmarks/cpu_real_size.py --vllm-python /work/venvs/vllm/bin/python --requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+SHAPE = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960,
+)  # fmt: skip
+MAX_MODEL_LEN = 1024
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1, help="alternating rounds (default 1)")
+    p.add_argument(
+        "--pattern",
+        choices=("ABBA", "AB"),
+        default="ABBA",
+        help="one round: servelab, vLLM, vLLM, servelab (ABBA) or once each (AB)",
+    )
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-python", type=Path, help="a python with vllm installed")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile")
+    p.add_argument("--cpu-kernels", default="auto", help="servelab's engine.cpu_kernels")
+    p.add_argument("--attention-impl", default="auto", help="flash_varlen's impl for servelab")
+    p.add_argument("--kv-cache", default="3GiB", help="servelab's engine.kv_cache_memory")
+    p.add_argument("--checkpoint", type=Path, help="reuse this folder instead of a new one")
+    p.add_argument("--json", type=Path, help="write every run here")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--worker", choices=("servelab", "vllm"), help=argparse.SUPPRESS)
+    p.add_argument("--dtype", help=argparse.SUPPRESS)
+    p.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- the machine's limits, measured here
+
+
+def _best(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def machine_peaks(threads: int) -> dict:
+    """Matmul peaks (FLOP/s, float32 and bfloat16) and read bandwidth (bytes/s)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    peaks = {"float32": 2 * n**3 / _best(lambda: a @ b)}
+    w = torch.randn(4096, n).bfloat16()
+    x = torch.randn(512, n).bfloat16()
+    try:  # oneDNN's prepacked bf16 linear: the matrix units where the CPU has them
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        t = _best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        peaks["bfloat16_path"] = "oneDNN prepacked"
+    except RuntimeError:
+        t = _best(lambda: torch.nn.functional.linear(x, w), 1)
+        peaks["bfloat16_path"] = "torch F.linear (no native bf16 matmul)"
+    peaks["bfloat16"] = 2 * 512 * n * 4096 / t
+    big = torch.ones(256 * 2**20 // 4)
+    peaks["read_bytes_s"] = big.numel() * 4 / _best(lambda: big.sum())
+    return peaks
+
+
+# -- the checkpoint and the workload
+
+
+def write_checkpoint(folder: Path) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(**SHAPE, torch_dtype="float32")
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def write_workload(path: Path, num_requests: int) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    requests = [
+        {
+            "prompt": rng.integers(0, SHAPE["vocab_size"], int(rng.integers(64, 513))).tolist(),
+            "max_tokens": int(rng.integers(32, 129)),
+        }
+        for _ in range(num_requests)
+    ]
+    path.write_text(json.dumps(requests))
+    return requests
+
+
+def matmul_params() -> int:
+    """Weights a token's projections multiply (no embedding, no LM head)."""
+    h, i, d = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
+    qkv = h * d * (SHAPE["num_attention_heads"] + 2 * SHAPE["num_key_value_heads"])
+    o = SHAPE["num_attention_heads"] * d * h
+    return SHAPE["num_hidden_layers"] * (qkv + o + 3 * h * i)
+
+
+# -- the workers (a fresh process each)
+
+
+def servelab_worker(args) -> dict:
+    import torch
+
+    from servelab import SamplingParams
+    from servelab.engine.build import build_engine
+
+    requests = json.loads(args.workload.read_text())
+    engine = build_engine({
+        "model": {"name": "qwen3-0.6b-random", "path": str(args.checkpoint)},
+        "scheduler": {"name": "continuous"}, "allocator": {"name": "paged"},
+        "attention": {"name": "flash_varlen", "impl": args.attention_impl},
+        "engine": {"dtype": args.dtype, "num_threads": args.threads, "device": "cpu",
+                   "max_model_len": MAX_MODEL_LEN, "cpu_kernels": args.cpu_kernels,
+                   "kv_cache_memory": args.kv_cache, "swap_space": "64MiB"},
+    })  # fmt: skip
+    torch.set_num_threads(args.threads)
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():  # warm-up: packing, first-call costs
+        engine.step()
+    start = time.perf_counter()
+    for i, r in enumerate(requests):
+        params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+        engine.add_request(r["prompt"], params, request_id=str(i))
+    outputs, prefill_s, decode_s, decode_steps, decode_rows = {}, 0.0, 0.0, 0, 0
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        step = engine.step()
+        elapsed = time.perf_counter() - t
+        if any(len(o.token_ids) == 1 for o in step):  # some prompt was prefilled
+            prefill_s += elapsed
+        else:
+            decode_s += elapsed
+            decode_steps += 1
+            decode_rows += len(step)
+        for o in step:
+            outputs[o.request_id] = list(o.token_ids)
+    wall = time.perf_counter() - start
+    weight_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    lm_head = SHAPE["vocab_size"] * SHAPE["hidden_size"]
+    prompt_tokens = sum(len(r["prompt"]) for r in requests)
+    return {
+        "wall_s": wall,
+        "output_tokens": sum(len(t) for t in outputs.values()),
+        "tokens": [outputs[str(i)] for i in range(len(requests))],
+        "prefill_s": prefill_s,
+        "prefill_flop": 2 * matmul_params() * prompt_tokens,
+        "decode_s": decode_s,
+        "decode_steps": decode_steps,
+        "decode_rows": decode_rows,
+        "decode_weight_bytes": decode_steps * (matmul_params() + lm_head) * weight_bytes,
+    }
+
+
+def vllm_worker(args) -> dict:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # built for another torch: a text model needs none, so vLLM goes without
+        for name in [m for m in sys.modules if m.startswith("torchvision")]:
+            del sys.modules[name]
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
+    from vllm import LLM, SamplingParams
+
+    requests = json.loads(args.workload.read_text())
+    llm = LLM(
+        model=str(args.checkpoint), dtype=args.dtype, skip_tokenizer_init=True,
+        max_model_len=MAX_MODEL_LEN, enforce_eager=args.vllm_eager, seed=0,
+        max_num_seqs=max(len(requests), 1),
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
+    params = [
+        SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
+                       detokenize=False)
+        for r in requests
+    ]  # fmt: skip
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], params[:1], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return {"wall_s": wall, "output_tokens": sum(map(len, tokens)), "tokens": tokens}
+
+
+def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if system == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    cmd = [python, str(HERE), "--worker", system, "--dtype", dtype, "--workload", str(workload),
+           "--checkpoint", str(args.checkpoint), "--threads", str(args.threads),
+           "--cpu-kernels", args.cpu_kernels, "--kv-cache", args.kv_cache,
+           "--attention-impl", args.attention_impl]  # fmt: skip
+    if args.vllm_eager:
+        cmd.append("--vllm-eager")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{system} {dtype} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+# -- the report
+
+
+def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
+    line = f"{system:8s} {dtype:9s} {run['output_tokens'] / run['wall_s']:7.2f} out tok/s"
+    line += f"  ({run['wall_s']:.1f} s)"
+    if "prefill_s" in run and run["prefill_s"] > 0:
+        flops = run["prefill_flop"] / run["prefill_s"]
+        peak = peaks["float32"] if dtype == "float32" else max(peaks["float32"], peaks["bfloat16"])
+        line += f"  prefill {flops / 1e12:.3f} TFLOP/s = {flops / peak:.0%} of peak"
+    if run.get("decode_s", 0) > 0:
+        rate = run["decode_weight_bytes"] / run["decode_s"]
+        line += f"  decode {rate / 1e9:.1f} GB/s = {rate / peaks['read_bytes_s']:.0%} of read bw"
+        line += f" (mean batch {run['decode_rows'] / max(run['decode_steps'], 1):.1f})"
+    return line
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    first = [
+        next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(a, b)
+    ]
+    return f"{same}/{len(a)} identical, mean first divergence at token {sum(first) / len(a):.1f}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker = servelab_worker if args.worker == "servelab" else vllm_worker
+        print(json.dumps(worker(args)))
+        return 0
+    peaks = machine_peaks(args.threads)
+    print(
+        f"machine ({args.threads} threads): float32 matmul {peaks['float32'] / 1e9:.1f} GFLOP/s, "
+        f"bfloat16 matmul {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({peaks['bfloat16_path']}), "
+        f"read {peaks['read_bytes_s'] / 1e9:.1f} GB/s"
+    )
+    with tempfile.TemporaryDirectory(prefix="servelab-real-size-") as tmp:
+        if args.checkpoint is None:
+            args.checkpoint = Path(tmp) / "checkpoint"
+            write_checkpoint(args.checkpoint)
+        workload = Path(tmp) / "workload.json"
+        write_workload(workload, args.requests)
+        systems = [("servelab", sys.executable)]
+        if args.vllm_python:
+            systems.append(("vllm", str(args.vllm_python)))
+        order = systems + systems[::-1] if args.pattern == "ABBA" else systems
+        runs = []
+        for _ in range(args.repeats):
+            for dtype in args.dtypes:
+                for system, python in order:
+                    run = run_worker(args, system, dtype, python, workload)
+                    runs.append({"system": system, "dtype": dtype, **run})
+                    print(describe(system, dtype, run, peaks), flush=True)
+        for dtype in args.dtypes:
+            mine = [r for r in runs if r["dtype"] == dtype and r["system"] == "servelab"]
+            theirs = [r for r in runs if r["dtype"] == dtype and r["system"] == "vllm"]
+            if mine and theirs:
+                rate = sum(r["output_tokens"] / r["wall_s"] for r in mine) / len(mine)
+                other = sum(r["output_tokens"] / r["wall_s"] for r in theirs) / len(theirs)
+                print(f"{dtype}: servelab / vLLM = {rate / other:.2f}x; greedy tokens "
+                      f"{agreement(mine[0]['tokens'], theirs[0]['tokens'])}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"peaks": peaks, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

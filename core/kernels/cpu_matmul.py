@@ -1,0 +1,135 @@
+"""The CPU projections' matmul, chosen once per weight dtype from what the CPU offers.
+
+Three paths, each over weights prepacked once (`pack`):
+- `onednn`: torch's oneDNN linear (`mkldnn._linear_pointwise`) over a weight
+  reordered into oneDNN's blocked layout for this CPU. bfloat16 / float16 weights
+  take it where oneDNN runs them on matrix units (AMX) or AVX512-BF16/FP16.
+- `onednn-upcast`: a bfloat16 / float16 weight on a CPU without those units is
+  widened once to float32 (exact) and multiplied in float32: torch's bfloat16
+  matmul there converts element by element and runs several times slower.
+- `servelab`: `cpu_linear`'s packed micro-kernel (64-byte vectors), kept for
+  float64 (the oracle's dtype: oneDNN has none) and for float32 on AVX-512 CPUs
+  (what it was tuned on); without AVX-512 it runs an order of magnitude below MKL.
+Inputs may be any floating dtype (cast to the path's); outputs are float32 for
+reduced-precision weights, else the weight's dtype. `path_for` logs one line per
+dtype naming the path and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from servelab.kernels import cpu_linear
+
+log = logging.getLogger(__name__)
+
+REDUCED = (torch.bfloat16, torch.float16)
+# At one or two rows MKL's gemv beats oneDNN's blocked kernel (float32 weights).
+GEMV_ROWS = 2
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+class MatmulPath(NamedTuple):
+    name: str  # "onednn", "onednn-upcast" or "servelab"
+    compute_dtype: torch.dtype
+    why: str
+
+
+def _onednn_reduced(dtype: torch.dtype) -> str | None:
+    """Why oneDNN runs `dtype` natively here, or None when it does not."""
+    flags = cpu_flags()
+    if dtype == torch.bfloat16:
+        units = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    else:
+        units = [f for f in ("amx_fp16", "avx512_fp16") if f in flags]
+        supported = torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    if supported and units:
+        return f"the CPU has {' and '.join(units)}"
+    return None
+
+
+@functools.cache
+def path_for(dtype: torch.dtype) -> MatmulPath:
+    """The path weights of `dtype` take on this CPU (logged once per dtype)."""
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    if dtype == torch.float64:
+        path = MatmulPath("servelab", dtype, "oneDNN has no float64")
+    elif dtype in REDUCED:
+        native = _onednn_reduced(dtype)
+        if native is not None:
+            path = MatmulPath("onednn", dtype, f"{native}: weights prepacked for oneDNN")
+        else:
+            path = MatmulPath(
+                "onednn-upcast", torch.float32,
+                f"no {str(dtype).removeprefix('torch.')} matrix instructions "
+                "(amx/avx512 bf16/fp16) on this CPU: weights widened to float32 once",
+            )  # fmt: skip
+    elif avx512:
+        path = MatmulPath("servelab", dtype, "AVX-512: servelab's packed kernel")
+    else:
+        path = MatmulPath(
+            "onednn", dtype, "no AVX-512 for servelab's kernel: weights prepacked for oneDNN"
+        )
+    log.info("servelab: CPU matmul for %s weights: %s (%s)", dtype, path.name, path.why)
+    return path
+
+
+class PackedMatmul:
+    """`F.linear(x, weight, bias)` for a fixed weight, packed once for `path_for`'s path.
+
+    Holds its own copies: a weight changed in place afterwards is not seen (the
+    caller repacks when a parameter changes)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        weight = weight.detach()
+        self.path = path_for(weight.dtype)
+        self.out_features = weight.shape[0]
+        dtype = self.path.compute_dtype
+        self.out_dtype = torch.float32 if weight.dtype in REDUCED else weight.dtype
+        self.servelab = None
+        self.gemv = None  # the plain weight for MKL's gemv at one or two rows
+        if self.path.name == "servelab":
+            self.servelab = cpu_linear.PackedLinear(weight, bias)
+            self.packed = self.bias = None
+            return
+        plain = weight.to(dtype)
+        if dtype == torch.float32 and weight.dtype == torch.float32:
+            self.gemv = (plain, None if bias is None else bias.detach())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.servelab is not None:
+            return self.servelab(x)
+        if self.gemv is not None and x.shape[0] <= GEMV_ROWS:
+            return F.linear(x, *self.gemv)
+        dtype = self.path.compute_dtype
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+
+
+def silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
+    """silu(gate) * up for the fused gate/up projection's output `[T, 2 * inner]`,
+    as the model's `F.silu(gate) * up`."""
+    out = F.silu(gate_up[:, :inner])
+    return out.mul_(gate_up[:, inner:])

@@ -47,6 +47,10 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
     from servelab.lab.runner import model_name, print_summary, run_config, save_failed_run, save_run
 
     meta = {**meta, "choices": {**meta["choices"], "model": model_name(config)}}
+    if config.get("cluster"):  # engines behind a router (servelab.cluster)
+        from servelab.cluster.cli_run import run_cluster_job
+
+        return run_cluster_job(config, meta, folder)
     try:
         result = run_config(config)
     except Exception as err:

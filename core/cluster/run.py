@@ -68,7 +68,9 @@ def run_cluster(config: Mapping, feed: StateFeed | None = None) -> ClusterResult
     return collect(engines, cluster, router, options["record_steps"])
 
 
-def collect(engines: list, cluster: SimulatedCluster, router: Any, keep_steps: bool) -> ClusterResult:
+def collect(
+    engines: list, cluster: SimulatedCluster, router: Any, keep_steps: bool
+) -> ClusterResult:
     records = [r for e in engines for r in e.metrics.requests]
     steps = sorted((s for e in engines for s in e.metrics.steps), key=lambda s: s.start_time)
     summary = summarize(records, steps)

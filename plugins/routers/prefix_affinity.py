@@ -59,7 +59,7 @@ class PrefixAffinityRouter(Router):
         num_replicas: int,
         block_size: int = 16,
         cache_threshold: float = 0.5,
-        balance_abs_tokens: int = 4096,
+        balance_abs_tokens: int = 16384,
         balance_rel: float = 1.5,
         cache_blocks: int = 100_000,
     ) -> None:
@@ -68,7 +68,9 @@ class PrefixAffinityRouter(Router):
             if value < 1:
                 raise ConfigError(f"prefix_affinity: {name} must be >= 1, got {value}")
         if not 0.0 <= cache_threshold <= 1.0:
-            raise ConfigError(f"prefix_affinity: cache_threshold must be in [0, 1], got {cache_threshold}")
+            raise ConfigError(
+                f"prefix_affinity: cache_threshold must be in [0, 1], got {cache_threshold}"
+            )
         self.block_size = block_size
         self.cache_threshold = cache_threshold
         self.balance_abs_tokens = balance_abs_tokens

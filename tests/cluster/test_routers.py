@@ -22,7 +22,6 @@ def test_kit_passes_builtin_router(name):
 
 
 def test_every_builtin_is_listed():
-    from servelab.registry.listing import main
 
     assert set(BUILTINS) <= set(registered("router"))
     assert construct("router", "round_robin", num_replicas=3).num_replicas == 3
@@ -64,7 +63,9 @@ def test_kit_catches_a_broken_router(cls, message):
 
 
 def states(*loads: int) -> list[ReplicaState]:
-    return [ReplicaState(index=i, running_requests=1, running_tokens=t) for i, t in enumerate(loads)]
+    return [
+        ReplicaState(index=i, running_requests=1, running_tokens=t) for i, t in enumerate(loads)
+    ]
 
 
 def request(n: int, prompt: list[int]) -> RoutedRequest:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from servelab.cluster.dispatch import Dispatcher
 from servelab.cluster.proxy import create_proxy_app
 from servelab.errors import ConfigError
 from servelab.registry.construct import construct
+from servelab.serve.server import _uvicorn_server
 
 SERVELAB = os.path.join(
     os.path.dirname(sys.executable), "servelab"
@@ -64,7 +66,15 @@ def router_node(name: str, options: list[str]) -> dict:
     return node
 
 
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def spawn_replicas(count: int, first_port: int, overrides: list[str]) -> tuple[list, list[str]]:
+    busy = [p for p in range(first_port, first_port + count) if port_in_use(p)]
+    if busy:  # a replica that cannot bind would leave the proxy talking to someone else's server
+        raise ConfigError(f"ports {busy} are in use; pick another --first-replica-port")
     processes, urls = [], []
     for i in range(count):
         port = first_port + i
@@ -112,7 +122,12 @@ def main(argv: list[str]) -> int:
         app = create_proxy_app(Dispatcher(router, len(urls)), urls)
         print(f"servelab route: {args.router} over {', '.join(urls)} at http://{args.host}:{args.port}",
               flush=True)  # fmt: skip
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", lifespan="off"
+        )
+        # servelab serve's uvicorn server: it does not re-raise SIGTERM after shutting down,
+        # so the `finally` below still stops the spawned replicas
+        _uvicorn_server()(config).run()
         return 0
     finally:
         for process in processes:

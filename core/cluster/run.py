@@ -21,7 +21,7 @@ from servelab.contracts.kinds import KINDS
 from servelab.engine.build import build_engine
 from servelab.engine.metrics import RequestRecord, StepRecord, summarize
 from servelab.errors import ConfigError
-from servelab.lab.runner import RUNNER_NODES
+from servelab.lab.runner import RUNNER_NODES, output_digest
 from servelab.lab.workload import make_workload
 from servelab.registry.construct import construct
 
@@ -33,7 +33,7 @@ class ClusterResult:
     steps: list[StepRecord]
     placement: dict[str, int]  # request id -> replica
     decisions: list[tuple[str, int]]  # the router's decisions, in arrival order
-    tokens: dict[str, list[int]] = field(default_factory=dict)
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 def engine_config(config: Mapping) -> dict:
@@ -74,6 +74,7 @@ def collect(
     records = [r for e in engines for r in e.metrics.requests]
     steps = sorted((s for e in engines for s in e.metrics.steps), key=lambda s: s.start_time)
     summary = summarize(records, steps)
+    summary["output_digest"] = output_digest(cluster.tokens)  # equal digests: equal outputs
     summary.update(cluster_figures(engines, cluster.dispatcher.ledger.routed_count))
     summary["router"] = getattr(router, "name", type(router).__name__)
     return ClusterResult(

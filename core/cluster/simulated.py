@@ -39,7 +39,7 @@ class SimulatedCluster:
         self.engines = list(engines)
         self.dispatcher = dispatcher
         self.placement: dict[str, int] = {}  # request id -> replica
-        self.tokens: dict[str, list[int]] = {}  # request id -> first sample's tokens
+        self.tokens: dict[str, list[list[int]]] = {}  # request id -> each sample's tokens
 
     def run(self, requests: list[WorkloadRequest]) -> None:
         """Serves every request to the end."""
@@ -63,7 +63,7 @@ class SimulatedCluster:
             before = engine.now()
             for output in engine.step():
                 self.dispatcher.finished(output.request_id)
-                self.tokens[output.request_id] = output.token_ids
+                self.tokens[output.request_id] = [o.token_ids for o in output.outputs]
                 arrivals.finished(output.request_id, output.token_ids, engine.now())
             if engine.has_unfinished():
                 if engine.now() == before:

@@ -1,4 +1,5 @@
-"""Console scripts: `servelab` (the Hydra app; `servelab serve` the server), `servelab-report`,
+"""Console scripts: `servelab` (the Hydra app; `servelab serve` the server, `servelab route`
+the cluster proxy), `servelab-report`,
 `servelab-plugins`."""
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
     from servelab.lab.runner import model_name, print_summary, run_config, save_failed_run, save_run
 
     meta = {**meta, "choices": {**meta["choices"], "model": model_name(config)}}
+    if config.get("cluster"):  # engines behind a router (servelab.cluster)
+        from servelab.cluster.cli_run import run_cluster_job
+
+        return run_cluster_job(config, meta, folder)
     try:
         result = run_config(config)
     except Exception as err:
@@ -123,6 +128,14 @@ def main() -> None:
 
     # plugins may add config-group options (`scheduler=sjf`) before Hydra composes
     get_plugin_manager().register_configs(ConfigStore.instance())
+    if sys.argv[1:2] == ["route"]:  # `servelab route ...`: the proxy (servelab.cluster.route_cli)
+        from servelab.cluster.route_cli import main as route
+
+        try:
+            raise SystemExit(route(sys.argv[2:]))
+        except ServelabError as err:
+            print(f"servelab route: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
     task = _hydra_app
     if len(sys.argv) > 1 and sys.argv[1] == "serve":  # `servelab serve key=value ...`
         del sys.argv[1]

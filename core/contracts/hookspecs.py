@@ -54,6 +54,11 @@ def servelab_register_executors() -> dict[str, type]:
 
 
 @hookspec
+def servelab_register_routers() -> dict[str, type]:
+    """Cluster routers this plugin provides: `{name: subclass of servelab.contracts.router.Router}`."""
+
+
+@hookspec
 def servelab_register_configs(store: ConfigStore) -> None:
     """Adds Hydra config-group options to `store`, e.g.
     `store.store(group="scheduler", name="sjf", node={"name": "sjf", ...})`

@@ -14,6 +14,7 @@ from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
 from servelab.contracts.preemption import PreemptionPolicy
+from servelab.contracts.router import Router
 from servelab.contracts.scheduler import Scheduler
 from servelab.errors import ConfigError
 
@@ -25,6 +26,7 @@ class Kind:
     hook: str  # the registration hook, `servelab_register_*`
     context: frozenset[str]  # supplied by the engine: `cls(**options, **context)`
     default: str  # the built-in part used when a config names none
+    in_engine: bool = True  # False: a part above the engine (the router), not built by build_engine
 
 
 KINDS: dict[str, Kind] = {
@@ -76,8 +78,20 @@ KINDS: dict[str, Kind] = {
             frozenset({"model", "hardware", "engine_options"}),
             "model",
         ),
+        # above the engine: a cluster builds one router for its replicas (servelab.cluster)
+        Kind(
+            "router",
+            Router,
+            "servelab_register_routers",
+            frozenset({"num_replicas"}),
+            "round_robin",
+            in_engine=False,
+        ),
     )
 }
+
+
+ENGINE_KINDS: tuple[str, ...] = tuple(name for name, k in KINDS.items() if k.in_engine)
 
 
 def kind(name: str) -> Kind:

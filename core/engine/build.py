@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from servelab.contracts.kinds import KINDS
+from servelab.contracts.kinds import ENGINE_KINDS, KINDS
 from servelab.engine.engine import Engine
 from servelab.errors import ConfigError
 from servelab.executor.device_memory import check_utilization
@@ -124,7 +124,7 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
 
 def build_engine(config: Mapping) -> Engine:
     config = _to_dict(config)
-    accepted = {"model", "engine", "hardware", *KINDS}
+    accepted = {"model", "engine", "hardware", *KINDS}  # a router node is above the engine: ignored
     unknown = set(config) - accepted
     if unknown:
         raise ConfigError(
@@ -132,7 +132,7 @@ def build_engine(config: Mapping) -> Engine:
         )
     get_plugin_manager()
     opts = engine_options(config.get("engine"))
-    parts = {k: config.get(k) or KINDS[k].default for k in KINDS}
+    parts = {k: config.get(k) or KINDS[k].default for k in ENGINE_KINDS}
     # the executor first: it loads the model (or reads its shape) and sizes the KV cache
     executor = construct(
         "executor",

@@ -25,7 +25,7 @@ from servelab.serve.config import SERVE_DEFAULTS, SERVE_TYPES
 
 SCHEMA_NAME = "servelab_schema"
 # the open nodes: each is a part, a model, a hardware profile or a workload, typed by its own code
-OPEN_NODES = ("model", *KINDS, "hardware", "workload")
+OPEN_NODES = ("model", *KINDS, "hardware", "workload", "cluster")
 
 
 def omegaconf_type(annotation: Any) -> Any:

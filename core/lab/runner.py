@@ -61,6 +61,7 @@ RUNNER_NODES = (
     "run",
     "report",
     "serve",
+    "cluster",  # a cluster of engines: servelab.cluster
 )  # not engine nodes: build_engine never sees them
 
 

@@ -50,6 +50,10 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.attention.triton_paged",
     "servelab.plugins.executors.model",
     "servelab.plugins.executors.simulated",
+    "servelab.plugins.routers.round_robin",
+    "servelab.plugins.routers.least_load",
+    "servelab.plugins.routers.power_of_two",
+    "servelab.plugins.routers.prefix_affinity",
 )
 
 ENTRY_POINT_GROUP = "servelab"

@@ -25,7 +25,7 @@ from servelab.serve.submission import mark_all
 from servelab.serve.text import ChatTemplate
 
 log = logging.getLogger(__name__)
-NOT_ENGINE_NODES = ("serve", "workload", "run", "report")
+NOT_ENGINE_NODES = ("serve", "workload", "run", "report", "cluster")
 PART_NODES = ("scheduler", "allocator", "preemption", "attention", "executor")
 NOT_ENGINE_GROUPS = ("experiment", "workload", "model")  # the model's name is served apart
 

@@ -1,7 +1,7 @@
 """servelab.testing: the conformance kit for plugin authors.
 
 From your own tests call `check_scheduler(MyScheduler, my_option=3)`, `check_allocator`,
-`check_preemption`, `check_attention_backend` or `check_executor`: each runs the part, combined with the
+`check_preemption`, `check_attention_backend`, `check_executor` or `check_router`: each runs the part, combined with the
 built-ins, through the token-exact oracle (transformers' greedy output of a tiny float64
 Hugging Face checkpoint; for an executor, the real executor's scheduling decisions) and the integrity and property checks; a broken rule is an
 AssertionError saying which. The pieces are public too: `oracle` (cases, combinations,
@@ -16,6 +16,7 @@ from servelab.testing.conformance import (
     check_attention_backend,
     check_executor,
     check_preemption,
+    check_router,
     check_scheduler,
     temporarily_registered,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "check_attention_backend",
     "check_executor",
     "check_preemption",
+    "check_router",
     "check_scheduler",
     "temporarily_registered",
 ]

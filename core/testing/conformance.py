@@ -360,3 +360,17 @@ def _check_victim_is_a_candidate(policy: Any) -> None:
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_router(cls: type, **options: Any) -> ConformanceReport:
+    """Checks a cluster `Router` built with `options` (servelab.testing.router_checks):
+    picks in range, the same decisions on the same calls, inputs untouched."""
+    from servelab.registry.construct import construct
+    from servelab.testing.router_checks import REPLICA_COUNTS, check_routing
+
+    report = ConformanceReport("router", _qualname(cls))
+    with temporarily_registered("router", cls) as name:
+        node = _node("router", name, cls, options)
+        report.properties += check_routing(lambda n: construct("router", node, num_replicas=n))
+        report.combinations += [f"{name}: {n} replicas" for n in REPLICA_COUNTS]
+    return report

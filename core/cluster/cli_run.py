@@ -1,0 +1,46 @@
+"""`servelab cluster=colocated ...`: a cluster run from the command line. The Hydra app
+(servelab.cli) hands any config with a `cluster:` node here; results.json, requests.csv
+(with each request's replica) and steps.csv go to the run's folder as for one engine, so
+`servelab-report` compares cluster runs (e.g. `-m router=round_robin,prefix_affinity`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from servelab.cluster.run import run_cluster
+from servelab.lab.provenance import provenance
+from servelab.lab.runner import RunResult, model_name, print_summary, save_run
+
+
+def run_cluster_job(config: dict, meta: dict, folder: Path) -> dict:
+    config = dict(config)
+    config.pop("run", None)  # the cluster steps its replicas itself (no warm-up, no progress bar)
+    config.pop("report", None)
+    started = provenance(config, model_name(config))
+    result = run_cluster(config)
+    records = [_with_replica(r, result.placement) for r in result.requests]
+    save_run(folder, RunResult(None, result.summary, records, result.steps, started), config, meta)
+    title = ", ".join(f"{k}={_name(config.get(k))}" for k in ("cluster", "router", "scheduler"))
+    print_summary(result.summary, title=f"{title}\n{folder}")
+    return result.summary
+
+
+class _Row:
+    """A request record whose CSV row also names its replica."""
+
+    def __init__(self, record, replica: int | None) -> None:
+        self.record, self.replica = record, replica
+
+    def csv_row(self) -> dict:
+        return {**self.record.csv_row(), "replica": self.replica}
+
+
+def _with_replica(record, placement: Mapping[str, int]) -> _Row:
+    return _Row(record, placement.get(record.request_id))
+
+
+def _name(node) -> str:
+    if isinstance(node, Mapping):
+        return str(node.get("name", {k: v for k, v in node.items() if v}))
+    return str(node)

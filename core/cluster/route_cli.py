@@ -1,0 +1,136 @@
+"""`servelab route`: the OpenAI-compatible proxy (servelab.cluster.proxy) in front of
+replicas given by URL or spawned here as `servelab serve` processes.
+
+    servelab route --replicas http://hostA:8000,http://hostB:8000 --router least_load
+    servelab route --spawn 2 --router prefix_affinity --router-option block_size=8 \\
+        -- model=qwen3-0.6b engine.max_model_len=2048      # each replica's `servelab serve` overrides
+
+Spawned replicas listen on --first-replica-port, +1, ...; they are stopped when the proxy
+stops. The proxy listens on --host:--port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from servelab.cluster.dispatch import Dispatcher
+from servelab.cluster.proxy import create_proxy_app
+from servelab.errors import ConfigError
+from servelab.registry.construct import construct
+from servelab.serve.server import _uvicorn_server
+
+SERVELAB = os.path.join(
+    os.path.dirname(sys.executable), "servelab"
+)  # the console script beside this Python
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    serve_overrides: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, serve_overrides = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(prog="servelab route", description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--replicas", help="comma-separated base URLs of running replicas")
+    where.add_argument("--spawn", type=int, help="start this many local `servelab serve` replicas")
+    parser.add_argument("--router", default="round_robin", help="a registered router's name")
+    parser.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a router option (JSON value), repeatable")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--first-replica-port", type=int, default=8100)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    args.serve_overrides = serve_overrides
+    return args
+
+
+def router_node(name: str, options: list[str]) -> dict:
+    node: dict = {"name": name}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--router-option wants KEY=VALUE, got {item!r}")
+        try:
+            node[key] = json.loads(value)
+        except ValueError:
+            node[key] = value
+    return node
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def spawn_replicas(count: int, first_port: int, overrides: list[str]) -> tuple[list, list[str]]:
+    busy = [p for p in range(first_port, first_port + count) if port_in_use(p)]
+    if busy:  # a replica that cannot bind would leave the proxy talking to someone else's server
+        raise ConfigError(f"ports {busy} are in use; pick another --first-replica-port")
+    processes, urls = [], []
+    for i in range(count):
+        port = first_port + i
+        command = [SERVELAB, "serve", f"serve.port={port}",
+                   f"hydra.run.dir={os.getcwd()}/route-replica-{i}", *overrides]  # fmt: skip
+        processes.append(subprocess.Popen(command))
+        urls.append(f"http://127.0.0.1:{port}")
+    return processes, urls
+
+
+def wait_healthy(urls: list[str], processes: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if any(p.poll() is not None for p in processes):
+                raise ConfigError(f"a spawned replica exited before serving ({url})")
+            if time.monotonic() > deadline:
+                raise ConfigError(f"replica {url} not healthy after {timeout:.0f} s")
+            time.sleep(0.5)
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    args = parse_args(argv)
+    processes: list = []
+    try:
+        if args.spawn:
+            processes, urls = spawn_replicas(
+                args.spawn, args.first_replica_port, args.serve_overrides
+            )
+        else:
+            urls = [u.strip().rstrip("/") for u in args.replicas.split(",") if u.strip()]
+        if not urls:
+            raise ConfigError("servelab route needs at least one replica")
+        wait_healthy(urls, processes, args.startup_timeout)
+        router = construct(
+            "router", router_node(args.router, args.router_option), num_replicas=len(urls)
+        )
+        app = create_proxy_app(Dispatcher(router, len(urls)), urls)
+        print(f"servelab route: {args.router} over {', '.join(urls)} at http://{args.host}:{args.port}",
+              flush=True)  # fmt: skip
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", lifespan="off"
+        )
+        # servelab serve's uvicorn server: it does not re-raise SIGTERM after shutting down,
+        # so the `finally` below still stops the spawned replicas
+        _uvicorn_server()(config).run()
+        return 0
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(30)

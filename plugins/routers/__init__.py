@@ -1,0 +1,1 @@
+"""Built-in cluster routers: one pluggy plugin per module."""

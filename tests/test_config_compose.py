@@ -151,13 +151,32 @@ def test_devices(device):
     assert build_engine(config).device.type == device
 
 
+# a small file in each file-reading workload's published format (two requests each)
+TRACE_FILES = {
+    "trace": ("t.jsonl", '{"prompt_len": 4, "output_len": 2}\n{"prompt_len": 6, "output_len": 3}\n'),
+    "burstgpt": ("b.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "5,ChatGPT,12,3,15,Conversation log\n7,GPT-4,9,4,13,API log\n"),
+    "azure_llm": ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                  "2023-11-16 18:15:46.6805900,12,3\n2023-11-16 18:15:47.0000000,9,4\n"),
+    "mooncake": ("m.jsonl", '{"timestamp": 0, "input_length": 12, "output_length": 3, "hash_ids": [0]}\n'
+                 '{"timestamp": 20, "input_length": 9, "output_length": 4, "hash_ids": [0]}\n'),
+    "sharegpt": ("s.json", '[{"id": "a", "conversations": [{"from": "human", "value": "hi there"}, '
+                 '{"from": "gpt", "value": "hello to you"}]}, {"id": "b", "conversations": '
+                 '[{"from": "human", "value": "why?"}, {"from": "gpt", "value": "because"}]}]'),
+}  # fmt: skip
+
+
+def trace_overrides(workload: str, folder) -> list[str]:
+    if workload not in TRACE_FILES:
+        return []
+    name, text = TRACE_FILES[workload]
+    (folder / name).write_text(text)
+    return [f"workload.path={folder / name}"]
+
+
 @pytest.mark.parametrize("workload", options("workload"))
 def test_every_workload_makes_requests(workload, tmp_path):
-    overrides = [f"workload={workload}"]
-    if workload == "trace":
-        trace = tmp_path / "t.jsonl"
-        trace.write_text('{"prompt_len": 4, "output_len": 2}\n{"prompt_len": 6, "output_len": 3}\n')
-        overrides.append(f"workload.path={trace}")
+    overrides = [f"workload={workload}", *trace_overrides(workload, tmp_path)]
     config = compose_plain(overrides)
     requests = make_workload(config["workload"], vocab_size=512, max_model_len=1024)
     assert requests and all(r.prompt_token_ids and r.params.max_tokens >= 1 for r in requests)
@@ -181,7 +200,7 @@ def sweep_jobs(preset: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("preset", options("experiment"))
-def test_every_preset_job_composes_and_builds(preset):
+def test_every_preset_job_composes_and_builds(preset, tmp_path):
     jobs = sweep_jobs(preset)
     if preset == "reference":
         assert jobs == [[]]  # one run, not a sweep
@@ -189,6 +208,9 @@ def test_every_preset_job_composes_and_builds(preset):
         assert len(jobs) >= 2, f"{preset} is a multirun preset"
     for job in jobs:
         config = compose_plain([f"experiment={preset}", *job])
+        if config["workload"].get("path", "") is None:  # a public-trace preset: a small file
+            config = compose_plain([f"experiment={preset}", *job,
+                                    *trace_overrides(config["workload"]["name"], tmp_path)])  # fmt: skip
         if config["model"]["name"] in BIG_MODELS and not os.environ.get("SERVELAB_SLOW"):
             continue
         engine = build_engine(engine_config(config))

@@ -124,7 +124,8 @@ def engine_options(node: Mapping | None) -> dict[str, Any]:
 
 def build_engine(config: Mapping) -> Engine:
     config = _to_dict(config)
-    accepted = {"model", "engine", "hardware", *KINDS}  # a router node is above the engine: ignored
+    # the router and cluster nodes are above the engine (servelab.cluster): ignored here
+    accepted = {"model", "engine", "hardware", "cluster", *KINDS}
     unknown = set(config) - accepted
     if unknown:
         raise ConfigError(

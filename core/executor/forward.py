@@ -74,9 +74,10 @@ def cpu_kernel_problems(model: Transformer) -> list[str]:
     float16 weights run with float32 activations (`KernelForward`)."""
     reduced = model.dtype in cpu_matmul.REDUCED
     found = cpu_fused.problems(model.device, torch.float32 if reduced else model.dtype)
-    if not found and cpu_matmul.path_for(model.dtype).name == "servelab":
-        if cpu_linear.kernel() is None:
-            found.append(BUILD_PROBLEM)
+    # the fused kernels and servelab's matmul build together: SERVELAB_CPU_KERNEL=0 (or a
+    # failed build) leaves torch's ops on every path, oneDNN's included
+    if not found and cpu_linear.kernel() is None:
+        found.append(BUILD_PROBLEM)
     return found
 
 

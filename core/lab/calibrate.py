@@ -114,7 +114,7 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
                       (ATTENTION, profile.attention_efficiency, profile.attention_half_rows)):  # fmt: skip
         mask = kind == k
         rate[mask], half[mask] = peak * eff, h
-    curve = np.ones_like(rows)
+    curve = np.ones_like(rows, dtype=np.float64)  # rows may come as integers
     curved = (half > 0) & (rows > 0)
     curve[curved] = rows[curved] / (rows[curved] + half[curved])
     compute = np.divide(flops, rate * curve, out=np.zeros_like(flops), where=flops > 0)

@@ -227,7 +227,8 @@ def run_config(config: Mapping) -> RunResult:
         raise ConfigError("the config has no workload node; pick one with workload=NAME")
     options = run_options(config.pop("run", None))
     report_options(config.pop("report", None))  # checked now, used by servelab-report
-    config.pop("serve", None)  # `servelab serve`'s node
+    for node in RUNNER_NODES:  # `servelab serve`'s node, an empty cluster node
+        config.pop(node, None)
     started = provenance({**config, "workload": workload, "run": options}, model_name(config))
     engine = build_engine(config)
     # what timed the run: a virtual clock makes every figure a deterministic function

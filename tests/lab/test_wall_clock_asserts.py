@@ -24,7 +24,11 @@ from servelab.lab.stats import is_counted
 TESTS = Path(__file__).resolve().parents[1]
 CLOCKS = {"perf_counter", "time", "monotonic", "perf_counter_ns", "monotonic_ns"}
 # tests whose timed figures come from a virtual clock: exact, not measured
-VIRTUAL_CLOCK_MODULES = {"lab/test_presets_simulated.py"}
+VIRTUAL_CLOCK_MODULES = {
+    "lab/test_presets_simulated.py",  # every run on a simulated H100
+    "lab/test_public_traces_runs.py",  # its presets run on a simulated H100
+    "cluster/test_simulated_cluster.py",
+}
 VIRTUAL_CLOCK_MARKS = ("simulated", "SIMULATED", "virtual", "FakeClock", "fake_clock")
 CONFIGURED = {"limit_s"}  # time budgets a config sets, not times measured
 

@@ -254,7 +254,7 @@ def test_unknown_workload_option_lists_the_accepted_ones():
     with pytest.raises(
         ConfigError, match="accepted: mixed_lengths, synthetic, interference, trace"
     ):
-        make_workload({"name": "sharegpt"}, VOCAB)
+        make_workload({"name": "lmsys_chat"}, VOCAB)
 
 
 @pytest.mark.parametrize(

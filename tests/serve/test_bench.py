@@ -86,4 +86,5 @@ def test_servelab_report_reads_a_bench_serve_folder_beside_an_offline_run(model_
     assert by_mode["bench_serve"]["kv_util_pct"] is None and by_mode[""]["kv_util_pct"] > 0
     markdown = (tmp_path / "runs" / "summary.md").read_text()
     assert "`scheduler=continuous`" in markdown and "bench_serve" in markdown
-    assert "Warning" not in markdown  # the same provenance: comparable runs
+    # the same provenance: comparable runs (a busy-machine warning depends on the load: allowed)
+    assert "the runs differ in" not in markdown

@@ -62,6 +62,21 @@ SLOW = (
     "tests/lab/test_repeats.py",
     "tests/plugins/test_allocator_stateful.py",
     "tests/testing/test_conformance.py",
+    "tests/test_gpu_check.py::test_dry_run_runs_every_phase_and_writes_the_report",
+    "tests/executor/test_compile_graphs.py",
+    "tests/executor/test_compile.py",
+    "tests/executor/test_benchmark_warmup.py",
+    "tests/executor/test_device_path.py::test_throughput_benchmark_compiled_row",
+    "tests/engine/test_memory.py::test_paged_wastes_less_than_contiguous_at_equal_memory",
+    "tests/lab/test_presets_simulated.py",
+    "tests/lab/test_public_traces_runs.py",
+    "tests/plugins/test_triton_sm90.py",
+    "tests/step/test_decode_batch.py::test_fast_path_changes_nothing",
+    "tests/test_cli.py::test_a_misspelt_option_exits_2_and_lists_the_accepted_keys",
+    "tests/test_cli.py::test_the_readme_commands_run",
+    "tests/test_cli.py::test_one_run_writes_its_results_and_prints_the_summary",
+    "tests/test_cli.py::test_a_failing_single_run_exits_2_and_still_writes_its_results",
+    "tests/test_cli.py::test_a_plugin_registered_config_option_works_on_the_command_line",
 )
 # Parametrized sweeps over every combination: the first case of each stays in the
 # fast tier (the code path is exercised), the rest are slow.

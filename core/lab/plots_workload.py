@@ -1,7 +1,8 @@
 """`workload.png`: the shape of what a report's runs replayed, so a reader sees
 the workload behind the figures: the prompt-length and output-length
 histograms and the arrival rate over time (requests per second in 40 equal
-bins from the first arrival). Read from each run's requests.csv (the lengths
+bins from the first arrival; a workload whose requests all arrive at once is
+said so in words, since a rate over no time means nothing). Read from each run's requests.csv (the lengths
 as served: a capped prompt shows capped). Runs that replayed the same workload
 (equal `workload` config nodes) are drawn once; distinct ones (a rate sweep, two
 traces) are overlaid, at most `MAX_WORKLOADS`, their lengths drawn once when equal. A public trace's file, hash and
@@ -31,6 +32,7 @@ def plot_workloads(runs: Sequence[Run], path: Path) -> bool:
     plt = pyplot()
     fig, (prompts, outputs, rate) = plt.subplots(1, 3, figsize=(15, 4.2))
     drawn: set[tuple] = set()  # a rate sweep replays the same lengths: one histogram of them
+    at_once = 0  # workloads whose requests all arrive at one instant (an offline batch)
     for index, (label, rows) in enumerate(shapes):
         prompt = np.array([float(r["prompt_tokens"]) for r in rows])
         output = np.array([float(r["output_tokens"]) for r in rows])
@@ -41,13 +43,20 @@ def plot_workloads(runs: Sequence[Run], path: Path) -> bool:
             color = f"C{index}"
             prompts.hist(prompt, bins=40, histtype="step", linewidth=1.5, color=color)
             outputs.hist(output, bins=40, histtype="step", linewidth=1.5, color=color)
+        if np.ptp(arrival) <= 0:
+            at_once += 1
+            continue
         times, per_second = arrival_rate(arrival)
         rate.step(times, per_second, where="post", linewidth=1.2, label=label, color=f"C{index}")
     prompts.set(xlabel="prompt tokens", ylabel="requests", title="Prompt lengths")
     outputs.set(xlabel="output tokens", ylabel="requests", title="Output lengths")
     rate.set(xlabel="seconds after the first arrival", ylabel="requests / s",
              title="Arrival rate")  # fmt: skip
-    if len(shapes) > 1:
+    if at_once == len(shapes):  # a rate over a zero-length span means nothing: say what happened
+        rate.set(xticks=[], yticks=[], xlabel="", ylabel="")
+        rate.text(0.5, 0.5, f"all {len(shapes[0][1])} requests arrive at once\n(an offline batch)",
+                  ha="center", va="center", transform=rate.transAxes)  # fmt: skip
+    elif len(shapes) > 1:
         rate.legend(fontsize="small", frameon=False)
     fig.suptitle(title(runs[0], shapes), fontsize="medium")
     fig.tight_layout()
@@ -76,9 +85,7 @@ def distinct_workloads(runs: Sequence[Run]) -> list[tuple[str, list[dict]]]:
 def arrival_rate(arrival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Bin edges (seconds from the first arrival) and requests per second in each bin."""
     offsets = arrival - arrival.min()
-    span = float(offsets.max())
-    if span <= 0:  # all at once: one bin of nominal width 1 s
-        return np.array([0.0, 1.0]), np.array([float(len(offsets)), float(len(offsets))])
+    span = float(offsets.max())  # > 0: plot_workloads words a zero span instead
     counts, edges = np.histogram(offsets, bins=RATE_BINS, range=(0.0, span))
     per_second = counts / (span / RATE_BINS)
     return edges, np.append(per_second, per_second[-1])  # `step` draws the last bin too

@@ -96,3 +96,33 @@ def test_identical_series_are_drawn_once_and_named_together(tmp_path):
     merged = same_series(configs, lambda run: [[s["step"], s["num_seqs"], s["idle_slots"]]
                                                 for s in run.steps()])  # fmt: skip
     assert sorted(label for label, _ in merged) == ["scheduler=a = scheduler=b", "scheduler=c"]
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_the_workload_plot_words_an_offline_batch_and_draws_a_spread_rate(
+    tmp_path, monkeypatch, spread
+):
+    """All arrivals at one instant have no rate to draw: the panel says so in words;
+    arrivals spread over time are drawn as a rate line, with no such words."""
+    from types import SimpleNamespace
+
+    from servelab.lab import plots_workload
+
+    rows = [
+        {"prompt_tokens": 8 + i, "output_tokens": 4, "arrival_time": (i * 0.5 if spread else 0.0)}
+        for i in range(6)
+    ]
+    run = SimpleNamespace(
+        error=None, folder=tmp_path, results={"config": {"workload": {"name": "w"}}},
+        requests=lambda: rows, swept={}, provenance={},
+    )  # fmt: skip
+    (tmp_path / "requests.csv").write_text("")
+    figures = []
+    monkeypatch.setattr(plots_workload, "save", lambda fig, path: figures.append(fig))
+    assert plots_workload.plot_workloads([run], tmp_path / "workload.png")
+    rate = figures[0].axes[2]
+    words = [t.get_text() for t in rate.texts]
+    if spread:
+        assert words == [] and len(rate.lines) == 1
+    else:
+        assert words == ["all 6 requests arrive at once\n(an offline batch)"] and not rate.lines

@@ -20,6 +20,7 @@ from torch import nn
 
 from servelab.executor.forward import TorchForward, choose_forward, cpu_kernel_problems
 from servelab.executor.kernel_forward import KernelForward, PagedKernelAttention
+from servelab.kernels import cpu_matmul
 from servelab.model.loader import load_model
 from tests.helpers_model import PagedDriver
 
@@ -144,6 +145,17 @@ def three_steps(model, program, decoder) -> tuple[list[torch.Tensor], list, obje
     return logits, driver.kv_caches, driver.backend
 
 
+def skip_without_the_decoder(program: KernelForward, dtype: str) -> None:
+    """The one-call decoder runs on servelab's packed matmul only: skip, naming why,
+    where this CPU sends `dtype` weights elsewhere (float32 without AVX-512 takes
+    oneDNN) or the extension did not build."""
+    path = cpu_matmul.path_for(getattr(torch, dtype))
+    if path.name != "servelab":
+        pytest.skip(f"{dtype} weights take the {path.name} matmul on this CPU ({path.why})")
+    if program._decoder is None:
+        pytest.skip("the decoder loop's extension cannot be built here")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-llama"])
 def test_decoder_loop_is_the_python_loop_bit_for_bit(shape, dtype):
@@ -151,8 +163,7 @@ def test_decoder_loop_is_the_python_loop_bit_for_bit(shape, dtype):
     (Qwen3's q/k norms, Qwen2's biases, Llama's neither: every optional weight)."""
     model, _, _ = load_model(shape, dtype, "cpu")
     program = KernelForward(model)
-    if program._decoder is None:
-        pytest.skip("the decoder loop's extension cannot be built here")
+    skip_without_the_decoder(program, dtype)
     fast, fast_caches, fast_backend = three_steps(model, program, decoder=True)
     slow, slow_caches, slow_backend = three_steps(model, program, decoder=False)
     assert fast_backend.forward_calls == 0  # every step went through the C++ loop
@@ -184,10 +195,9 @@ def test_decoder_loop_only_where_the_backend_says_so():
 
 
 def test_decoder_loop_rejects_a_token_outside_the_vocabulary():
-    model, _, _ = load_model("tiny", "float32", "cpu")
+    model, _, _ = load_model("tiny", "float64", "cpu")  # float64: servelab's matmul on every CPU
     program = KernelForward(model)
-    if program._decoder is None:
-        pytest.skip("the decoder loop's extension cannot be built here")
+    skip_without_the_decoder(program, "float64")
     driver = PagedDriver(model, num_blocks=16, block_size=4, forward=program)
     driver.backend = paged_kernel_backend(model)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):

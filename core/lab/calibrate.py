@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from servelab.engine.build import build_engine
+from servelab.engine.loop import EngineLoop
 from servelab.executor.cost_model import (
     ATTENTION,
     DECODE,
@@ -237,11 +238,12 @@ def measure(
             rng = np.random.default_rng(length * 1000 + batch)
             vocab = engine.model_config.vocab_size
             prompts = [rng.integers(4, vocab, length).tolist() for _ in range(batch)]
-            engine.generate([[2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
+            loop = EngineLoop(engine)
+            loop.generate([[2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
             recorded.clear()
             slept.clear()
             engine.metrics.start_run()
-            engine.generate(prompts, params)
+            loop.generate(prompts, params)
             keep(recorded, slept)
         for scheduler, options, prompts, outputs, rate in TRAFFIC:
             engine = _engine(model, dtype, threads, scheduler, options, device)

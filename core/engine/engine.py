@@ -183,7 +183,8 @@ class Engine:
         that raises (a part's bug, a kernel error) fails only the requests it
         touched (`servelab.engine.failures`); the engine goes on serving the rest.
         A `WorkerError` (a tensor-parallel worker failed) ends the engine: it propagates."""
-        self._step_outputs = outputs = []
+        outputs: list[RequestOutput] = []
+        self._step_outputs = outputs
         try:
             self._step()
         finally:

@@ -55,7 +55,7 @@ def fail_step(
         ids.update(dict.fromkeys(s.request_id for s in plan.preempted))
         touched = [groups[r] for r in ids if r in groups]
     for group in touched:
-        _drop(scheduler, allocator, group)
+        _remove_and_free(scheduler, allocator, group)
     return message, touched
 
 
@@ -68,7 +68,7 @@ def _part_of(stage: str, scheduler: Scheduler, backend: AttentionBackend) -> str
     return ""
 
 
-def _drop(scheduler: Scheduler, allocator: KVAllocator, group: SequenceGroup) -> None:
+def _remove_and_free(scheduler: Scheduler, allocator: KVAllocator, group: SequenceGroup) -> None:
     """Takes a group out of the scheduler (its `abort`) and frees its blocks. When
     the scheduler's own `abort` is what is broken, its queues cannot be trusted:
     the blocks are freed through the allocator all the same, so none leaks."""

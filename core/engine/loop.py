@@ -229,7 +229,7 @@ class EngineLoop:
             elif background:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
-            else:  # nothing left to step, yet not done: requests dropped without an output
+            else:  # nothing left to step, yet not done: requests gone without an output
                 self._finish_orphans()
                 return
 

@@ -1,7 +1,7 @@
 """Throughput through the server against the offline engine on the reference
 workload (64 requests at once), each side in its own fresh process.
 
-Offline: `engine.generate` (what `LLM.generate` runs; `--offline serve_all` for
+Offline: `EngineLoop(engine).generate` (what `LLM.generate` runs; `--offline serve_all` for
 the bare step loop) on a built, warmed-up engine. Server: `servelab serve`'s app
 on uvicorn, driven by one streaming HTTP client per request (64 concurrent),
 all in one process, so the clients' cost is on the same CPU as the engine's.
@@ -86,6 +86,8 @@ def run_side(side: str, threads: int | None, offline_mode: str, server_cpu=None)
     sys.path.insert(0, str(HERE.parent))
     from reference_workload import prepared_engine, reference_config, serve_all
 
+    from servelab.engine.loop import EngineLoop
+
     config = reference_config()
     if threads is not None:
         config["engine"]["num_threads"] = threads
@@ -98,7 +100,7 @@ def run_side(side: str, threads: int | None, offline_mode: str, server_cpu=None)
         else:
             prompts = [r.prompt_token_ids for r in requests]
             start = time.perf_counter()
-            outs = engine.generate(prompts, [r.params for r in requests])
+            outs = EngineLoop(engine).generate(prompts, [r.params for r in requests])
             wall = time.perf_counter() - start
             names = {o.request_id: r.request_id for o, r in zip(outs, requests)}
             tokens = {r.request_id: o.token_ids for o, r in zip(outs, requests)}

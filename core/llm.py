@@ -14,6 +14,7 @@ from typing import Any, cast
 from servelab.contracts.kinds import KINDS
 from servelab.engine.build import build_engine
 from servelab.engine.engine import Engine
+from servelab.engine.loop import EngineLoop
 from servelab.step.sequence import RequestOutput, SamplingParams
 
 CUDA_DTYPE = "bfloat16"  # what conf/device/cuda.yaml sets: tensor-core dots, half the KV bytes
@@ -51,6 +52,8 @@ class LLM:
                 "engine": with_device_dtype(engine_options),
             }
         )
+        # the engine's one loop: `generate` and a server on this engine submit through it
+        self.loop = EngineLoop(self.engine)
 
     def generate(
         self,
@@ -61,4 +64,4 @@ class LLM:
             batch = [cast("str | list[int]", prompts)]
         else:
             batch = list(cast("Seq[str | list[int]]", prompts))
-        return self.engine.generate(batch, params)
+        return self.loop.generate(batch, params)

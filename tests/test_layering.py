@@ -7,13 +7,16 @@ copy laid out as one importable package, with the repo's pyproject.toml, in a su
 path puts the copy first (the in-process `servelab` would shadow it).
 
 Each contract is also broken on purpose, one injected import per case, to prove it can fail.
-Run as a script to lint the working tree from the command line:
+import-linter ignores annotation-only imports and does not look for cycles inside a layer,
+so `servelab_import_cycles` reads every import statement itself (type-only and function-local
+ones included) and the suite holds the set of cycles empty. Run as a script to lint the working tree from the command line:
 
     .venv/bin/python tests/test_layering.py [--contract ID ...]
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -293,6 +296,88 @@ def test_allocators_import_without_torch(tmp_path):
 
     unlisted = [m for m in loaded.split() if not covered(m)]
     assert not unlisted, f"add to allocators-no-torch's source_modules: {unlisted}"
+
+
+def _module_files(root: Path) -> dict[str, Path]:
+    """`{module name: file}` of every servelab module laid out as setup.py maps it."""
+    files = {}
+    for folder, place in LAYOUT.items():
+        for path in (root / folder).rglob("*.py"):
+            parts = [*place.split("/"), *path.relative_to(root / folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
+def _imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The servelab modules `name` imports anywhere in its file: at the top, in a
+    function, under `if TYPE_CHECKING:`, relative or absolute. `from a import b`
+    counts `a.b` when it is a module, else `a`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".")[: (None if path.name == "__init__.py" else -1)]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join([*package, *([node.module] if node.module else [])])
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in known or base in known:
+                    found.add(target if target in known else base)
+    return found - {name}
+
+
+def servelab_import_cycles(root: Path = REPO) -> list[list[str]]:
+    """The import cycles among servelab's modules (each a sorted strongly connected
+    set of two or more modules, Tarjan's algorithm)."""
+    known = _module_files(root)
+    graph = {m: sorted(_imported(m, p, known)) for m, p in known.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(members) > 1:
+                cycles.append(sorted(members))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_cycles_type_only_imports_included():
+    assert servelab_import_cycles() == []
+
+
+def test_a_type_only_import_back_is_a_cycle(tmp_path):
+    """The check itself can fail: a staged copy where the loop's engine imports the
+    loop back under TYPE_CHECKING, and a relative import back from a step module."""
+    for folder in LAYOUT:
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=_sources_only)
+    with open(tmp_path / "core/engine/engine.py", "a") as f:
+        f.write("\nif TYPE_CHECKING:\n    from servelab.engine.loop import EngineLoop\n")
+    with open(tmp_path / "core/step/sequence.py", "a") as f:
+        f.write("\ndef _late():\n    from . import plan\n")
+    cycles = servelab_import_cycles(tmp_path)
+    assert ["servelab.engine.engine", "servelab.engine.loop"] in cycles
+    assert ["servelab.step.plan", "servelab.step.sequence"] in cycles
 
 
 def main(argv: list[str]) -> int:

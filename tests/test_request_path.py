@@ -1,6 +1,7 @@
-"""docs/architecture.md lists the modules a request enters on the default CPU
-path, from `LLM.generate` to its sampled token: trace a real request and hold
-the page to it (every module entered is listed, every listed one is entered)."""
+"""docs/architecture.md lists every servelab module one request enters on the
+default CPU path, from `LLM.generate` to its sampled token, in the order it
+first enters them: trace a real request with a profiler hook (every Python call
+counted, no module left out) and hold the page, and the count, to it."""
 
 from __future__ import annotations
 
@@ -11,23 +12,21 @@ from pathlib import Path
 from servelab import LLM, SamplingParams
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
-MAX_PATH_MODULES = 10
+# what the trace counts today: a module more on the path fails until a hop is removed
+# (the page says why it is not twelve)
+MAX_PATH_MODULES = 25
 
 
-def documented() -> tuple[list[str], set[str]]:
-    """The numbered path and the listed helpers of the page's request section."""
-    section = DOC.read_text().split("## One request, module by module", 1)[1]
-    path = re.findall(r"^\d+\. `(servelab[\w.]*)`", section, flags=re.M)
-    helpers = {
-        m
-        for line in re.findall(r"^- (.*)$", section, flags=re.M)
-        for m in re.findall(r"`(servelab[\w.]*)`", line)
-    }
-    return path, helpers
+def documented() -> list[str]:
+    """The numbered modules of the page's request section, in order."""
+    section = DOC.read_text().split("## One request, module by module", 1)[1].split("\n## ")[0]
+    return re.findall(r"^\d+\. `(servelab[\w.]*)`", section, flags=re.M)
 
 
 def modules_entered(llm: LLM, prompt: list[int]) -> list[str]:
-    """servelab modules whose functions run during one `generate`, in first-entry order."""
+    """servelab modules whose Python functions run during one `generate`, in
+    first-entry order (any module: a `servelab` name is all that is asked)."""
+    params = SamplingParams(max_tokens=1)  # built before the trace: the call is all it sees
     seen: dict[str, None] = {}
 
     def profile(frame, event, arg):
@@ -38,7 +37,7 @@ def modules_entered(llm: LLM, prompt: list[int]) -> list[str]:
 
     sys.setprofile(profile)
     try:
-        llm.generate([prompt], SamplingParams(max_tokens=1))
+        llm.generate([prompt], params)
     finally:
         sys.setprofile(None)
     return list(seen)
@@ -48,16 +47,17 @@ def test_the_documented_request_path_is_the_real_one():
     llm = LLM()  # the defaults, as the page says
     llm.generate([[2, 3]], SamplingParams(max_tokens=1))  # first-call costs out of the trace
     entered = modules_entered(llm, [5, 6, 7, 8])
-    path, helpers = documented()
+    path = documented()
     if not llm.engine.runner.cpu_kernels:  # no compiler here: the torch forward instead
         path = [
             m.replace("servelab.executor.kernel_forward", "servelab.model.transformer")
             for m in path
         ]
-    assert 0 < len(path) <= MAX_PATH_MODULES
-    assert set(entered) == set(path) | helpers, (
-        f"entered but not listed: {sorted(set(entered) - set(path) - helpers)}; "
-        f"listed but not entered: {sorted(set(path) | helpers - set(entered))}"
+    assert entered[:3] == ["servelab.llm", "servelab.engine.loop", "servelab.engine.engine"]
+    assert entered == path, (
+        f"entered but not listed: {sorted(set(entered) - set(path))}; "
+        f"listed but not entered: {sorted(set(path) - set(entered))}; "
+        f"entered, in order: {entered}"
     )
-    # the numbered modules appear in the order the request first enters them
-    assert [m for m in entered if m in path] == path
+    assert len(entered) <= MAX_PATH_MODULES, f"{len(entered)} modules on the path: {entered}"
+    assert f"runs code in these {len(path)} modules" in " ".join(DOC.read_text().split())

@@ -62,15 +62,16 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, copies: BlockCopies) -> None:
-        """Runs one step's block copies (swap-out, swap-in, copy-on-write)."""
+        """Runs one step's block copies (swap-out, swap-in, copy-on-write); the
+        engine calls it only for a step that has some."""
 
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> SampledTokens:
         """Runs one non-empty step: the sampled tokens of its sampling sequences."""
 
-    def now(self) -> float:
-        """Seconds on this executor's clock (any origin; never decreasing)."""
-        return time.perf_counter()
+    # now() -> seconds on this executor's clock (any origin; never decreasing). The
+    # wall clock by default, called straight: the engine reads it several times a step.
+    now = staticmethod(time.perf_counter)
 
     def sleep(self, seconds: float) -> None:
         """Waits (a real clock) or moves the clock on (a virtual one)."""

@@ -6,14 +6,16 @@ One step, as data flows (see docs/architecture.md):
     tokens = executor.execute(plan)         (inputs, the forward, sampling; or a cost model)
     done   = scheduler.update(plan, tokens)
 Time is the executor's clock: the wall clock for the model, a virtual one simulated.
+The engine is a step machine for one caller at a time: every finished request
+comes back as the return value of `step` (a request a hook aborts during the
+step included) or of `abort`. Threads, sinks and `generate` are the loop's
+(`servelab.engine.loop.EngineLoop`), which wraps an engine; the engine knows no loop.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 
 import torch
 
@@ -23,9 +25,8 @@ from servelab.contracts.executor import Executor
 from servelab.contracts.scheduler import Scheduler
 from servelab.engine import requests
 from servelab.engine.failures import fail_step
-from servelab.engine.loop import EngineLoop
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
-from servelab.engine.outputs import after_update
+from servelab.engine.stops_and_logprobs import apply_stops_and_logprobs
 from servelab.errors import RequestError, WorkerError
 from servelab.step.plan import StepPlan
 from servelab.step.sequence import (
@@ -62,13 +63,10 @@ class Engine:
         self.metrics = MetricsCollector()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ())
         self._request_ids = itertools.count()
-        # live requests with stop strings or logprobs: after_update looks at these only
-        self.watched: set[str] = set()
-        # one caller at a time: `add_request`, `step` and `abort` may be called from
-        # several threads; each call runs whole (re-entrant: the loop holds it around a step)
-        self._lock = threading.RLock()
-        self.finished_elsewhere: list[RequestOutput] = []  # see take_finished
-        self.loop = EngineLoop(self)  # the one loop `generate` and the server submit through
+        # live requests with stop strings or logprobs: only these are looked at after a step
+        self.with_stops_or_logprobs: set[str] = set()
+        # while a step runs: the outputs it returns (an abort from a hook lands here too)
+        self._step_outputs: list[RequestOutput] | None = None
         self.step_failures: dict[tuple[str, str], int] = {}  # (stage, error type) -> count
         self._step_index = 0
         self.clock = executor.now
@@ -111,37 +109,36 @@ class Engine:
         """Validates and queues one request (`client`: who sent it, for fair
         schedulers; None is anonymous); a bad request raises RequestError and
         leaves the engine untouched (`servelab.engine.requests` lists the checks)."""
-        with self._lock:
-            if request_id is None:
-                request_id = self._free_id("")
-            request_id = requests.check_request_id(request_id)
-            if request_id in self.groups:
-                raise RequestError(f"request id {request_id!r} is already in use")
-            vocab = self.model_config.vocab_size
-            token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
-            requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
-            params = requests.checked_params(params, request_id, vocab)
-            priority = requests.check_priority(priority, request_id)
-            arrival_time = requests.check_arrival_time(arrival_time, request_id)
-            client = requests.check_client(client, request_id)
-            seq = Sequence(
-                request_id,
-                token_ids,
-                params,
-                arrival_time=self.now() if arrival_time is None else arrival_time,
-                priority=priority,
-                eos_token_ids=self.eos_token_ids,
-                client=client,
-            )
-            group = SequenceGroup(request_id, seq)
-            self.scheduler.add(group)
-            self.groups[request_id] = group
-            if params.stop or params.logprobs is not None:
-                self.watched.add(request_id)
-            return request_id
+        if request_id is None:
+            request_id = self.new_request_id()
+        request_id = requests.check_request_id(request_id)
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
+        requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
+        params = requests.checked_params(params, request_id, vocab)
+        priority = requests.check_priority(priority, request_id)
+        arrival_time = requests.check_arrival_time(arrival_time, request_id)
+        client = requests.check_client(client, request_id)
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            arrival_time=self.now() if arrival_time is None else arrival_time,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+            client=client,
+        )
+        group = SequenceGroup(request_id, seq)
+        self.scheduler.add(group)
+        self.groups[request_id] = group
+        if params.stop or params.logprobs is not None:
+            self.with_stops_or_logprobs.add(request_id)
+        return request_id
 
-    def _free_id(self, prefix: str) -> str:
-        """An automatic request id no request in the engine holds."""
+    def new_request_id(self, prefix: str = "") -> str:
+        """An automatic request id (`prefix` and a counter) no request in the engine holds."""
         while True:
             request_id = f"{prefix}{next(self._request_ids)}"
             if request_id not in self.groups:
@@ -151,13 +148,13 @@ class Engine:
         """Stops a request wherever it is (waiting, running, swapped, forked) and
         frees everything it holds. Returns its final output (finish reason
         "abort", `error` set when given), or None for an unknown or already
-        finished request."""
-        with self._lock:
-            group = self.groups.get(str(request_id))
-            if group is None or group.is_finished:
-                return None
-            self.scheduler.abort(str(request_id))
-            return self._finish_group(group, error)
+        finished request. Called during a step (from a hook), the output is also
+        among the outputs that step returns."""
+        group = self.groups.get(str(request_id))
+        if group is None or group.is_finished:
+            return None
+        self.scheduler.abort(str(request_id))
+        return self._finish_group(group, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -166,47 +163,73 @@ class Engine:
         """The tokens each sample of an unfinished request has so far (in sample
         order; one list before the prompt forks), or None once it finished. A
         streaming front end diffs these after every step."""
-        with self._lock:
-            group = self.groups.get(request_id)
-            if group is None:
-                return None
-            return [s.output_token_ids for s in sorted(group.seqs, key=lambda s: s.sample_index)]
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        return [s.output_token_ids for s in sorted(group.seqs, key=lambda s: s.sample_index)]
 
     def output_logprobs(self, request_id: str) -> list[list[dict] | None] | None:
         """Like `output_tokens`, the logprobs each sample has so far (asked for ones)."""
-        with self._lock:
-            group = self.groups.get(request_id)
-            if group is None or group.params.logprobs is None:
-                return None
-            return [s.logprobs for s in sorted(group.seqs, key=lambda s: s.sample_index)]
+        group = self.groups.get(request_id)
+        if group is None or group.params.logprobs is None:
+            return None
+        return [s.logprobs for s in sorted(group.seqs, key=lambda s: s.sample_index)]
 
     # -- one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One scheduled step; the requests that finished in it. A step that raises
-        (a part's bug, a kernel error) fails only the requests it touched
-        (`servelab.engine.failures`); the engine goes on serving the rest. A
-        `WorkerError` (a tensor-parallel worker failed) ends the engine: it propagates."""
-        with self._lock:
-            stage, plan = "scheduler.schedule", None
-            try:
-                start = self.now()
-                plan = self.scheduler.schedule()
-                stage = "executor.apply (block copies)"
+        """One scheduled step; the outputs of the requests that finished in it (by
+        the scheduler, a stop string, a failure, or an abort from a hook). A step
+        that raises (a part's bug, a kernel error) fails only the requests it
+        touched (`servelab.engine.failures`); the engine goes on serving the rest.
+        A `WorkerError` (a tensor-parallel worker failed) ends the engine: it propagates."""
+        outputs: list[RequestOutput] = []
+        self._step_outputs = outputs
+        try:
+            self._step()
+        finally:
+            self._step_outputs = None
+        return outputs
+
+    def _step(self) -> None:
+        stage, plan = "scheduler.schedule", None
+        try:
+            start = self.now()
+            plan = self.scheduler.schedule()
+            stage = "executor.apply (block copies)"
+            if plan.copies:
                 self.executor.apply(plan.copies)
-                stage = "the model forward (attention backend, kernels, sampler)"
-                sampled = self._run(plan) if not plan.is_empty else {}
-                stage = "scheduler.update"
-                finished = self.scheduler.update(plan, sampled, self.now())
-                stage = "stop strings and logprobs"
-                stopped = after_update(self, sampled) if self.watched and sampled else []
-            except WorkerError:
-                raise  # the tensor-parallel group is gone: no request can run again
-            except Exception as exc:
-                return fail_step(self, stage, plan, exc)
-            outputs = [self._finish_group(g) for g in finished] + stopped
-            self._record_step(plan, start)
-            return outputs
+            stage = "the model forward (attention backend, kernels, sampler)"
+            sampled = self._run(plan) if not plan.is_empty else {}
+            stage = "scheduler.update"
+            finished = self.scheduler.update(plan, sampled, self.now())
+            stage = "stop strings and logprobs"
+            if self.with_stops_or_logprobs and sampled:
+                finished = finished + apply_stops_and_logprobs(
+                    [self.groups[r] for r in self.with_stops_or_logprobs if r in self.groups],
+                    sampled,
+                    self.tokenizer,
+                    self.scheduler,
+                )
+        except WorkerError:
+            raise  # the tensor-parallel group is gone: no request can run again
+        except Exception as exc:
+            error, failed = fail_step(
+                stage,
+                plan,
+                exc,
+                groups=self.groups,
+                scheduler=self.scheduler,
+                allocator=self.allocator,
+                backend=self.backend,
+                counts=self.step_failures,
+            )
+            for group in failed:
+                self._finish_group(group, error)
+            return
+        for group in finished:
+            self._finish_group(group)
+        self._record_step(plan, start)
 
     def _run(self, plan: StepPlan):
         now = None
@@ -214,11 +237,11 @@ class Engine:
             if item.seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
                 item.seq.first_scheduled_time = now
-        if self.watched:  # logprobs travel in the plan: the most any live request asked for
+        if self.with_stops_or_logprobs:  # logprobs travel in the plan: the most asked for
             plan.logprobs_k = max(
                 (
                     g.params.logprobs
-                    for r in self.watched
+                    for r in self.with_stops_or_logprobs
                     if (g := self.groups.get(r)) is not None and g.params.logprobs is not None
                 ),
                 default=-1,
@@ -227,7 +250,7 @@ class Engine:
 
     # -- bookkeeping
     def _finish_group(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
-        """The group's final output, recorded; the loop hands it to whoever waits on it."""
+        """The group's final output, recorded (and among the running step's outputs)."""
         now = self.now()
         first = group.seqs[0]
         for seq in group.seqs:
@@ -281,9 +304,10 @@ class Engine:
             error=error,
         )
         del self.groups[group.request_id]
-        self.watched.discard(group.request_id)
+        self.with_stops_or_logprobs.discard(group.request_id)
+        if self._step_outputs is not None:
+            self._step_outputs.append(output)
         self.notify("servelab_request_end", engine=self, request=dict(row))
-        self.loop.finished(output)
         return output
 
     def _detokenize(self, token_ids: list[int]) -> str | None:
@@ -346,23 +370,3 @@ class Engine:
             "recomputed_tokens": stats.get("recomputed_tokens", 0),
             **{f"attn_{k}": v for k, v in self.backend.stats().items()},
         }
-
-    # -- convenience
-    def generate(
-        self,
-        prompts: Seq[str | list[int]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Runs prompts to completion through the engine's loop (`self.loop`), one
-        output per prompt, in order. A request that fails validation comes back
-        with `error` set and finish reason "rejected"; the others still run.
-        Requests added otherwise (`add_request`) that finish meanwhile wait in
-        `take_finished()`."""
-        return self.loop.generate(prompts, params)
-
-    def take_finished(self) -> list[RequestOutput]:
-        """Outputs of requests added with `add_request` that finished while a
-        `generate` call was stepping the engine (each returned once)."""
-        with self._lock:
-            taken, self.finished_elsewhere = self.finished_elsewhere, []
-            return taken

@@ -12,65 +12,72 @@ is logged with its traceback once per stage and exception type.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from servelab.step.sequence import FinishReason, RequestOutput, SequenceGroup, SequenceStatus
+from servelab.step.sequence import FinishReason, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
-    from servelab.engine.engine import Engine
+    from servelab.contracts.allocator import KVAllocator
+    from servelab.contracts.attention import AttentionBackend
+    from servelab.contracts.scheduler import Scheduler
     from servelab.step.plan import StepPlan
 
 log = logging.getLogger(__name__)
 
 
 def fail_step(
-    engine: Engine, stage: str, plan: StepPlan | None, exc: Exception
-) -> list[RequestOutput]:
-    """The outputs of the requests a failed step touched, each failed and freed."""
-    part = _part_of(engine, stage)
-    message = f"the step failed in {stage}{part}: {type(exc).__name__}: {exc}"
+    stage: str,
+    plan: StepPlan | None,
+    exc: Exception,
+    *,
+    groups: Mapping[str, SequenceGroup],
+    scheduler: Scheduler,
+    allocator: KVAllocator,
+    backend: AttentionBackend,
+    counts: dict[tuple[str, str], int],
+) -> tuple[str, list[SequenceGroup]]:
+    """The error message and the live groups (of `groups`) the failed step touched,
+    each taken out of the scheduler, freed and marked failed; the caller finishes
+    them. `counts` counts failures by (stage, error type)."""
+    message = f"the step failed in {stage}{_part_of(stage, scheduler, backend)}: "
+    message += f"{type(exc).__name__}: {exc}"
     key = (stage, type(exc).__name__)
-    if key not in engine.step_failures:
+    if key not in counts:
         log.error(
             "servelab: %s; the requests it touched fail, the rest go on", message, exc_info=exc
         )
-    engine.step_failures[key] = engine.step_failures.get(key, 0) + 1
+    counts[key] = counts.get(key, 0) + 1
     if plan is None:
-        groups = list(engine.groups.values())
+        touched = list(groups.values())
     else:
         ids = dict.fromkeys(s.seq.request_id for s in plan.scheduled)
         ids.update(dict.fromkeys(s.request_id for s in plan.preempted))
-        groups = [engine.groups[r] for r in ids if r in engine.groups]
-    outputs = []
-    for group in groups:
-        _drop(engine, group)
-        outputs.append(engine._finish_group(group, error=message))
-    return outputs
+        touched = [groups[r] for r in ids if r in groups]
+    for group in touched:
+        _remove_and_free(scheduler, allocator, group)
+    return message, touched
 
 
-def _part_of(engine: Engine, stage: str) -> str:
+def _part_of(stage: str, scheduler: Scheduler, backend: AttentionBackend) -> str:
     """` (scheduler 'chunked')`: the part a stage belongs to, by its registered name."""
     if stage.startswith("scheduler"):
-        return (
-            f" (scheduler {getattr(engine.scheduler, 'name', type(engine.scheduler).__name__)!r})"
-        )
+        return f" (scheduler {getattr(scheduler, 'name', type(scheduler).__name__)!r})"
     if stage.startswith("the model forward"):
-        return f" (attention {getattr(engine.backend, 'name', type(engine.backend).__name__)!r})"
+        return f" (attention {getattr(backend, 'name', type(backend).__name__)!r})"
     return ""
 
 
-def _drop(engine: Engine, group: SequenceGroup) -> None:
-    """Takes a group out of the scheduler and frees its blocks, even when the
-    scheduler's own `abort` is what is broken."""
+def _remove_and_free(scheduler: Scheduler, allocator: KVAllocator, group: SequenceGroup) -> None:
+    """Takes a group out of the scheduler (its `abort`) and frees its blocks. When
+    the scheduler's own `abort` is what is broken, its queues cannot be trusted:
+    the blocks are freed through the allocator all the same, so none leaks."""
     try:
-        engine.scheduler.abort(group.request_id)
-    except Exception:  # a broken scheduler: free what the allocator knows of
-        for queue in ("waiting", "running", "swapped"):
-            members = getattr(engine.scheduler, queue, None)
-            if isinstance(members, list) and group in members:
-                members.remove(group)
+        scheduler.abort(group.request_id)
+    except Exception:
+        log.exception("servelab: the scheduler's abort raised; freeing the request's blocks")
         for seq in group.seqs:
-            engine.allocator.free(seq)
+            allocator.free(seq)
     for seq in group.seqs:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.ERROR

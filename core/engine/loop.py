@@ -1,10 +1,12 @@
 """`EngineLoop`: the one loop that steps an `Engine`, whoever asks for tokens.
 
-Every engine owns one (`Engine.loop`). Requests and aborts are submitted to it
-from any thread (a command queue, applied between steps); each request has a
-sink that gets `Delta`s: every step's new tokens when it streams, and always a
-final one with the `RequestOutput`. `Engine.generate` (so `LLM.generate`) and
-the server's `AsyncEngine` are two clients of this loop, not two mechanisms.
+The loop wraps an engine (the engine knows no loop): it owns the lock that
+makes one engine call at a time, the command queue and the sinks. Requests and
+aborts are submitted from any thread (applied between steps); each request has
+a sink that gets `Delta`s: every step's new tokens when it streams, and always a
+final one with the `RequestOutput`. `LLM.generate` and the server's
+`AsyncEngine` are two clients of one engine's one loop (`LLM.loop`), not two
+mechanisms; an engine must have only one loop.
 
 Who steps: one driver at a time. With a background thread running (`start`,
 the server) that thread drives and `generate` waits on its own requests. With
@@ -12,8 +14,10 @@ none, `generate`'s calling thread drives until its requests are done (no
 thread hop per step, so the offline path costs what a plain step loop costs);
 another caller meanwhile waits, its requests batched into the same steps, and
 takes over if the driver leaves first. A request finished by any route (a step,
-a stop string, a failed step, `engine.abort` from anywhere) reaches its sink
-once, because `Engine._finish_group` hands every output to `finished` here.
+a stop string, a failed step, an abort through the loop or from a hook during a
+step) reaches its sink once, because every output comes back from `Engine.step`
+or `Engine.abort`, which only the loop calls while it runs. Outputs of requests
+added around the loop (`engine.add_request`) wait in `take_finished()`.
 """
 
 from __future__ import annotations
@@ -93,12 +97,15 @@ class _Collector(Sink):
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # one engine call at a time, whichever thread makes it (re-entrant: a hook
+        # that runs inside a step may submit or abort)
+        self.lock = threading.RLock()
         self.on_step: Callable[[], None] | None = None  # after each step the loop runs
         self.on_finish: Callable[[RequestOutput], None] | None = None  # each tracked output
         self._commands: deque = deque()  # appends and pops are atomic: no lock per command
         self._tracked: dict[str, _Tracked] = {}  # touched under the engine's lock only
         self._streaming: dict[str, _Tracked] = {}
-        self._delivered: set[str] = set()  # this step's tracked outputs (see _step)
+        self._unclaimed: list[RequestOutput] = []  # outputs of requests added around the loop
         self._driver: threading.Thread | None = None
         self._turn = threading.Condition()  # guards _driver; wakes waiting callers
         self._wake = threading.Event()  # new commands for an idle background loop
@@ -129,7 +136,9 @@ class EngineLoop:
         prompts: Seq[str | list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Runs prompts to completion through the loop, one output per prompt, in order."""
+        """Runs prompts to completion through the loop, one output per prompt, in
+        order. A request that fails validation comes back with `error` set and
+        finish reason "rejected"; the others still run."""
         if params is None or isinstance(params, SamplingParams):
             each: Seq[SamplingParams | None] = [params] * len(prompts)
         else:
@@ -147,16 +156,29 @@ class EngineLoop:
         return outputs
 
     def _free_id(self) -> str:
-        while True:
-            request_id = self.engine._free_id("gen-")
-            if request_id not in self._tracked:
-                return request_id
+        with self.lock:
+            while True:
+                request_id = self.engine.new_request_id("gen-")
+                if request_id not in self._tracked:
+                    return request_id
+
+    def take_finished(self) -> list[RequestOutput]:
+        """Outputs of requests added with `engine.add_request` that finished while
+        the loop was stepping the engine (each returned once)."""
+        with self.lock:
+            taken, self._unclaimed = self._unclaimed, []
+            return taken
 
     # -- the background thread (the server)
     def start(self) -> None:
         self._stopping = False
         self._thread = threading.Thread(target=self._serve, name="servelab-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ends the background thread; it aborts the detached requests left."""
@@ -168,11 +190,11 @@ class EngineLoop:
 
     def _serve(self) -> None:
         self._run_until(lambda: self._stopping, background=True)
-        with self.engine._lock:
+        with self.lock:
             self._apply_commands()
             for request_id, tracked in list(self._tracked.items()):
                 if tracked.sink.detached:
-                    self.engine.abort(request_id)
+                    self._abort(request_id)
 
     # -- driving
     def _run_until(self, done: Callable[[], bool], background: bool = False) -> None:
@@ -198,7 +220,7 @@ class EngineLoop:
         engine = self.engine
         while not done():
             if self._commands:
-                with engine._lock:
+                with self.lock:
                     self._apply_commands()
             if engine.has_unfinished():
                 self._step()
@@ -207,7 +229,7 @@ class EngineLoop:
             elif background:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
-            else:  # nothing left to step, yet not done: requests dropped without an output
+            else:  # nothing left to step, yet not done: requests gone without an output
                 self._finish_orphans()
                 return
 
@@ -215,7 +237,7 @@ class EngineLoop:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "abort":
-                self.engine.abort(command[1])  # a tracked output reaches its sink in finished()
+                self._abort(command[1])
                 continue
             _, request_id, prompt, params, priority, sink = command
             try:
@@ -231,23 +253,27 @@ class EngineLoop:
 
     def _step(self) -> None:
         engine = self.engine
-        with engine._lock:
+        with self.lock:
             try:
                 outputs = engine.step()
-                self._delivered, delivered = set(), self._delivered
-                for output in outputs:  # requests added around the loop: their owner takes them
-                    if output.request_id not in delivered:
-                        engine.finished_elsewhere.append(output)
-                for request_id, tracked in list(self._streaming.items()):
-                    self._send_new_tokens(request_id, tracked)
             except Exception as exc:  # the engine catches a step's errors; this is a last guard
                 log.exception("servelab: the engine loop's step raised")
                 if isinstance(exc, WorkerError):
                     self.fatal = exc
                 for request_id in list(self._tracked):
-                    engine.abort(request_id, error=f"{type(exc).__name__}: {exc}")
+                    self._abort(request_id, error=f"{type(exc).__name__}: {exc}")
+                outputs = []
+            for output in outputs:
+                self._deliver(output)
+            for request_id, tracked in list(self._streaming.items()):
+                self._send_new_tokens(request_id, tracked)
             if self.on_step is not None:
                 self.on_step()
+
+    def _abort(self, request_id: str, error: str | None = None) -> None:
+        output = self.engine.abort(request_id, error=error)
+        if output is not None:
+            self._deliver(output)
 
     def _send_new_tokens(self, request_id: str, tracked: _Tracked) -> None:
         tokens = self.engine.output_tokens(request_id)
@@ -258,8 +284,10 @@ class EngineLoop:
             tracked.sink.put(delta)
 
     def _finish_orphans(self) -> None:
+        """Tracked requests the engine no longer holds, their output never seen
+        (aborted on the engine directly, around the loop): each ends "aborted"."""
         engine = self.engine
-        with engine._lock:
+        with self.lock:
             for request_id in [r for r in self._tracked if r not in engine.groups]:
                 tracked = self._tracked.pop(request_id)
                 self._streaming.pop(request_id, None)
@@ -267,13 +295,13 @@ class EngineLoop:
                 output = RequestOutput(request_id, [], [], True, error="aborted")
                 tracked.sink.put(Delta(request_id, finished=True, output=output, error="aborted"))
 
-    # -- from Engine._finish_group (under the engine's lock)
-    def finished(self, output: RequestOutput) -> None:
-        """Hands a finished request's output to its sink, if the loop tracks it."""
+    def _deliver(self, output: RequestOutput) -> None:
+        """Hands a finished request's output to its sink, or keeps it for
+        `take_finished` when the loop does not track it (under the lock)."""
         tracked = self._tracked.pop(output.request_id, None)
         if tracked is None:
+            self._unclaimed.append(output)
             return
-        self._delivered.add(output.request_id)
         delta = Delta(output.request_id)
         if self._streaming.pop(output.request_id, None) is not None:
             samples = output.outputs

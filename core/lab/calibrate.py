@@ -23,18 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from servelab.engine.build import build_engine
-from servelab.executor.cost_model import (
-    ATTENTION,
-    DECODE,
-    ELEMENTWISE,
-    MATMUL,
-    PREFILL,
-    CostModel,
-    Shape,
-    StepShape,
-    step_shape,
-)
+from servelab.engine.loop import EngineLoop
+from servelab.executor.cost_model import CostModel, Shape, StepShape, step_shape
 from servelab.executor.hardware import HardwareProfile, load_profile
+from servelab.lab.op_times import op_times
 from servelab.step.sequence import SamplingParams
 
 FIT_PARAMETERS = (
@@ -101,38 +93,6 @@ class OpTable:
                           self.launches, self.call, self.name)  # fmt: skip
         ops = np.bincount(self.step, weights=per_op * self.count, minlength=self.num_steps)
         return ops + profile.step_overhead + profile.seq_overhead * self.seqs
-
-
-def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.ndarray,
-             data: np.ndarray, rows: np.ndarray, launches: np.ndarray,
-             call: np.ndarray, names: np.ndarray) -> np.ndarray:  # fmt: skip
-    """`CostModel.op_time` over arrays of ops (a test holds the two equal)."""
-    peak = profile.flops(dtype)
-    rate = np.full_like(flops, np.inf)
-    half = np.zeros_like(flops)
-    for k, eff, h in ((MATMUL, profile.matmul_efficiency, profile.matmul_half_rows),
-                      (ATTENTION, profile.attention_efficiency, profile.attention_half_rows)):  # fmt: skip
-        mask = kind == k
-        rate[mask], half[mask] = peak * eff, h
-    curve = np.ones_like(rows, dtype=np.float64)  # rows may come as integers
-    curved = (half > 0) & (rows > 0)
-    curve[curved] = rows[curved] / (rows[curved] + half[curved])
-    compute = np.divide(flops, rate * curve, out=np.zeros_like(flops), where=flops > 0)
-    bandwidth = np.full_like(data, profile.memory_bandwidth * profile.bandwidth_efficiency)
-    elementwise = kind == ELEMENTWISE
-    efficiency = profile.elementwise_efficiency or profile.bandwidth_efficiency
-    bandwidth[elementwise] = profile.memory_bandwidth * efficiency
-    for kernel, eff in profile.kernel_efficiency.items():
-        bandwidth[elementwise & (names == kernel)] = profile.memory_bandwidth * eff
-    full = profile.elementwise_full_rows
-    wave = np.ones_like(data)
-    waved = elementwise & (rows > 0) & (full > 0)
-    wave[waved] = np.maximum(rows[waved], full) / rows[waved]
-    fixed = launches * profile.launch_overhead
-    fixed = fixed + np.where(call == MATMUL, profile.matmul_overhead, 0.0)
-    fixed = fixed + np.where(call == PREFILL, profile.attention_prefill_overhead, 0.0)
-    fixed = fixed + np.where(call == DECODE, profile.attention_decode_overhead, 0.0)
-    return np.maximum(compute, data * wave / bandwidth) + fixed
 
 
 def fit_profile(
@@ -237,11 +197,12 @@ def measure(
             rng = np.random.default_rng(length * 1000 + batch)
             vocab = engine.model_config.vocab_size
             prompts = [rng.integers(4, vocab, length).tolist() for _ in range(batch)]
-            engine.generate([[2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
+            loop = EngineLoop(engine)
+            loop.generate([[2, 3, 4]], SamplingParams(max_tokens=2))  # warm-up
             recorded.clear()
             slept.clear()
             engine.metrics.start_run()
-            engine.generate(prompts, params)
+            loop.generate(prompts, params)
             keep(recorded, slept)
         for scheduler, options, prompts, outputs, rate in TRAFFIC:
             engine = _engine(model, dtype, threads, scheduler, options, device)

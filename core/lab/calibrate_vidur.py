@@ -1,7 +1,7 @@
 """`servelab-calibrate --from-vidur DIR`: fit a GPU hardware profile to measured
 operator times (Vidur's profiling CSVs, read by `vidur_data`).
 
-Each measured op is priced by the cost model's own formula (`calibrate.op_times`,
+Each measured op is priced by the cost model's own formula (`op_times.op_times`,
 the vectorised `CostModel.op_time`) and the profile's figures are fitted by least
 squares on the log of predicted / measured (a robust soft-L1 loss: a few outlier
 kernels must not drag the rest), the peaks held fixed. Which figures are fitted
@@ -21,7 +21,7 @@ import numpy as np
 
 from servelab.executor.cost_model import ATTENTION, ELEMENTWISE, MATMUL
 from servelab.executor.hardware import HardwareProfile
-from servelab.lab.calibrate import op_times
+from servelab.lab.op_times import op_times
 from servelab.lab.vidur_data import DTYPE, MeasuredCollectives, MeasuredOps
 
 # figure -> (lower bound, upper bound, scale, the op kind whose rows fit it)

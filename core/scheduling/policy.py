@@ -11,7 +11,7 @@ finishing. A policy only answers questions the core asks at well-defined points:
     pick_victims()                      running groups to preempt before this step
     keeps_slot(group)                   a finished group holds its slot (and output) for now
     on_step_end(plan, finished)         after the forward: charge, demote, age
-    on_request_end(group)               a request left (finished or aborted): forget it
+    on_request_end(group)               a request left (finished or aborted): drop what the policy kept for it
     policy_stats()                      extra figures for `stats()`
 
 The core checks every answer (a group admitted twice, a victim that is not

@@ -122,7 +122,7 @@ class StepUpdate:
 
     def _refresh_decode_batch(self, plan: StepPlan, forked: bool) -> None:
         """After a step: keeps, grows or builds the decode batch when every
-        running sequence now decodes, and drops it otherwise."""
+        running sequence now decodes (and one does), and drops it otherwise."""
         if forked or self.swapped or not self.decode_fast_path:
             self.decode_batch = None
             return
@@ -138,7 +138,11 @@ class StepUpdate:
             joining.append(seq)
         if batch is None:
             # after a general step: the plan must have covered every running sequence
-            if self.num_running_seqs != len(joining) or len(joining) > self.max_num_batched_tokens:
+            if (
+                not joining
+                or self.num_running_seqs != len(joining)
+                or len(joining) > self.max_num_batched_tokens
+            ):
                 self.decode_batch = None
                 return
             self.decode_batch = DecodeBatch(
@@ -152,6 +156,8 @@ class StepUpdate:
                 self.decode_batch = None
                 return
             batch.append(joining, [self.allocator.block_table(s) for s in joining])
+        if self.decode_batch is not None and len(self.decode_batch) == 0:
+            self.decode_batch = None  # nothing decodes: the next step admits on the general path
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         if count:

@@ -1,4 +1,4 @@
-"""`AsyncEngine`: the engine's one loop (`servelab.engine.loop.EngineLoop`) seen
+"""`AsyncEngine`: an engine's one loop (`servelab.engine.loop.EngineLoop`) seen
 from asyncio.
 
 `start()` runs the loop on its background thread, which steps the engine while
@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from servelab.engine.engine import Engine
-from servelab.engine.loop import Delta, Sink
+from servelab.engine.loop import Delta, EngineLoop, Sink
 from servelab.step.sequence import RequestOutput, SamplingParams
 
 __all__ = ["AsyncEngine", "Delta"]
@@ -42,9 +41,9 @@ class _AsyncSink(Sink):
 class AsyncEngine:
     """Start with `start()`; `generate(...)` yields Deltas; `stop()` ends the loop's thread."""
 
-    def __init__(self, engine: Engine, on_step: Callable[[AsyncEngine], None] | None = None):
-        self.engine = engine
-        self.loop = engine.loop
+    def __init__(self, loop: EngineLoop, on_step: Callable[[AsyncEngine], None] | None = None):
+        self.loop = loop  # the engine's one loop: an `LLM.generate` on it shares the steps
+        self.engine = loop.engine
         if on_step is not None:  # called on the loop's thread after each step (metrics)
             self.loop.on_step = lambda: on_step(self)
 
@@ -59,8 +58,7 @@ class AsyncEngine:
     def problem(self) -> str | None:
         """Why the engine cannot serve (its loop's thread not running, or a failure
         that ends the engine); None when it can."""
-        thread = self.loop._thread
-        if thread is None or not thread.is_alive():
+        if not self.loop.running:
             return "the engine loop is not running"
         if self.loop.fatal is not None:
             return f"the engine failed: {self.loop.fatal}"

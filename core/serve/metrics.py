@@ -146,7 +146,8 @@ class ServerMetrics:
         if delta.finished:
             self._times.pop(delta.request_id, None)
 
-    def forget(self, request_ids) -> None:
+    def discard_timings(self, request_ids) -> None:
+        """Drops the inter-token timing kept for these requests: their stream closed."""
         for request_id in request_ids:
             self._times.pop(request_id, None)
 

@@ -72,7 +72,7 @@ async def stream_events(sub: Submission, choices: Choices, head: dict, chat: boo
         yield "data: [DONE]\n\n"
     finally:
         sub.close()
-        metrics.forget(sub.ids)
+        metrics.discard_timings(sub.ids)
 
 
 def _chunk(head: dict, kind: str, choice: dict, usage_of: Choices | None) -> dict:
@@ -109,7 +109,7 @@ async def whole_response(request, sub: Submission, choices: Choices, head: dict,
     finally:
         watcher.cancel()
         sub.close()
-        metrics.forget(sub.ids)
+        metrics.discard_timings(sub.ids)
     body = {**head, "object": "chat.completion" if chat else "text_completion",
             "choices": choices.final(echo), "usage": choices.usage()}  # fmt: skip
     return JSONResponse(body)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from servelab.contracts.kinds import KINDS
 from servelab.engine.build import build_engine
+from servelab.engine.loop import EngineLoop
 from servelab.serve.app import create_app
 from servelab.serve.async_engine import AsyncEngine
 from servelab.serve.config import serve_options
@@ -125,7 +126,7 @@ class Server:
         self.options = serve_options(config.get("serve"))
         engine_config = {k: v for k, v in config.items() if k not in NOT_ENGINE_NODES}
         self.engine = build_engine(engine_config)
-        self.aengine = AsyncEngine(self.engine)
+        self.aengine = AsyncEngine(EngineLoop(self.engine))
         folder = model_folder(config)
         name = self.options["served_model_name"]
         if name is None:

@@ -40,7 +40,7 @@ class DecodeBatch:
         self.prompt_lens = np.zeros(0, dtype=np.int64)
         self.tables = np.zeros((0, self.max_blocks), dtype=np.int32)
         self.table_lens = np.zeros(0, dtype=np.int64)
-        self.watched: set[int] = set()  # rows' seq ids whose tokens a stop rule must check
+        self.with_stop_tokens: set[int] = set()  # rows' seq ids that have stop token ids
         self.stop_tokens: frozenset[int] = frozenset()  # the union of their stop tokens
         self.all_greedy = True  # every row plain argmax (greedy, no logits processing)
         self.next_input: list[int] = []  # each row's last token: the step's input id
@@ -84,7 +84,7 @@ class DecodeBatch:
             if not params.ignore_eos:
                 tokens |= seq.eos_token_ids
             if tokens:
-                self.watched.add(seq.seq_id)
+                self.with_stop_tokens.add(seq.seq_id)
                 stops |= tokens
             if not params.greedy or params.processes_logits:
                 self.all_greedy = False
@@ -101,7 +101,7 @@ class DecodeBatch:
         self.prompt_lens = self.prompt_lens[mask]
         self.tables = self.tables[mask]
         self.table_lens = self.table_lens[mask]
-        self.watched &= set(self.seq_ids)
+        self.with_stop_tokens &= set(self.seq_ids)
         self.all_greedy = all(s.params.greedy and not s.params.processes_logits for s in self.seqs)
 
     # -- one step
@@ -202,12 +202,12 @@ class DecodeBatch:
         # num_tokens is now starts + 1 (the new token has no K/V yet)
         done = np.flatnonzero(self.starts + 1 >= self.stop_at).tolist()
         stopping = [(r, self.seqs[r]) for r in done]
-        if self.watched:
-            stops, watched, at_length = self.stop_tokens, self.watched, set(done)
+        if self.with_stop_tokens:
+            stops, with_stops, at_length = self.stop_tokens, self.with_stop_tokens, set(done)
             stopping += [
                 (r, seq)
                 for r, (seq, token) in enumerate(zip(self.seqs, tokens))
-                if token in stops and seq.seq_id in watched and r not in at_length
+                if token in stops and seq.seq_id in with_stops and r not in at_length
             ]
         return stopping
 

@@ -15,8 +15,7 @@ from collections import OrderedDict
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.plugins.allocators.block_table import BlockTableAllocator
-from servelab.plugins.allocators.paged_invariants import check_paged_invariants
+from servelab.plugins.allocators.block_table import BlockTableAllocator, check_table_invariants
 from servelab.step.sequence import Sequence
 
 
@@ -174,7 +173,22 @@ class PagedAllocator(BlockTableAllocator):
         return len(self.free_list) + len(self.free_cached)
 
     def check_integrity(self) -> None:
-        check_paged_invariants(self)
+        """The block-table rules (`check_table_invariants`), every block free xor
+        referenced, and the prefix-cache map and the fill counts agree (tests call
+        this after every step)."""
+        check_table_invariants(self)
+        free_plain, free_cached = set(self.free_list), set(self.free_cached)
+        assert not free_plain & free_cached, "a block is both plain-free and cached-free"
+        for block in range(self.num_blocks):
+            is_free = block in free_plain or block in free_cached
+            assert is_free == (self.ref_count[block] == 0), f"block {block}: free xor referenced"
+            if block in free_plain:
+                assert self.block_hash[block] is None and self.fill[block] == 0, f"block {block}"
+            if block in free_cached:
+                assert self.block_hash[block] is not None, f"cached-free block {block} has no hash"
+        for h, block in self.hash_to_block.items():
+            assert self.block_hash[block] == h, f"hash map points to block {block} of another hash"
+            assert self.fill[block] == self.block_size, f"published block {block} is not full"
 
 
 @hookimpl

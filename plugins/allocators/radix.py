@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.plugins.allocators.block_table import BlockTableAllocator
-from servelab.plugins.allocators.radix_invariants import check_radix_invariants
+from servelab.plugins.allocators.block_table import BlockTableAllocator, check_table_invariants
 from servelab.plugins.allocators.radix_tree import Node, RadixTree
 from servelab.step.sequence import Sequence
 
@@ -210,9 +209,63 @@ class RadixAllocator(BlockTableAllocator):
         return super().usage() | {"blocks_cached": len(self.tree.node_of_block)}
 
     def check_integrity(self) -> None:
-        check_radix_invariants(self)
+        """Every block is free, held or cached (in the tree, held by no table),
+        exactly one; the tree's runs, keys and block map agree; a sequence's tree
+        pages are exactly its path from the root; a node no table holds has no held
+        descendant (so leaf eviction can reach every cached block); and the
+        block-table rules (`check_table_invariants`)."""
+        check_table_invariants(self)
+        _check_blocks(self)
+        _check_tree(self)
+        _check_paths(self)
 
 
 @hookimpl
 def servelab_register_allocators():
     return {"radix": RadixAllocator}
+
+
+# -- the invariants `check_integrity` asserts
+
+
+def _check_blocks(alloc: RadixAllocator) -> None:
+    free = set(alloc.free_list)
+    cached = alloc.tree.node_of_block
+    for block in range(alloc.num_blocks):
+        held = alloc.ref_count[block] > 0
+        states = (block in free) + held + (block in cached and not held)
+        assert states == 1, f"block {block}: not exactly one of free, held, cached"
+        if block in free:
+            assert alloc.fill[block] == 0, f"free block {block} holds tokens"
+    evictable = sum(1 for b in cached if alloc.ref_count[b] == 0)
+    assert evictable == alloc.num_evictable, f"num_evictable {alloc.num_evictable} != {evictable}"
+
+
+def _check_tree(alloc: RadixAllocator) -> None:
+    tree, page, ref = alloc.tree, alloc.block_size, alloc.ref_count
+    seen = 0
+    for node in tree.nodes():
+        assert node.blocks and len(node.key) == len(node.blocks) * page, (
+            "a run and its blocks differ"
+        )
+        assert node.parent.children.get(node.key[:page]) is node, "a child under a wrong key"
+        for block in node.blocks:
+            assert tree.node_of_block.get(block) is node, f"block {block} maps to another node"
+            assert alloc.fill[block] == page, f"cached block {block} is not full"
+        seen += len(node.blocks)
+        if node.parent is not tree.root and any(ref[b] for b in node.blocks):
+            assert all(ref[b] for b in node.parent.blocks), "a held node under an unheld one"
+    assert seen == len(tree.node_of_block), "the block map holds blocks outside the tree"
+
+
+def _check_paths(alloc: RadixAllocator) -> None:
+    tree = alloc.tree
+    for seq_id, table in alloc.tables.items():
+        pages = alloc.tree_pages.get(seq_id)
+        if not pages:
+            continue
+        node = tree.node_of_block.get(table[pages - 1])
+        assert node is not None and node.blocks[-1] == table[pages - 1], (
+            f"sequence {seq_id}: its tree pages do not end a run"
+        )
+        assert tree.path_blocks(node) == table[:pages], f"sequence {seq_id}: not its tree path"

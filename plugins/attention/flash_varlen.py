@@ -113,7 +113,7 @@ class FlashVarlenBackend(AttentionBackend):
         self._flash_fns: tuple[KernelFn, KernelFn] | None = None  # varlen_func, with_kvcache
         self._decode_kernel = False  # impl=cpu: its C++ kernel runs the decodes
         self.workspace = Workspace()  # impl=sdpa: gathered K/V reused across layers and steps
-        self.cpu_kernel_decode_calls = 0  # layers the C++ kernel attended (stats())
+        self.cpu_kernel_calls = 0  # layers the C++ kernel attended (stats())
 
     # -- choosing the impl
 
@@ -271,7 +271,7 @@ class FlashVarlenBackend(AttentionBackend):
             return None
         if not plan.completed:
             self.complete_plan(plan)
-        self.cpu_kernel_decode_calls += num_layers
+        self.cpu_kernel_calls += num_layers
         return (plan.slot_mapping, *self._kernel_tables(plan))
 
     @staticmethod
@@ -285,9 +285,9 @@ class FlashVarlenBackend(AttentionBackend):
         return plan.token_tables, plan.token_lens
 
     def stats(self) -> dict[str, float]:
-        """`cpu_kernel_decode_calls`: layers the C++ kernel attended (impl=cpu;
-        the name is historical: prompt tokens go through it too)."""
-        return {"cpu_kernel_decode_calls": self.cpu_kernel_decode_calls}
+        """`cpu_kernel_calls`: layers the C++ kernel attended (impl=cpu), for
+        decodes and prompt tokens alike."""
+        return {"cpu_kernel_calls": self.cpu_kernel_calls}
 
     def _forward_flash_attn(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
@@ -333,7 +333,7 @@ class FlashVarlenBackend(AttentionBackend):
             # one kernel call: the decodes, and prompt tokens each over its causal
             # context (its K/V were just stored) instead of an SDPA call per chunk;
             # the kernel reads the first q.shape[0] rows of the tables
-            self.cpu_kernel_decode_calls += 1
+            self.cpu_kernel_calls += 1
             tables, lens = self._kernel_tables(plan)
             return cpu_paged.paged_decode(q, k_cache, v_cache, tables, lens, self.scale)
         num_decodes = plan.num_decodes

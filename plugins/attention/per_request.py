@@ -19,9 +19,6 @@ from servelab.plugins.attention.common import Workspace, store_kv
 from servelab.plugins.attention.sdpa_paths import PerSeqPlan, per_seq_attention, plan_per_seq
 from servelab.step.metadata import AttentionMetadata
 
-# the plan of a step: one call per sequence (kept under its historical name)
-PerRequestPlan = PerSeqPlan
-
 
 class PerRequestBackend(AttentionBackend):
     """One SDPA call per sequence over its own context."""

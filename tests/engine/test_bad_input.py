@@ -239,7 +239,7 @@ def test_generate_leaves_requests_it_did_not_add_to_their_owner(llm, clean_token
     alone = [llm.generate([p], params())[0].token_ids for p in ([9, 10, 11], [40, 41])]
     assert [o.token_ids for o in outs] == [*alone, clean_tokens]
     assert {o.request_id for o in outs}.isdisjoint({"gen-3", "1"})
-    kept = {o.request_id: o.token_ids for o in engine.take_finished()}
+    kept = {o.request_id: o.token_ids for o in llm.loop.take_finished()}
     assert kept == {"gen-3": alone[1], "1": alone[0]}
-    assert engine.take_finished() == []  # each handed over once
+    assert llm.loop.take_finished() == []  # each handed over once
     assert_engine_clean(llm)

@@ -2,7 +2,7 @@
 the same `EngineLoop`. Offline, the calling thread steps (no other thread runs a
 step); with the background thread running, that thread steps every request,
 `generate`'s included, and the tokens are the ones a plain run gives. A request
-finished by any route (an abort from a hook) reaches its caller once; stopping
+finished by any route (an abort from a hook during a step) reaches its caller once; stopping
 the background thread aborts only the asyncio requests, and a waiting
 `generate` goes on driving the loop itself."""
 
@@ -43,9 +43,9 @@ def plain(llm) -> list[list[int]]:
 def stepping_threads(llm):
     """The names of the threads that ran each of the loop's steps."""
     names: list[str] = []
-    llm.engine.loop.on_step = lambda: names.append(threading.current_thread().name)
+    llm.loop.on_step = lambda: names.append(threading.current_thread().name)
     yield names
-    llm.engine.loop.on_step = None
+    llm.loop.on_step = None
 
 
 def test_offline_generate_steps_on_the_calling_thread(llm, plain, stepping_threads):
@@ -56,7 +56,7 @@ def test_offline_generate_steps_on_the_calling_thread(llm, plain, stepping_threa
 
 
 def test_generate_while_the_background_loop_runs_is_stepped_by_it(llm, plain, stepping_threads):
-    aengine = AsyncEngine(llm.engine)
+    aengine = AsyncEngine(llm.loop)
     aengine.start()
     try:
         outs = llm.generate(PROMPTS, GREEDY)
@@ -64,12 +64,12 @@ def test_generate_while_the_background_loop_runs_is_stepped_by_it(llm, plain, st
         aengine.stop()
     assert [o.token_ids for o in outs] == plain
     assert stepping_threads and set(stepping_threads) == {"servelab-engine"}
-    assert llm.engine.loop.num_pending == 0
+    assert llm.loop.num_pending == 0
     assert_engine_clean(llm)
 
 
 def test_streams_and_generate_share_the_steps_and_keep_their_tokens(llm, plain):
-    aengine = AsyncEngine(llm.engine)
+    aengine = AsyncEngine(llm.loop)
     aengine.start()
     results: dict[str, list] = {}
 
@@ -96,7 +96,7 @@ def test_streams_and_generate_share_the_steps_and_keep_their_tokens(llm, plain):
     finally:
         aengine.stop()
     assert streamed == plain[:3] and results["generate"] == plain[3:]
-    assert llm.engine.loop.num_pending == 0
+    assert llm.loop.num_pending == 0
     assert_engine_clean(llm)
 
 
@@ -139,7 +139,7 @@ def test_stopping_the_background_aborts_streams_but_generate_finishes(llm, plain
 
     monkeypatch.setattr(engine.executor, "execute", slow)
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(llm.loop)
     aengine.start()
     results: dict[str, list] = {}
     thread = threading.Thread(
@@ -162,5 +162,50 @@ def test_stopping_the_background_aborts_streams_but_generate_finishes(llm, plain
     thread.join(60)
     assert not thread.is_alive()
     assert [o.token_ids for o in results["outs"]] == plain[:2]
-    assert engine.loop.num_pending == 0
+    assert llm.loop.num_pending == 0
     assert_engine_clean(llm)
+
+
+def test_a_hook_abort_during_a_step_is_among_that_steps_outputs(llm, plain, monkeypatch):
+    """The engine alone, no loop: every finished request comes back from `step`."""
+    engine = llm.engine
+    notify, aborted = engine.notify, []
+
+    def abort_b_after_the_first_step(hook, **kwargs):
+        notify(hook, **kwargs)
+        if hook == "servelab_step_end" and not aborted:
+            aborted.append(engine.abort("b"))
+
+    monkeypatch.setattr(engine, "notify", abort_b_after_the_first_step)
+    engine.add_request(PROMPTS[0], GREEDY, request_id="a")
+    engine.add_request(PROMPTS[1], GREEDY, request_id="b")
+    first = engine.step()
+    assert [o.request_id for o in first] == ["b"] and first[0] is aborted[0]
+    assert first[0].finish_reason == "abort"
+    rest = []
+    while engine.has_unfinished():
+        rest += engine.step()
+    assert [(o.request_id, o.token_ids) for o in rest] == [("a", plain[0])]
+    assert_engine_clean(llm)
+
+
+def test_the_loop_and_the_engine_helpers_touch_no_private_member_of_another_object():
+    """`x._name` only on `self`: the loop, the failure and stop-string handling and
+    the serving front end reach the engine and the parts through public methods."""
+    import ast
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parents[2] / "core"
+    files = [core / "engine" / n for n in ("loop.py", "failures.py", "stops_and_logprobs.py")]
+    files += sorted((core / "serve").glob("*.py"))
+    reached = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                reached.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert reached == []

@@ -154,6 +154,6 @@ def test_arbitrary_values_are_accepted_or_a_request_error(llm, clean, field, val
                 engine.step()
     except RequestError:
         pass
-    engine.take_finished()
+    llm.loop.take_finished()
     assert_engine_clean(llm)
     assert llm.generate([PROMPTS[2]], GREEDY)[0].token_ids == clean[2]

@@ -11,6 +11,7 @@ import pytest
 
 from servelab import LLM, SamplingParams
 from servelab.engine.build import build_engine
+from servelab.engine.loop import EngineLoop
 from servelab.errors import ConfigError
 from servelab.executor.device_memory import estimate_activation_bytes
 from servelab.executor.hardware import load_profile, profile_names
@@ -78,7 +79,7 @@ def test_stand_in_tokens_are_deterministic_differ_between_forks_and_run_to_max_t
 def test_the_clock_is_virtual_and_steps_take_their_modelled_time():
     engine = simulated()
     assert engine.now() == 0.0
-    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
+    EngineLoop(engine).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
     steps = engine.metrics.steps
     assert all(s.wall_time > 0 for s in steps)
     assert engine.now() == pytest.approx(sum(s.wall_time for s in steps))
@@ -109,9 +110,9 @@ def test_the_padded_backend_costs_more_on_mixed_lengths():
     prompts = [[5] * 40, [6] * 2]
     times = {}
     for attention in ("per_request", "padded"):
-        engine = LLM(model="tiny", executor="simulated", attention=attention).engine
-        engine.generate(prompts, SamplingParams(max_tokens=1))
-        times[attention] = engine.now()
+        llm = LLM(model="tiny", executor="simulated", attention=attention)
+        llm.generate(prompts, SamplingParams(max_tokens=1))
+        times[attention] = llm.engine.now()
     assert times["padded"] > times["per_request"]
 
 

@@ -40,14 +40,14 @@ def cases():
 
 
 def test_a_worker_that_raises_is_named_with_its_exception(cases):
-    engine = LLM(model=str(cases("qwen3").folder), dtype="float64", max_model_len=64, **TP).engine
-    group = engine.executor.group
+    llm = LLM(model=str(cases("qwen3").folder), dtype="float64", max_model_len=64, **TP)
+    group = llm.engine.executor.group
     group.send(STEP, StepMessage())  # a step without inputs: the worker's forward raises
     with pytest.raises(WorkerError, match=r"rank 1 raised AttributeError"):
         group.barrier()
     assert current_group() is None and not worker_children()
     with pytest.raises(WorkerError, match="rank 1 raised"):  # the engine stays failed
-        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 
 
 def test_a_killed_worker_is_reported_and_nothing_is_left(cases):

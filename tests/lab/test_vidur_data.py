@@ -161,7 +161,7 @@ def test_the_fit_recovers_a_known_profile_and_names_its_sources(tmp_path):
 
 
 def test_an_op_of_a_measured_kernel_is_priced_alike_by_both_forms():
-    from servelab.lab.calibrate import op_times
+    from servelab.lab.op_times import op_times
 
     profile = dataclasses.replace(load_profile("h100-sxm"), **TRUTH)
     cost = CostModel(Shape(64, 96, 1, 4, 2, 16, 100), profile, "float16", 2)

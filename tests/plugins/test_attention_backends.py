@@ -224,7 +224,7 @@ def test_fast_impls_match_the_reference_impl(impl, batch, head_dim, heads, block
     # the path that ran: the C++ kernel for every impl=cpu step (prompt tokens
     # too, each as one query over its causal context), never for sdpa
     kernel_calls = 1 if impl == "cpu" else 0
-    assert backend.stats() == {"cpu_kernel_decode_calls": kernel_calls}
+    assert backend.stats() == {"cpu_kernel_calls": kernel_calls}
 
 
 def test_cpu_impl_falls_back_to_sdpa_without_the_kernel(monkeypatch, caplog):
@@ -236,7 +236,7 @@ def test_cpu_impl_falls_back_to_sdpa_without_the_kernel(monkeypatch, caplog):
         case = make_paged_case([1, 1, 5], [17, 3, 6], num_kv_heads=2, head_dim=64, seed=21)
         with caplog.at_level(logging.INFO, logger=flash_varlen.__name__):
             out, backend = run_impl("cpu", case, 4, 2, 64, torch.float32)
-        assert backend.active_impl == "cpu" and backend.stats()["cpu_kernel_decode_calls"] == 0
+        assert backend.active_impl == "cpu" and backend.stats()["cpu_kernel_calls"] == 0
         assert "SERVELAB_CPU_KERNEL=0" in caplog.text and "SDPA" in caplog.text
         assert_matches_reference(out, case, torch.float32)
     finally:
@@ -255,7 +255,7 @@ def test_cpu_impl_counts_one_kernel_call_per_layer():
     for case in layers:
         out = backend.forward(case.q, case.k_new, case.v_new, (case.k_cache, case.v_cache), plan)
         assert_matches_reference(out, case, torch.float32)
-    assert backend.stats()["cpu_kernel_decode_calls"] == len(layers)
+    assert backend.stats()["cpu_kernel_calls"] == len(layers)
 
 
 # -- common helpers
@@ -373,7 +373,7 @@ def test_auto_without_check_decides_on_first_forward(head_dim, chosen):
     backend = FlashVarlenBackend(NUM_HEADS, 2, head_dim, case.scale)
     out = run_step(backend, case)
     assert backend.active_impl == chosen
-    assert backend.stats()["cpu_kernel_decode_calls"] == (chosen == "cpu")
+    assert backend.stats()["cpu_kernel_calls"] == (chosen == "cpu")
     assert_matches_reference(out, case, torch.float32)
 
 

@@ -56,8 +56,9 @@ def test_ageing_bounds_the_wait_behind_a_stream_of_short_requests(sjf_plugin, ag
 def test_step_trace_has_one_json_line_per_step(sjf_plugin, tmp_path, monkeypatch):
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv(TRACE_ENV, str(path))
-    engine = one_at_a_time().engine
-    engine.generate([PROMPT, [6, 7]], params(3))
+    llm = one_at_a_time()
+    engine = llm.engine
+    llm.generate([PROMPT, [6, 7]], params(3))
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     steps = [json.loads(json.dumps(s.row(), default=str)) for s in engine.metrics.steps]
     assert len(lines) == len(steps) > 0

@@ -1,45 +1,52 @@
 """What the engine does after `scheduler.update` for the requests that asked for
 more than tokens: stop strings and logprobs. Both run only while a live request
-uses them (`Engine.watched`), so the offline path without them pays nothing.
+uses them (`Engine.with_stops_or_logprobs`), so the offline path without them
+pays nothing.
 
 A stop string ends a sequence at the first match in its text, across token
 boundaries: the token that completes the match is its last token and the text
-ends before the match (vLLM's rule). The scheduler's own `finish` frees its
+ends before the match (vLLM's rule). The scheduler's `stop` frees its
 blocks; a group whose samples have all finished leaves the queues through
-`abort` (which leaves finished sequences' reasons alone). Logprobs come from the
+`abort` (which leaves finished sequences' reasons alone), and the engine
+finishes it. Only contract methods are called. Logprobs come from the
 step's `SampledTokens.logprobs`, one entry per sampled token, in owner order
 (a prompt that forks now owns n entries: the parent's, then its new children's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from servelab.engine.stop_strings import find_stop
 from servelab.step.plan import SampledTokens
-from servelab.step.sequence import RequestOutput, SequenceGroup
+from servelab.step.sequence import SequenceGroup
 
 if TYPE_CHECKING:
-    from servelab.engine.engine import Engine
+    from servelab.contracts.scheduler import Scheduler
 
 
-def after_update(engine: Engine, sampled: SampledTokens | dict) -> list[RequestOutput]:
-    """Records logprobs and applies stop strings for the watched requests;
-    returns the outputs of the groups a stop string finished."""
-    groups = [engine.groups[r] for r in list(engine.watched) if r in engine.groups]
+def apply_stops_and_logprobs(
+    groups: list[SequenceGroup],
+    sampled: SampledTokens | Mapping,
+    tokenizer,
+    scheduler: Scheduler,
+) -> list[SequenceGroup]:
+    """Records the step's logprobs and applies stop strings for `groups` (the live
+    requests with either); returns the groups a stop string finished, already out
+    of the scheduler's queues."""
     if isinstance(sampled, SampledTokens) and sampled.logprobs is not None:
         _record_logprobs(groups, sampled.owners, sampled.logprobs)
-    if engine.tokenizer is None:
+    if tokenizer is None:
         return []
     done = []
     for group in groups:
-        if group.params.stop and not group.is_finished and _apply_stops(engine, group):
-            done.append(group)
-    outputs = []
+        if group.params.stop and not group.is_finished:
+            if _apply_stops(group, tokenizer, scheduler):
+                done.append(group)
     for group in done:
-        engine.scheduler.abort(group.request_id)  # leaves the queues; reasons stay "stop"
-        outputs.append(engine._finish_group(group))
-    return outputs
+        scheduler.abort(group.request_id)  # leaves the queues; reasons stay "stop"
+    return done
 
 
 def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[dict]) -> None:
@@ -61,12 +68,12 @@ def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[
                 target.logprobs.append(row)
 
 
-def _apply_stops(engine: Engine, group: SequenceGroup) -> bool:
+def _apply_stops(group: SequenceGroup, tokenizer, scheduler: Scheduler) -> bool:
     """Finishes each sample whose text now holds a stop string; True when the
     whole group is finished."""
     for seq in group.unfinished():
-        text = find_stop(seq, engine.tokenizer)
+        text = find_stop(seq, tokenizer)
         if text is not None:
             seq.stop_text = text
-            engine.scheduler.stop(seq)
+            scheduler.stop(seq)
     return group.is_finished

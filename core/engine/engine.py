@@ -26,6 +26,7 @@ from servelab.engine.failures import fail_step
 from servelab.engine.loop import EngineLoop
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
 from servelab.engine.outputs import after_update
+from servelab.engine.request_failures import fail_sampled
 from servelab.errors import RequestError, WorkerError
 from servelab.step.plan import StepPlan
 from servelab.step.sequence import (
@@ -198,13 +199,15 @@ class Engine:
                 sampled = self._run(plan) if not plan.is_empty else {}
                 stage = "scheduler.update"
                 finished = self.scheduler.update(plan, sampled, self.now())
+                # requests whose own sampling raised fail alone (request_failures)
+                failed = fail_sampled(self, sampled, finished)
                 stage = "stop strings and logprobs"
                 stopped = after_update(self, sampled) if self.watched and sampled else []
             except WorkerError:
                 raise  # the tensor-parallel group is gone: no request can run again
             except Exception as exc:
                 return fail_step(self, stage, plan, exc)
-            outputs = [self._finish_group(g) for g in finished] + stopped
+            outputs = [self._finish_group(g) for g in finished] + stopped + failed
             self._record_step(plan, start)
             return outputs
 

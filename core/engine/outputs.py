@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from servelab.engine.request_failures import STOP_SCAN, fail_request
 from servelab.engine.stop_strings import find_stop
 from servelab.step.plan import SampledTokens
 from servelab.step.sequence import RequestOutput, SequenceGroup
@@ -31,11 +32,15 @@ def after_update(engine: Engine, sampled: SampledTokens | dict) -> list[RequestO
         _record_logprobs(groups, sampled.owners, sampled.logprobs)
     if engine.tokenizer is None:
         return []
-    done = []
+    done, outputs = [], []
     for group in groups:
-        if group.params.stop and not group.is_finished and _apply_stops(engine, group):
-            done.append(group)
-    outputs = []
+        if not group.params.stop or group.is_finished:
+            continue
+        try:
+            if _apply_stops(engine, group):
+                done.append(group)
+        except Exception as exc:  # this request's scan: it fails alone (request_failures)
+            outputs.append(fail_request(engine, group, STOP_SCAN, exc))
     for group in done:
         engine.scheduler.abort(group.request_id)  # leaves the queues; reasons stay "stop"
         outputs.append(engine._finish_group(group))

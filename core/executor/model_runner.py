@@ -23,6 +23,7 @@ from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.executor.cuda_graphs import DecodeGraphRunner
 from servelab.executor.forward import ModelForward
+from servelab.executor.isolated_sampling import sample_isolating_rows
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.staging import StepStaging
 from servelab.step.metadata import AttentionMetadata
@@ -266,19 +267,24 @@ class ModelRunner:
         logits = self.logits(rows)
         if len(batch.sample_rows) != logits.shape[0]:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
+        failed: dict = {}
         if batch.all_greedy:
             # ties go to the lowest index, as the sampler's greedy rule
             tokens = self.model_forward.argmax(logits).tolist()
         else:
-            tokens = self.sampler.sample(
+            # an error in one request's rows fails that request only (its rows stand-ins)
+            tokens, failed = sample_isolating_rows(
+                self.sampler,
                 logits,
                 batch.sample_params,
                 batch.sample_positions,
                 self.generator,
                 batch.sample_indices,
                 batch.sample_seqs,
-            ).tolist()
+            )
         sampled = SampledTokens(batch.sample_owners, tokens)
+        if failed:
+            sampled.failed = {batch.sample_owners[row]: exc for row, exc in failed.items()}
         if self.logprobs_k >= 0:  # only while a live request asked for logprobs
             sampled.logprobs = token_logprobs(logits, tokens, self.logprobs_k)
         return sampled

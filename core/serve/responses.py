@@ -5,7 +5,8 @@ A stream sends one event per choice with news (vLLM's shape: one choice per chun
 when n > 1), usage at the end with `stream_options.include_usage` and in every
 chunk with `continuous_usage_stats` too, then `data: [DONE]`. Every way a stream
 can end early ends it the same way, with an error event and `[DONE]`: a request
-the engine rejected or failed, and a server shutting down. A response that does
+the engine rejected or failed (a failure's details go to the server's log, not to
+the client), and a server shutting down. A response that does
 not stream learns that its client left from the ASGI `http.disconnect` message
 (a task waits for it), so it is aborted at once however busy the engine is.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi.responses import JSONResponse, Response
 
@@ -21,14 +23,19 @@ from servelab.serve.choices import Choices
 from servelab.serve.protocol import ApiError
 from servelab.serve.submission import CLOSING, GONE, Submission
 
+log = logging.getLogger(__name__)
+
 SHUTDOWN = "the server is shutting down"
+ENGINE_FAILED = "the request failed in the engine; the server log has the details"
 
 
 def _failure(delta) -> ApiError | None:
     if delta.rejected:
         return ApiError(400, delta.error or "bad request", "prompt")
     if delta.finished and delta.output is not None and delta.output.finish_reason == "error":
-        return ApiError(500, f"the request failed in the engine: {delta.output.error}")
+        # the client learns that it failed, the server's log what failed (no internals out)
+        log.warning("request %s: %s", delta.output.request_id, delta.output.error)
+        return ApiError(500, ENGINE_FAILED)
     return None
 
 

@@ -181,6 +181,16 @@ class Engine:
                 return None
             return [s.logprobs for s in sorted(group.seqs, key=lambda s: s.sample_index)]
 
+    def prompt_logprobs(self, request_id: str) -> list[dict | None] | None:
+        """The prompt logprobs an unfinished request asked for, once its prompt is
+        computed (None before, or when not asked for)."""
+        with self._lock:
+            group = self.groups.get(request_id)
+            scored = group.seqs[0].prompt_logprobs if group is not None else None
+            if scored is None or len(scored) < group.seqs[0].num_prompt_tokens:
+                return None
+            return list(scored)
+
     # -- one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -282,6 +292,7 @@ class Engine:
             finished=True,
             metrics=row,
             error=error,
+            prompt_logprobs=first.prompt_logprobs,
         )
         del self.groups[group.request_id]
         self.watched.discard(group.request_id)

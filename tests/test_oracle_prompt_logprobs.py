@@ -22,14 +22,10 @@ from servelab.testing.oracle import (
     drive,
     restored_num_threads,
 )
+from servelab.testing.oracle_sampling import PATH_COMBOS
 
 COMBOS = [
-    {"scheduler": {"name": "continuous", "admission": "on_demand"},
-     "allocator": {"name": "paged", "block_size": 4}, "preemption": {"name": "recompute"},
-     "attention": {"name": "per_request"}},
-    {"scheduler": {"name": "chunked", "admission": "on_demand", "chunk_size": 8},
-     "allocator": {"name": "paged", "block_size": 4, "prefix_caching": True},
-     "preemption": {"name": "swap"}, "attention": {"name": "per_request"}},
+    *PATH_COMBOS,
     {"scheduler": {"name": "chunked", "admission": "on_demand", "chunk_size": 8},
      "allocator": {"name": "radix", "page_size": 4}, "preemption": {"name": "recompute"},
      "attention": {"name": "per_request"}},

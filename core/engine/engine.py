@@ -122,6 +122,11 @@ class Engine:
             token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
             requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
             params = requests.checked_params(params, request_id, vocab)
+            if params.prompt_logprobs is not None and not getattr(
+                self.executor, "scores_prompts", True
+            ):
+                raise RequestError(f"request {request_id!r}: prompt_logprobs are not supported "
+                                   "with tensor parallelism (engine.tensor_parallel_size > 1)")  # fmt: skip
             priority = requests.check_priority(priority, request_id)
             arrival_time = requests.check_arrival_time(arrival_time, request_id)
             client = requests.check_client(client, request_id)
@@ -186,10 +191,11 @@ class Engine:
         computed (None before, or when not asked for)."""
         with self._lock:
             group = self.groups.get(request_id)
-            scored = group.seqs[0].prompt_logprobs if group is not None else None
-            if scored is None or len(scored) < group.seqs[0].num_prompt_tokens:
+            first = group.seqs[0] if group is not None else None
+            if first is None or first.prompt_logprobs is None:
                 return None
-            return list(scored)
+            complete = len(first.prompt_logprobs) == first.num_prompt_tokens
+            return list(first.prompt_logprobs) if complete else None
 
     # -- one step
     @torch.inference_mode()

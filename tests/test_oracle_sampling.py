@@ -18,15 +18,10 @@ from servelab.testing.oracle import (
     combo_id,
     drive,
 )
-from servelab.testing.oracle_sampling import processing_case, processing_params
+from servelab.testing.oracle_sampling import PATH_COMBOS, processing_case, processing_params
 
 COMBOS = [
-    {"scheduler": {"name": "continuous", "admission": "on_demand"},
-     "allocator": {"name": "paged", "block_size": 4}, "preemption": {"name": "recompute"},
-     "attention": {"name": "per_request"}},
-    {"scheduler": {"name": "chunked", "admission": "on_demand", "chunk_size": 8},
-     "allocator": {"name": "paged", "block_size": 4, "prefix_caching": True},
-     "preemption": {"name": "swap"}, "attention": {"name": "per_request"}},
+    *PATH_COMBOS,
     {"scheduler": {"name": "static", "admission": "reserve"},
      "allocator": {"name": "contiguous"}, "preemption": {"name": "recompute"},
      "attention": {"name": "per_request"}},

@@ -26,6 +26,7 @@ from servelab.contracts.scheduler import Scheduler
 from servelab.engine import requests
 from servelab.engine.failures import fail_step
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
+from servelab.engine.request_failures import fail_sampled
 from servelab.engine.stops_and_logprobs import apply_stops_and_logprobs
 from servelab.errors import RequestError, WorkerError
 from servelab.step.plan import StepPlan
@@ -118,6 +119,11 @@ class Engine:
         token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
         requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
         params = requests.checked_params(params, request_id, vocab)
+        if params.prompt_logprobs is not None and not getattr(
+            self.executor, "scores_prompts", True
+        ):
+            raise RequestError(f"request {request_id!r}: prompt_logprobs are not supported "
+                               "with tensor parallelism (engine.tensor_parallel_size > 1)")  # fmt: skip
         priority = requests.check_priority(priority, request_id)
         arrival_time = requests.check_arrival_time(arrival_time, request_id)
         client = requests.check_client(client, request_id)
@@ -175,6 +181,16 @@ class Engine:
             return None
         return [s.logprobs for s in sorted(group.seqs, key=lambda s: s.sample_index)]
 
+    def prompt_logprobs(self, request_id: str) -> list[dict | None] | None:
+        """The prompt logprobs an unfinished request asked for, once its prompt is
+        computed (None before, or when not asked for)."""
+        group = self.groups.get(request_id)
+        first = group.seqs[0] if group is not None else None
+        if first is None or first.prompt_logprobs is None:
+            return None
+        complete = len(first.prompt_logprobs) == first.num_prompt_tokens
+        return list(first.prompt_logprobs) if complete else None
+
     # -- one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -203,14 +219,20 @@ class Engine:
             sampled = self._run(plan) if not plan.is_empty else {}
             stage = "scheduler.update"
             finished = self.scheduler.update(plan, sampled, self.now())
+            # requests whose own sampling raised fail alone (request_failures)
+            failed = fail_sampled(
+                self.groups, sampled, finished, self.scheduler, self.step_failures
+            )
             stage = "stop strings and logprobs"
             if self.with_stops_or_logprobs and sampled:
-                finished = finished + apply_stops_and_logprobs(
+                stopped, failed_scan = apply_stops_and_logprobs(
                     [self.groups[r] for r in self.with_stops_or_logprobs if r in self.groups],
                     sampled,
                     self.tokenizer,
                     self.scheduler,
+                    self.step_failures,
                 )
+                finished, failed = finished + stopped, failed + failed_scan
         except WorkerError:
             raise  # the tensor-parallel group is gone: no request can run again
         except Exception as exc:
@@ -229,6 +251,8 @@ class Engine:
             return
         for group in finished:
             self._finish_group(group)
+        for group, error in failed:
+            self._finish_group(group, error)
         self._record_step(plan, start)
 
     def _run(self, plan: StepPlan):
@@ -302,6 +326,7 @@ class Engine:
             finished=True,
             metrics=row,
             error=error,
+            prompt_logprobs=first.prompt_logprobs,
         )
         del self.groups[group.request_id]
         self.with_stops_or_logprobs.discard(group.request_id)

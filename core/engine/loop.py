@@ -162,6 +162,11 @@ class EngineLoop:
                 if request_id not in self._tracked:
                     return request_id
 
+    def prompt_logprobs(self, request_id: str) -> list[dict | None] | None:
+        """`Engine.prompt_logprobs` from another thread (the server's echo), under the lock."""
+        with self.lock:
+            return self.engine.prompt_logprobs(request_id)
+
     def take_finished(self) -> list[RequestOutput]:
         """Outputs of requests added with `engine.add_request` that finished while
         the loop was stepping the engine (each returned once)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from servelab.engine.request_failures import STOP_SCAN, Failed, failure
 from servelab.engine.stop_strings import find_stop
 from servelab.step.plan import SampledTokens
 from servelab.step.sequence import SequenceGroup
@@ -31,22 +32,30 @@ def apply_stops_and_logprobs(
     sampled: SampledTokens | Mapping,
     tokenizer,
     scheduler: Scheduler,
-) -> list[SequenceGroup]:
+    failures: dict,
+) -> tuple[list[SequenceGroup], list[Failed]]:
     """Records the step's logprobs and applies stop strings for `groups` (the live
-    requests with either); returns the groups a stop string finished, already out
-    of the scheduler's queues."""
+    requests with either); returns the groups a stop string finished and those whose
+    own scan raised (they fail alone, counted in `failures`), all already out of
+    the scheduler's queues."""
     if isinstance(sampled, SampledTokens) and sampled.logprobs is not None:
         _record_logprobs(groups, sampled.owners, sampled.logprobs)
     if tokenizer is None:
-        return []
-    done = []
+        return [], []
+    done: list[SequenceGroup] = []
+    failed: list[Failed] = []
     for group in groups:
-        if group.params.stop and not group.is_finished:
+        if not group.params.stop or group.is_finished:
+            continue
+        try:
             if _apply_stops(group, tokenizer, scheduler):
                 done.append(group)
+        except Exception as exc:  # this request's scan: it fails alone (request_failures)
+            scheduler.abort(group.request_id)  # frees the blocks of its unfinished samples
+            failed.append(failure(group, STOP_SCAN, exc, failures))
     for group in done:
         scheduler.abort(group.request_id)  # leaves the queues; reasons stay "stop"
-    return done
+    return done, failed
 
 
 def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[dict]) -> None:

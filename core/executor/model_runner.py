@@ -23,6 +23,7 @@ from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.executor.cuda_graphs import DecodeGraphRunner
 from servelab.executor.forward import ModelForward
+from servelab.executor.isolated_sampling import sample_isolating_rows
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.staging import StepStaging
 from servelab.step.metadata import AttentionMetadata
@@ -46,6 +47,8 @@ class StepBatch:
     sample_owners: list[int]  # seq_id that receives each sampled token
     all_greedy: bool  # every row takes the raw logits' argmax (no sampling, no processing)
     sample_seqs: list | None = None  # each sample row's sequence (logits processing reads it)
+    # (seq, hidden row, first, last): rows first.. score prompt tokens first..last (inclusive)
+    prompt_rows: list | None = None
 
 
 class ModelRunner:
@@ -139,10 +142,15 @@ class ModelRunner:
         num_decodes = 0
         still_decoding = True  # decodes come first: count them until the first other
         block_table = self.allocator.block_table
+        prompt_rows = None
+        num_rows = 0  # hidden rows of the items so far
         for item in plan.scheduled:
             seq = item.seq
             start, count = item.start, item.num_query_tokens
             token_ids = seq.token_ids
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+                prompt_rows = _score_prompt(prompt_rows, seq, start, count, num_rows)
+            num_rows += count
             if count == 1:
                 input_ids.append(token_ids[start])
             else:
@@ -188,8 +196,9 @@ class ModelRunner:
         )
         attn_plan, ids = self._plan_and_ids(meta, input_ids)
         return StepBatch(
-            ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy, seqs
-        )
+            ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy, seqs,
+            prompt_rows,
+        )  # fmt: skip
 
     def _plan_and_ids(
         self, meta: AttentionMetadata, input_ids: list[int]
@@ -266,29 +275,71 @@ class ModelRunner:
         logits = self.logits(rows)
         if len(batch.sample_rows) != logits.shape[0]:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
+        failed: dict = {}
         if batch.all_greedy:
             # ties go to the lowest index, as the sampler's greedy rule
             tokens = self.model_forward.argmax(logits).tolist()
         else:
-            tokens = self.sampler.sample(
+            # an error in one request's rows fails that request only (its rows stand-ins)
+            tokens, failed = sample_isolating_rows(
+                self.sampler,
                 logits,
                 batch.sample_params,
                 batch.sample_positions,
                 self.generator,
                 batch.sample_indices,
                 batch.sample_seqs,
-            ).tolist()
+            )
         sampled = SampledTokens(batch.sample_owners, tokens)
+        if failed:
+            sampled.failed = {batch.sample_owners[row]: exc for row, exc in failed.items()}
         if self.logprobs_k >= 0:  # only while a live request asked for logprobs
             sampled.logprobs = token_logprobs(logits, tokens, self.logprobs_k)
         return sampled
+
+    def record_prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> None:
+        """Appends the step's prompt logprobs to the sequences that asked for them (from
+        the raw logits, as the sampled tokens' logprobs), a few hundred rows at a time
+        (a long prompt's [rows, vocab] logits at once could be gigabytes)."""
+        rows, targets, owners = [], [], []
+        for seq, row, first, last in batch.prompt_rows or ():
+            rows += range(row, row + last - first + 1)
+            targets += seq.token_ids[first : last + 1]
+            owners += [seq] * (last - first + 1)
+        k = max(seq.params.prompt_logprobs for seq in owners)
+        index = torch.tensor(rows, device=hidden.device)
+        for at in range(0, len(rows), PROMPT_ROWS_AT_ONCE):
+            part = slice(at, at + PROMPT_ROWS_AT_ONCE)
+            entries = token_logprobs(self.logits(hidden[index[part]]), targets[part], k)
+            for seq, entry in zip(owners[part], entries):
+                entry["top"] = entry["top"][: seq.params.prompt_logprobs]
+                seq.prompt_logprobs.append(entry)
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         """prepare, run_model, sample: one step's sampled tokens."""
         self.logprobs_k = plan.logprobs_k
         batch = self.prepare(plan)
         hidden = self.run_model(batch)
+        if batch.prompt_rows:
+            self.record_prompt_logprobs(hidden, batch)
         return self.sample(hidden, batch)
+
+
+PROMPT_ROWS_AT_ONCE = 256
+
+
+def _score_prompt(found: list | None, seq, start: int, count: int, row: int) -> list:
+    """Adds the rows of a chunk [start, start + count) that score prompt tokens not
+    scored yet (hidden state j scores token j + 1); a gap (positions the step does not
+    compute) is scored None, so the entries stay one per prompt token."""
+    scored = seq.prompt_logprobs
+    first = max(start + 1, len(scored))
+    last = min(start + count, seq.num_prompt_tokens - 1)
+    scored += [None] * (min(first, seq.num_prompt_tokens) - len(scored))
+    found = found if found is not None else []
+    if first <= last:
+        found.append((seq, row + first - 1 - start, first, last))
+    return found
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[dict]:

@@ -15,6 +15,7 @@ body too large, 429 full queue, 500 an engine failure of the request it touched,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version
@@ -181,9 +182,6 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
         req = await parse(request, CompletionRequest)
         unsupported(req)
         check_sizes(req, options, vocab)
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported by "
-                           "servelab", "echo")  # fmt: skip
         texts = prompts_of(req.prompt)
         if len(texts) > options["max_prompts"]:
             raise ApiError(400, f"prompt holds {len(texts)} prompts, more than "
@@ -192,6 +190,8 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
         prompts = [await checker.token_ids(p, "prompt", add_special) for p in texts]
         params = [_params(req, output_budget(req.max_tokens, len(p), max_len, 16), req.logprobs)
                   for p in prompts]  # fmt: skip
+        if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too (vLLM)
+            params = [dataclasses.replace(p, prompt_logprobs=req.logprobs) for p in params]
         echo = None
         if req.echo:
             echo = [await asyncio.to_thread(engine.tokenizer.decode, p) if engine.tokenizer
@@ -231,13 +231,15 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
         sub = Submission(aengine, base, prompts, params, req.priority, live)
         n = params[0].n
         out = Choices(engine.tokenizer, prompts, n, params[0].stop, params[0].logprobs, chat)
+        out.echo_logprobs = params[0].prompt_logprobs is not None
         head = {"id": base, "created": int(time.time()), "model": model_name}
         if req.stream:
             so = req.stream_options
             usage = so is not None and bool(so.include_usage)
             continuous = usage and bool(so.continuous_usage_stats)
             return StreamingResponse(
-                stream_events(sub, out, head, chat, usage, continuous, echo, metrics),
+                stream_events(sub, out, head, chat, usage, continuous, echo, metrics,
+                              lambda rid: asyncio.to_thread(aengine.loop.prompt_logprobs, rid)),
                 media_type="text/event-stream",
             )
         return await whole_response(request, sub, out, head, chat, echo, metrics)

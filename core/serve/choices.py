@@ -27,6 +27,11 @@ class Choices:
         self.stop_reasons: list[str | None] = [None] * count
         self.finals: list[str | None] = [None] * count  # the engine's final texts
         self.error: str | None = None
+        # echo with logprobs: each prompt's logprobs (from its engine request) and where
+        # its choices' output offsets start (past the prompt tokens' texts, vLLM's rule)
+        self.echo_logprobs = False
+        self.prompt_lps: list[list | None] = [None] * len(prompts)
+        self.bases = [0] * count
 
     def apply(self, prompt_index: int, delta: Delta) -> list[dict]:
         """Folds one Delta in; returns the stream pieces it makes, one per choice
@@ -35,6 +40,8 @@ class Choices:
         finals = {}
         if delta.finished and delta.output is not None:
             finals = {c.index: c for c in delta.output.outputs}
+            if self.echo_logprobs and self.prompt_lps[prompt_index] is None:
+                self.prompt_lps[prompt_index] = delta.output.prompt_logprobs
             if delta.output.error and delta.output.finish_reason == "error":
                 self.error = delta.output.error
         for sample in sorted(set(delta.new_tokens) | set(finals)):
@@ -55,7 +62,8 @@ class Choices:
             else:
                 text = self.texts[i].push(ids)
             pieces.append({"index": i, "text": text, "token_ids": ids,
-                           "logprobs": self.logprobs_json(lps, len(self.texts[i].sent) - len(text)),
+                           "logprobs": self.logprobs_json(
+                               lps, self.bases[i] + len(self.texts[i].sent) - len(text)),
                            "finish_reason": reason, "stop_reason": stop_reason})  # fmt: skip
         return pieces
 
@@ -82,6 +90,28 @@ class Choices:
             "text_offset": offsets,
         }
 
+    def prompt_logprobs_json(self, prompt_index: int, entries: list | None) -> dict:
+        """An echoed prompt's completion logprobs (vLLM's shape): the first token's
+        logprob None, offsets from the prompt's start, each token's text long. Sets
+        where the prompt's choices' output offsets start."""
+        ids = self.prompts[prompt_index]
+        entries = entries if entries is not None else [None] * len(ids)
+        self.prompt_lps[prompt_index] = entries
+        texts = [token_text(self.tokenizer, t) for t in ids]
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        for i in range(prompt_index * self.n, (prompt_index + 1) * self.n):
+            self.bases[i] = at
+        return {
+            "tokens": texts,
+            "token_logprobs": [None if e is None else e["logprob"] for e in entries],
+            "top_logprobs": [None if e is None else _first_wins(
+                (token_text(self.tokenizer, t), lp) for t, lp in e["top"]) for e in entries],
+            "text_offset": offsets,
+        }  # fmt: skip
+
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(t) for t in self.tokens)
@@ -95,9 +125,16 @@ class Choices:
             body = self.finals[i] if self.finals[i] is not None else text.sent
             if echo_texts is not None:
                 body = echo_texts[i // self.n] + body
+            logprobs = None
+            if self.logprobs is not None and self.echo_logprobs:
+                logprobs = self.prompt_logprobs_json(i // self.n, self.prompt_lps[i // self.n])
+                output = self.logprobs_json(self.lps[i], self.bases[i])
+                logprobs = {key: logprobs[key] + output[key] for key in logprobs}
+            elif self.logprobs is not None:
+                logprobs = self.logprobs_json(self.lps[i])
             choice = {"index": i, "finish_reason": self.reasons[i],
                       "stop_reason": self.stop_reasons[i], "token_ids": self.tokens[i],
-                      "logprobs": self.logprobs_json(self.lps[i])}  # fmt: skip
+                      "logprobs": logprobs}  # fmt: skip
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": body}
             else:

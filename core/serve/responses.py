@@ -5,7 +5,8 @@ A stream sends one event per choice with news (vLLM's shape: one choice per chun
 when n > 1), usage at the end with `stream_options.include_usage` and in every
 chunk with `continuous_usage_stats` too, then `data: [DONE]`. Every way a stream
 can end early ends it the same way, with an error event and `[DONE]`: a request
-the engine rejected or failed, and a server shutting down. A response that does
+the engine rejected or failed (a failure's details go to the server's log, not to
+the client), and a server shutting down. A response that does
 not stream learns that its client left from the ASGI `http.disconnect` message
 (a task waits for it), so it is aborted at once however busy the engine is.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi.responses import JSONResponse, Response
 
@@ -21,14 +23,19 @@ from servelab.serve.choices import Choices
 from servelab.serve.protocol import ApiError
 from servelab.serve.submission import CLOSING, GONE, Submission
 
+log = logging.getLogger(__name__)
+
 SHUTDOWN = "the server is shutting down"
+ENGINE_FAILED = "the request failed in the engine; the server log has the details"
 
 
 def _failure(delta) -> ApiError | None:
     if delta.rejected:
         return ApiError(400, delta.error or "bad request", "prompt")
     if delta.finished and delta.output is not None and delta.output.finish_reason == "error":
-        return ApiError(500, f"the request failed in the engine: {delta.output.error}")
+        # the client learns that it failed, the server's log what failed (no internals out)
+        log.warning("request %s: %s", delta.output.request_id, delta.output.error)
+        return ApiError(500, ENGINE_FAILED)
     return None
 
 
@@ -37,7 +44,10 @@ def _event(body: dict) -> str:
 
 
 async def stream_events(sub: Submission, choices: Choices, head: dict, chat: bool,
-                        usage: bool, continuous: bool, echo, metrics):  # fmt: skip
+                        usage: bool, continuous: bool, echo, metrics,
+                        prompt_logprobs=None):  # fmt: skip
+    """`prompt_logprobs(request_id)`: awaitable, an echoed prompt's logprobs (echo with
+    logprobs: a prompt's echo chunk waits for its first tokens, and carries them)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     try:
         count = len(choices.texts)
@@ -45,12 +55,14 @@ async def stream_events(sub: Submission, choices: Choices, head: dict, chat: boo
             if chat:
                 first = {"index": i, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}  # fmt: skip
-            elif echo is not None:
+            elif echo is not None and not choices.echo_logprobs:
                 first = {"index": i, "text": echo[i // choices.n], "logprobs": None,
                          "finish_reason": None}  # fmt: skip
             else:
                 continue
             yield _event(_chunk(head, kind, first, choices if continuous else None))
+        echoed: set[int] = set()  # prompts whose echo chunk went out (echo with logprobs)
+        held: dict[int, list] = {}  # their Deltas until then
         async for item in sub.events():
             if item[1] is None:  # CLOSING (a GONE client has no one to tell)
                 yield _event(ApiError(503, SHUTDOWN).body())
@@ -60,7 +72,20 @@ async def stream_events(sub: Submission, choices: Choices, head: dict, chat: boo
             if error is not None:
                 yield _event(error.body())
                 break
-            for piece in choices.apply(*item):
+            items = [item]
+            if choices.echo_logprobs and item[0] not in echoed:
+                index, delta = item
+                entries = delta.output.prompt_logprobs if delta.finished and delta.output else None
+                if entries is None and index not in held:
+                    entries = await prompt_logprobs(delta.request_id)
+                if entries is None and not delta.finished:  # it finished meanwhile: its
+                    held.setdefault(index, []).append(item)  # final Delta will carry them
+                    continue
+                echoed.add(index)
+                for first in _echo_chunks(index, entries, choices, echo):
+                    yield _event(_chunk(head, kind, first, choices if continuous else None))
+                items = held.pop(index, []) + items
+            for piece in (p for it in items for p in choices.apply(*it)):
                 if chat:
                     piece = {"index": piece["index"], "delta": {"content": piece["text"]},
                              "logprobs": piece["logprobs"], "finish_reason": piece["finish_reason"],
@@ -73,6 +98,13 @@ async def stream_events(sub: Submission, choices: Choices, head: dict, chat: boo
     finally:
         sub.close()
         metrics.discard_timings(sub.ids)
+
+
+def _echo_chunks(index: int, entries, choices: Choices, echo) -> list[dict]:
+    """A prompt's echo chunks (one per choice), with its prompt logprobs."""
+    logprobs = choices.prompt_logprobs_json(index, entries)
+    return [{"index": i, "text": echo[index], "logprobs": logprobs, "finish_reason": None}
+            for i in range(index * choices.n, (index + 1) * choices.n)]  # fmt: skip
 
 
 def _chunk(head: dict, kind: str, choice: dict, usage_of: Choices | None) -> dict:

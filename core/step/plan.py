@@ -161,6 +161,9 @@ class SampledTokens(Mapping[int, list[int]]):
         self.owners = owners
         self.tokens = tokens
         self.logprobs: list[dict] | None = None  # per entry, when a request asked for them
+        # seq_id -> its error, for the sequences whose own sampling raised: their entries
+        # are stand-ins, and the engine fails their requests (the others' tokens are exact)
+        self.failed: dict[int, Exception] = {}
         self._by_seq: dict[int, list[int]] | None = None
 
     def _index(self) -> dict[int, list[int]]:

@@ -53,6 +53,8 @@ class SamplingParams:
     # text that ends the request at its first match (excluded from the text)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k
+    # None: none; k >= 0: each prompt token's logprob and the top k (vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
     # logits processing before temperature (vLLM's and OpenAI's meanings; 1.0 / 0 / None: off)
     repetition_penalty: float = 1.0  # > 0: a seen token's (prompt or output) logit / p if > 0, * p else
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
@@ -88,6 +90,11 @@ class SamplingParams:
             logprobs=None
             if self.logprobs is None
             else _integer("logprobs", self.logprobs, "in [0, 20] or None", lambda x: 0 <= x <= 20),
+            prompt_logprobs=None
+            if self.prompt_logprobs is None
+            else _integer(
+                "prompt_logprobs", self.prompt_logprobs, "in [0, 20] or None", lambda x: 0 <= x <= 20
+            ),
             repetition_penalty=_real(
                 "repetition_penalty", self.repetition_penalty, "> 0 (1 is off)", lambda x: x > 0
             ),
@@ -234,6 +241,11 @@ class Sequence:
         # the stop-string search's place (a servelab.engine.stop_strings.StopScan)
         self.stop_scan: Any = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # when asked for: one entry per prompt token, the first None (nothing precedes it);
+        # the executor appends the rest as the prompt's chunks are computed
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
 
     # -- sizes
     @property
@@ -361,6 +373,9 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     error: str | None = None
+    # per prompt token, when asked for (`SamplingParams.prompt_logprobs`): None for the
+    # first, then {"token_id", "logprob", "top"} as in `CompletionOutput.logprobs`
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -222,6 +222,7 @@ class OracleRun:
     num_steps: int
     preempted: int  # sequences preempted, summed over steps
     scheduler_stats: dict[str, float]
+    prompt_logprobs: list = field(default_factory=list)  # each request's, when asked for
 
 
 def engine_options(combo: dict, **overrides: Any) -> dict[str, Any]:
@@ -327,6 +328,7 @@ def _drive(
         num_steps=steps,
         preempted=sum(s.preempted for s in eng.metrics.steps),
         scheduler_stats=dict(stats),
+        prompt_logprobs=[o.prompt_logprobs if o else None for o in finished],
     )
 
 

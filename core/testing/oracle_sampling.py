@@ -18,6 +18,15 @@ from servelab.step.sequence import SamplingParams
 from servelab.testing.hf_reference import build_tiny_hf
 from servelab.testing.oracle import OracleCase, restored_num_threads
 
+# the schedulers' whole-prompt and chunked paths, recompute and swap, prefix caching on
+PATH_COMBOS = [
+    {"scheduler": {"name": "continuous", "admission": "on_demand"},
+     "allocator": {"name": "paged", "block_size": 4}, "preemption": {"name": "recompute"},
+     "attention": {"name": "per_request"}},
+    {"scheduler": {"name": "chunked", "admission": "on_demand", "chunk_size": 8},
+     "allocator": {"name": "paged", "block_size": 4, "prefix_caching": True},
+     "preemption": {"name": "swap"}, "attention": {"name": "per_request"}},
+]  # fmt: skip
 
 class CountPenaltyReference:
     """logit[t] -= frequency * count(t) + presence * (count(t) > 0), over generated tokens."""

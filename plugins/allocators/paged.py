@@ -77,7 +77,8 @@ class PagedAllocator(BlockTableAllocator):
         return hash((parent, tokens))
 
     def _matched_blocks(self, seq: Sequence) -> list[int]:
-        if not self.prefix_caching:
+        # prompt logprobs need every prompt position computed: no cached prefix (as vLLM)
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         bs = self.block_size
         blocks: list[int] = []

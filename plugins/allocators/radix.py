@@ -89,6 +89,8 @@ class RadixAllocator(BlockTableAllocator):
 
     # -- the prefix cache
     def _match(self, seq: Sequence) -> list[tuple[Node, int]]:
+        if seq.params.prompt_logprobs is not None:  # every prompt position computed (as vLLM)
+            return []
         return self.tree.match(seq.token_ids, seq.num_tokens - 1)  # leave one token to compute
 
     @staticmethod

@@ -55,6 +55,8 @@ class ModelExecutor(Executor):
     def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
         opts = engine_options
         self.tp = int(opts.get("tensor_parallel_size", 1))
+        # prompt logprobs need an LM head over prompt rows the workers do not compute
+        self.scores_prompts = self.tp == 1
         self.opts = opts
         self.device = resolve_device(opts["device"])
         self.dtype = resolve_dtype(opts["dtype"])

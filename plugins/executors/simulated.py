@@ -148,6 +148,14 @@ class SimulatedExecutor(Executor):
         sampled = SampledTokens(owners, tokens)
         if plan.logprobs_k >= 0:
             sampled.logprobs = self.stand_in_logprobs(tokens, plan.logprobs_k)
+        for item in plan.items:  # prompt logprobs: stand-ins for the prompt tokens scored now
+            seq = item.seq
+            scored = seq.prompt_logprobs
+            if scored is not None and len(scored) < seq.num_prompt_tokens:
+                last = min(item.start + item.num_query_tokens, seq.num_prompt_tokens - 1)
+                scored += [None] * (min(item.start + 1, seq.num_prompt_tokens) - len(scored))
+                targets = seq.token_ids[len(scored) : last + 1]
+                scored += self.stand_in_logprobs(targets, seq.params.prompt_logprobs)
         return sampled
 
     def stand_in_logprobs(self, tokens: list[int], k: int) -> list[dict]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import socket
 
 import httpx
@@ -212,3 +213,61 @@ def test_health_follows_the_engine_thread(model_folder):
         assert r.status_code == 503
         s.aengine.start()  # so the harness stops it cleanly
 
+
+
+BAD_SEED = 4242
+
+
+def test_an_error_in_one_requests_sampling_or_stop_scan_fails_it_alone(server, expected,
+                                                                        monkeypatch):  # fmt: skip
+    """A request whose sampler rows raise (non-streamed) and one whose stop-string scan
+    raises (streamed) get OpenAI's error shape with no internals; a greedy stream and
+    a seeded request beside them get exactly their tokens."""
+    from servelab.engine import outputs as engine_outputs
+    from servelab.model.sampler import Sampler
+
+    seeded = {"prompt": "hello", "max_tokens": 8, "temperature": 0.9, "seed": 5,
+              "ignore_eos": True}  # fmt: skip
+    reference = httpx.post(server.url + "/v1/completions", json=seeded, timeout=60).json()
+    slow_steps(monkeypatch, server, seconds=0.05)  # the stream is surely still running
+    batches = []
+    real_sample, real_find = Sampler.sample, engine_outputs.find_stop
+
+    def sample(self, logits, params, *args, **kwargs):
+        if any(p.seed == BAD_SEED for p in params):
+            batches.append(len(params))
+            raise RuntimeError("injected sampler failure in /secret/path")
+        return real_sample(self, logits, params, *args, **kwargs)
+
+    def find_stop(seq, tokenizer):
+        if "BOOM" in seq.params.stop:
+            raise RuntimeError("injected stop-scan failure in /secret/path")
+        return real_find(seq, tokenizer)
+
+    monkeypatch.setattr(Sampler, "sample", sample)
+    monkeypatch.setattr(engine_outputs, "find_stop", find_stop)
+    bad_sampling = {"prompt": "hello", "max_tokens": 8, "temperature": 0.7, "seed": BAD_SEED}
+    bad_stop = {"prompt": "hello", "max_tokens": 8, "temperature": 0, "stop": ["BOOM"],
+                "stream": True}  # fmt: skip
+
+    def bad():
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(httpx.post, server.url + "/v1/completions", json=body,
+                                   timeout=60) for body in (bad_sampling, bad_stop, seeded)]  # fmt: skip
+            return [f.result() for f in futures]
+
+    tokens, (sampling, stop, again) = beside_a_stream(server, bad)
+    assert tokens == expected
+    assert again.status_code == 200 and again.json()["choices"] == reference["choices"]
+    message = "the request failed in the engine; the server log has the details"
+    assert sampling.status_code == 500
+    assert sampling.json() == {"error": {"message": message, "type": "server_error",
+                                         "param": None, "code": 500}}  # fmt: skip
+    events = [line for line in stop.text.splitlines() if line.startswith("data: ")]
+    assert stop.status_code == 200 and events[-1] == "data: [DONE]"
+    assert events[-2] == "data: " + json.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
+    )
+    assert max(batches) > 1  # the failing request shared a batch with others
+    assert "secret" not in sampling.text + stop.text
+    wait_idle(server)

@@ -147,3 +147,40 @@ def test_version_ping_tokenize_detokenize(server, offline):
     r = post(server, "/tokenize", {"prompt": "hello world"}).json()
     assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == MAX_LEN
     assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "hello world"
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_as_vllm(server, offline):
+    """vLLM's shape: the prompt's tokens then the output's, the first token's logprob
+    and top None, text offsets from the start of the echoed prompt (each token's
+    text long); the values are the offline API's prompt_logprobs and logprobs."""
+    body = {"prompt": "hello world", "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "echo": True, "ignore_eos": True}  # fmt: skip
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)  # fmt: skip
+    out = offline.generate(["hello world"], params)[0]
+    tok = offline.engine.tokenizer
+    ids = out.prompt_token_ids + out.token_ids
+    entries = out.prompt_logprobs + out.outputs[0].logprobs
+    texts = [tok.decode([t]) for t in ids]
+    assert choice["text"] == tok.decode(out.prompt_token_ids) + out.text
+    lp = choice["logprobs"]
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e["logprob"] for e in entries[1:]])
+    assert [list(top) for top in lp["top_logprobs"][1:]] == [
+        list(dict.fromkeys(tok.decode([t]) for t, _ in e["top"])) for e in entries[1:]
+    ]
+    assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    # streamed: the prompt's chunk first, with its logprobs; the same tokens and values
+    chunks = [c["choices"][0] for c in sse(server, "/v1/completions", {**body, "stream": True})]
+    first = chunks[0]["logprobs"]
+    assert chunks[0]["text"] == tok.decode(out.prompt_token_ids)
+    assert first["tokens"] == texts[: len(out.prompt_token_ids)]
+    assert first["text_offset"] == lp["text_offset"][: len(out.prompt_token_ids)]
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"]]
+    assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
+    assert sum((s["token_logprobs"] for s in streamed), []) == lp["token_logprobs"]
+    assert "".join(c["text"] for c in chunks) == choice["text"]

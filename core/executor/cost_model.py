@@ -112,6 +112,9 @@ class StepShape:
 def step_shape(plan, padded: bool = False) -> StepShape:
     """A `StepPlan` as the cost model reads it: a chunk of one token is a decode
     (its attention is a decode's), a longer one a prefill chunk."""
+    if plan.decodes is not None and not plan.items:  # a steady decode step: one array op
+        keys = np.add(plan.decode_starts, 1.0)
+        return StepShape(_EMPTY, _EMPTY, keys, len(plan.decode_seq_ids), padded)
     decode_keys = []
     if plan.decodes is not None:
         decode_keys.append(np.asarray(plan.decode_starts, dtype=np.float64) + 1)

@@ -19,6 +19,8 @@ import torch
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.sequence import Sequence
 
+SCALAR_ROWS = 32  # rows up to which a per-step lookup is cheaper in Python than in numpy
+
 
 class DecodeBatch:
     """Rows = sequences that each compute their last token and sample the next."""
@@ -187,6 +189,15 @@ class DecodeBatch:
         cached = self._written
         if cached is not None and cached[0] is starts:
             _, blocks, offset = cached
+        elif len(starts) <= SCALAR_ROWS:  # a few rows: Python ints beat numpy's per-call cost
+            bs, item = self.block_size, self.tables.item
+            written, filled = [], []
+            for row, start in enumerate(starts.tolist()):
+                index, within = divmod(start, bs)
+                written.append(item(row, index))
+                if within == bs - 1:
+                    filled.append(row)
+            return written, filled
         else:
             index, offset = np.divmod(starts, self.block_size)
             blocks = self.tables[self._aranges(len(starts))[0], index]

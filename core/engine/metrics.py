@@ -314,9 +314,14 @@ class MetricsCollector:
             kind = "swap" if seq.status == SequenceStatus.SWAPPED else "recompute"
             self._events.setdefault(seq.seq_id, []).append([step, kind])
         token_steps = self._token_steps
-        for seq_id in decoded_ids:
+        known = token_steps.get
+        for seq_id in decoded_ids:  # every step, every row: no list built to be dropped
             if seq_id not in closed:
-                token_steps.setdefault(seq_id, []).append(step)
+                steps = known(seq_id)
+                if steps is None:
+                    token_steps[seq_id] = [step]
+                else:
+                    steps.append(step)
         for item in scheduled:
             seq_id = item.seq.seq_id
             if seq_id in closed:

@@ -54,6 +54,9 @@ from servelab.executor.hardware import HardwareProfile
 MATMUL, ATTENTION, MEMORY, ELEMENTWISE = "matmul", "attention", "memory", "elementwise"
 # calls with a fixed cost apiece: matmuls (setup, the last partial wave), attention
 PREFILL, DECODE = "prefill", "decode"
+CACHE_SIZE = 1 << 16  # token counts (and sampling rows) whose step pieces are kept priced
+_EMPTY = np.zeros(0)
+_EMPTY.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ class StepShape:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.prefill_q.sum()) + len(self.decode_keys)
+        prefill = int(self.prefill_q.sum()) if len(self.prefill_q) else 0
+        return prefill + len(self.decode_keys)
 
     @property
     def num_seqs(self) -> int:
@@ -108,6 +112,9 @@ class StepShape:
 def step_shape(plan, padded: bool = False) -> StepShape:
     """A `StepPlan` as the cost model reads it: a chunk of one token is a decode
     (its attention is a decode's), a longer one a prefill chunk."""
+    if plan.decodes is not None and not plan.items:  # a steady decode step: one array op
+        keys = np.add(plan.decode_starts, 1.0)
+        return StepShape(_EMPTY, _EMPTY, keys, len(plan.decode_seq_ids), padded)
     decode_keys = []
     if plan.decodes is not None:
         decode_keys.append(np.asarray(plan.decode_starts, dtype=np.float64) + 1)
@@ -204,6 +211,8 @@ class CostModel:
             PREFILL: profile.attention_prefill_overhead,
             DECODE: profile.attention_decode_overhead,
         }
+        self._by_tokens: dict[int, tuple] = {}  # see _token_parts
+        self._by_step: dict[tuple[int, int], float] = {}  # see _once_time
 
     def curve(self, op: Op) -> float:
         """The share of its class's efficiency an op of `op.rows` rows reaches."""
@@ -211,16 +220,24 @@ class CostModel:
         return op.rows / (op.rows + half) if half and op.rows else 1.0
 
     def op_time(self, op: Op) -> float:
-        compute = op.flops / (self.rate[op.kind] * self.curve(op)) if op.flops else 0.0
+        return self.seconds(op.kind, op.flops, op.bytes, op.rows, op.launches, op.call, op.name)
+
+    def seconds(self, kind: str, flops: float, data: float, rows: float,
+                launches: float = 1.0, call: str = "", name: str = "") -> float:  # fmt: skip
+        """`op_time` of the op these fields describe (the hot path prices without an Op)."""
+        compute = 0.0
+        if flops:
+            half = self.half_rows[kind]
+            compute = flops / (self.rate[kind] * (rows / (rows + half) if half and rows else 1.0))
         memory = 0.0
-        if op.bytes:
-            bandwidth = self.bandwidth_of[op.kind]
-            if op.kind == ELEMENTWISE:
-                bandwidth = self.kernel_bandwidth.get(op.name, bandwidth)
-            full = self.full_rows[op.kind]
-            wave = max(op.rows, full) / op.rows if full and op.rows else 1.0
-            memory = op.bytes * wave / bandwidth
-        fixed = op.launches * self.profile.launch_overhead + self.call_cost[op.call]
+        if data:
+            bandwidth = self.bandwidth_of[kind]
+            if kind == ELEMENTWISE:
+                bandwidth = self.kernel_bandwidth.get(name, bandwidth)
+            full = self.full_rows[kind]
+            wave = max(rows, full) / rows if full and rows else 1.0
+            memory = data * wave / bandwidth
+        fixed = launches * self.profile.launch_overhead + self.call_cost[call]
         return max(compute, memory) + fixed
 
     # -- the operations of one step
@@ -261,10 +278,16 @@ class CostModel:
             )
         if len(step.decode_keys):
             keys, rows = float(np.sum(step.decode_keys)), len(step.decode_keys)
-            flops = 4 * d * heads * keys
-            data = e * d * (2 * kv * keys + 2 * kv * rows + 2 * heads * rows)
+            flops, data = self.decode_attention(keys, rows)
             ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows, call=DECODE))
         return ops
+
+    def decode_attention(self, keys: float, rows: int) -> tuple[float, float]:
+        """Flops and bytes of `rows` decodes attending over `keys` keys in all."""
+        c, p, e = self.shape, self.tp, self.e
+        d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
+        flops = 4 * d * heads * keys
+        return flops, e * d * (2 * kv * keys + 2 * kv * rows + 2 * heads * rows)
 
     def _collective_time(self, data: float, passes: int) -> float:
         """A collective over the p devices moving `passes` x (p - 1) / p of `data`
@@ -299,12 +322,49 @@ class CostModel:
 
     def step_time(self, step: StepShape) -> float:
         """Seconds one step takes: layers, collectives, the step's own ops, host work."""
-        layer = sum(self.op_time(op) for op in self.layer_ops(step))
-        layer += 2 * self.all_reduce_time(step.num_tokens)
-        once = sum(self.op_time(op) for op in self.step_ops(step))
-        # tensor parallelism's once-a-step collectives: the embeddings, the logits
-        once += self.all_reduce_time(step.num_tokens) + self.gather_time(step.sampling)
+        # = sum(op_time(op) for op in layer_ops(step)) + 2 all-reduces, summed in the same
+        # order (so to the same bit), with what depends on the token count alone priced once
+        tokens = step.num_tokens
+        matmuls, elementwise, reduces = self._token_parts(tokens)
+        layer = sum(matmuls)
+        if step.padded or len(step.prefill_q):
+            for op in self.attention_ops(step):
+                layer += self.op_time(op)
+        else:  # only decodes (most steps): attention_ops' one op, priced without building it
+            rows = len(step.decode_keys)
+            flops, data = self.decode_attention(float(step.decode_keys.sum()), rows)
+            layer += self.seconds(ATTENTION, flops, data, rows, 1.0, DECODE)
+        for seconds in elementwise:
+            layer += seconds
+        layer += reduces
+        once = self._once_time(tokens, step.sampling)
         return self.shape.num_layers * layer + once + self.host_time(step)
+
+    def _token_parts(self, tokens: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+        """A layer's matmul times, element-wise times (in `layer_ops`' order) and its two
+        all-reduces, for a step of `tokens` tokens (cached: a run sees few token counts)."""
+        parts = self._by_tokens.get(tokens)
+        if parts is None:
+            ops = self.layer_ops(StepShape(_EMPTY, _EMPTY, np.zeros(tokens), 0))
+            # layer_ops lists the matmuls, then attention, then the element-wise kernels
+            matmuls = tuple(self.op_time(op) for op in ops if op.kind == MATMUL)
+            elementwise = tuple(self.op_time(op) for op in ops if op.kind == ELEMENTWISE)
+            parts = (matmuls, elementwise, 2 * self.all_reduce_time(tokens))
+            self._by_tokens = self._by_tokens if len(self._by_tokens) < CACHE_SIZE else {}
+            self._by_tokens[tokens] = parts
+        return parts
+
+    def _once_time(self, tokens: int, sampling: int) -> float:
+        """The once-a-step ops and tensor parallelism's once-a-step collectives (the
+        embeddings, the logits), cached by (tokens, sampling rows)."""
+        seconds = self._by_step.get((tokens, sampling))
+        if seconds is None:
+            step = StepShape(_EMPTY, _EMPTY, np.zeros(tokens), sampling)
+            seconds = sum(self.op_time(op) for op in self.step_ops(step))
+            seconds += self.all_reduce_time(tokens) + self.gather_time(sampling)
+            self._by_step = self._by_step if len(self._by_step) < CACHE_SIZE else {}
+            self._by_step[(tokens, sampling)] = seconds
+        return seconds
 
     def copy_time(self, swap_bytes: float, copy_bytes: float) -> float:
         """Block copies: swaps over the host link, copy-on-write in device memory

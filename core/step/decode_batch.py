@@ -19,6 +19,8 @@ import torch
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.sequence import Sequence
 
+SCALAR_ROWS = 32  # rows up to which a per-step lookup is cheaper in Python than in numpy
+
 
 class DecodeBatch:
     """Rows = sequences that each compute their last token and sample the next."""
@@ -46,6 +48,9 @@ class DecodeBatch:
         self.next_input: list[int] = []  # each row's last token: the step's input id
         self._arange_cache: dict[int, tuple] = {}  # see _aranges
         self._written: tuple | None = None  # see written_blocks
+        # advances before a row can reach its length (min of stop_at - starts - 1), or
+        # None when rows joined or left since it was counted: see advance
+        self._steps_to_length: int | None = None
         self.append(seqs, block_tables)
 
     def __len__(self) -> int:
@@ -74,6 +79,7 @@ class DecodeBatch:
         )
         self.tables = np.concatenate([self.tables, rows])
         self.table_lens = np.concatenate([self.table_lens, lens])
+        self._steps_to_length = None
         self._note_stop_rules(seqs)
 
     def _note_stop_rules(self, seqs: list[Sequence]) -> None:
@@ -101,6 +107,7 @@ class DecodeBatch:
         self.prompt_lens = self.prompt_lens[mask]
         self.tables = self.tables[mask]
         self.table_lens = self.table_lens[mask]
+        self._steps_to_length = None
         self.with_stop_tokens &= set(self.seq_ids)
         self.all_greedy = all(s.params.greedy and not s.params.processes_logits for s in self.seqs)
 
@@ -182,6 +189,15 @@ class DecodeBatch:
         cached = self._written
         if cached is not None and cached[0] is starts:
             _, blocks, offset = cached
+        elif len(starts) <= SCALAR_ROWS:  # a few rows: Python ints beat numpy's per-call cost
+            bs, item = self.block_size, self.tables.item
+            written, filled = [], []
+            for row, start in enumerate(starts.tolist()):
+                index, within = divmod(start, bs)
+                written.append(item(row, index))
+                if within == bs - 1:
+                    filled.append(row)
+            return written, filled
         else:
             index, offset = np.divmod(starts, self.block_size)
             blocks = self.tables[self._aranges(len(starts))[0], index]
@@ -199,8 +215,18 @@ class DecodeBatch:
             seq.token_times.append(now)
         self.starts += 1
         self.next_input = tokens
-        # num_tokens is now starts + 1 (the new token has no K/V yet)
-        done = np.flatnonzero(self.starts + 1 >= self.stop_at).tolist()
+        # num_tokens is now starts + 1 (the new token has no K/V yet); a row is at its
+        # length when stop_at - starts - 1 <= 0, and that gap shrinks by one a step for
+        # every row: while its minimum is positive no row needs looking at
+        left = self._steps_to_length
+        left = None if left is None else left - 1
+        if left is None or left <= 0:
+            gaps = self.stop_at - self.starts - 1
+            left = int(gaps.min()) if len(gaps) else None
+            done = np.flatnonzero(gaps <= 0).tolist() if left is not None and left <= 0 else []
+        else:
+            done = []
+        self._steps_to_length = left
         stopping = [(r, self.seqs[r]) for r in done]
         if self.with_stop_tokens:
             stops, with_stops, at_length = self.stop_tokens, self.with_stop_tokens, set(done)

@@ -37,6 +37,7 @@ from servelab.model.loader import load_shape, model_source
 from servelab.step.plan import SampledTokens
 
 MASK64 = (1 << 64) - 1
+SCALAR_ROWS = 48  # decode rows up to which stand-in tokens are drawn with Python ints
 
 
 def _mix(x: int) -> int:
@@ -92,6 +93,7 @@ class SimulatedExecutor(Executor):
         self.block_bytes = 0
         self.padded = False
         self._keys: dict[int, int] = {}  # seq_id -> its sample's hash key
+        self._rows: tuple[list[int], list[int], list[int]] | None = None  # see _batch_rows
         self.eos = frozenset(c.eos_token_ids or ())
 
     # -- sizing
@@ -179,16 +181,17 @@ class SimulatedExecutor(Executor):
         vocab = self.model_config.vocab_size
         if plan.decodes is not None:
             owners = list(plan.decode_seq_ids)
-            keys = self._keys
-            try:
-                row_keys = [keys[i] for i in owners]
-            except KeyError:
-                for seq in plan.decode_seqs:
-                    self.key_of(seq.seq_id, seq.request_id, seq.sample_index)
-                row_keys = [keys[i] for i in owners]
-            positions = plan.decode_starts + 1 - plan.decodes.prompt_lens
-            drawn = stand_in_tokens(np.array(row_keys, dtype=np.uint64), positions, vocab)
-            tokens = self.avoid_eos(drawn.tolist(), vocab)
+            row_keys, offsets = self._batch_rows(plan)
+            if len(owners) <= SCALAR_ROWS:  # a few rows: Python ints beat numpy's per-call cost
+                starts = plan.decode_starts.tolist()
+                drawn = [
+                    stand_in_token(k, s + o, vocab) for k, s, o in zip(row_keys, starts, offsets)
+                ]
+            else:
+                positions = plan.decode_starts + np.asarray(offsets, dtype=np.int64)
+                keys = np.array(row_keys, dtype=np.uint64)
+                drawn = stand_in_tokens(keys, positions, vocab).tolist()
+            tokens = self.avoid_eos(drawn, vocab)
         for item in plan.items:
             if not item.samples:
                 continue
@@ -204,6 +207,19 @@ class SimulatedExecutor(Executor):
                 owners.append(seq.seq_id)
                 tokens += self.avoid_eos([stand_in_token(key, num_outputs, vocab)], vocab)
         return step_shape(plan, self.padded), owners, tokens
+
+    def _batch_rows(self, plan) -> tuple[list[int], list[int]]:
+        """Each decode-batch row's key, and what turns its position into its output
+        position (1 - its prompt length). Kept while the batch's rows are the same
+        (the batch replaces its row lists when rows join or leave, never edits them)."""
+        ids = plan.decode_seq_ids
+        cached = self._rows
+        if cached is not None and cached[0] is ids:
+            return cached[1], cached[2]
+        keys = [self.key_of(s.seq_id, s.request_id, s.sample_index) for s in plan.decode_seqs]
+        offsets = (1 - plan.decodes.prompt_lens).tolist()
+        self._rows = (ids, keys, offsets)
+        return keys, offsets
 
     def key_of(self, seq_id: int, request_id: str, sample_index: int) -> int:
         key = self._keys.get(seq_id)

@@ -78,6 +78,7 @@ SWEEPS = (
     "tests/kernels/test_cpu_fused.py::test_qk_norm_rope_matches_torch",
     "tests/kernels/test_cpu_fused.py::test_rms_norm_matches_torch",
     "tests/kernels/test_cpu_linear.py::test_matches_the_exact_product",
+    "tests/engine/test_disaggregation.py::test_disaggregated_tokens_equal_colocated_and_reference",
 )
 
 

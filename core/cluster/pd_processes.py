@@ -14,6 +14,7 @@ tokens equal one engine's: the K/V is the prefill engine's own, decoded by the s
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -31,12 +32,15 @@ import torch
 import torch.distributed as dist
 
 from servelab.cluster.kv_wire import recv_prefilled, send_end, send_prefilled
+from servelab.contracts.kinds import ENGINE_KINDS
 from servelab.engine.build import build_engine
 from servelab.errors import ConfigError, ServelabError
 from servelab.executor.parallel.common import data_backend
 from servelab.lab.request_builder import WorkloadRequest
+from servelab.lab.workload import make_workload
 
 PREFILL, DECODE = 0, 1
+ENGINE_NODES = ("model", "engine", "hardware", *ENGINE_KINDS)
 
 
 @dataclass
@@ -117,7 +121,9 @@ def _output(out, instance: str) -> dict:
 
 def _figures(engine) -> dict:
     return {
-        "records": [r.row() for r in engine.metrics.requests],
+        "t0": engine.t0,  # the engine's clock origin (perf_counter: one clock per machine)
+        "records": [dataclasses.asdict(r) for r in engine.metrics.requests],
+        "step_records": [s.row() for s in engine.metrics.steps],
         "preempted": sum(s.preempted for s in engine.metrics.steps),
         "steps": len(engine.metrics.steps),
         "scheduler": dict(engine.scheduler.stats()),
@@ -125,11 +131,19 @@ def _figures(engine) -> dict:
     }
 
 
+def engine_config(config: Mapping) -> dict:
+    """What one instance is built from: the engine's nodes only."""
+    return {k: v for k, v in config.items() if k in ENGINE_NODES}
+
+
 def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, result: str,
               transfer: str, hold_until: int, timeout: float) -> None:  # fmt: skip
     """One process of the pair: build the engine, join the group, serve, write the JSON."""
     try:
-        engine = build_engine(config)
+        engine = build_engine(engine_config(config))
+        if rank == PREFILL and requests is None:  # the workload node, sized to the model
+            requests = make_workload(config["workload"], engine.model_config.vocab_size,
+                                     engine.max_model_len)  # fmt: skip
         device = engine.device or torch.device("cpu")
         requested = (config.get("engine") or {}).get("distributed_backend", "auto")
         backend = data_backend(device.type, requested)
@@ -154,16 +168,19 @@ def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, resul
 # -- the parent
 def run_pair(
     config: Mapping,
-    requests: list[WorkloadRequest],
+    requests: list[WorkloadRequest] | None = None,
     transfer: str = "wait",
     hold_until: int = 0,
     timeout: float = 600.0,
 ) -> PairResult:
     """Spawns the prefill and the decode process for `config` (one engine config, used
-    by both), serves `requests` and returns every request's output."""
+    by both), serves `requests` (None: the config's `workload` node) and returns every
+    request's output."""
     if transfer not in ("wait", "recompute"):
         raise ConfigError(f"transfer must be one of wait, recompute, got {transfer!r}")
-    if any(r.after is not None for r in requests):
+    if requests is None and not config.get("workload"):
+        raise ConfigError("no requests and no workload node; pick one with workload=NAME")
+    if any(r.after is not None for r in requests or ()):
         raise ConfigError(
             "a real disaggregated pair serves timed requests only; follow-up turns "
             "(workload.after) need the simulated cluster"

@@ -136,11 +136,21 @@ def engine_config(config: Mapping) -> dict:
     return {k: v for k, v in config.items() if k in ENGINE_NODES}
 
 
+def _own_device(config: Mapping, rank: int) -> Mapping:
+    """`engine.device=cuda` on a machine with several devices: one per process (NCCL
+    refuses two ranks on one device)."""
+    engine = dict(config.get("engine") or {})
+    if str(engine.get("device", "cpu")) == "cuda" and torch.cuda.device_count() > 1:
+        engine["device"] = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    return {**config, "engine": engine}
+
+
 def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, result: str,
               transfer: str, hold_until: int, timeout: float) -> None:  # fmt: skip
     """One process of the pair: build the engine, join the group, serve, write the JSON."""
     try:
-        engine = build_engine(engine_config(config))
+        engine = build_engine(engine_config(_own_device(config, rank)))
         if rank == PREFILL and requests is None:  # the workload node, sized to the model
             requests = make_workload(config["workload"], engine.model_config.vocab_size,
                                      engine.max_model_len)  # fmt: skip

@@ -62,7 +62,7 @@ SLOW = (
     "tests/lab/test_repeats.py",
     "tests/plugins/test_allocator_stateful.py",
     "tests/testing/test_conformance.py",
-    "tests/cluster/test_disaggregated_processes.py",
+    "tests/cluster/test_disaggregated_processes.py::test_two_processes_give_the_colocated_tokens",
 )
 # Parametrized sweeps over every combination: the first case of each stays in the
 # fast tier (the code path is exercised), the rest are slow.

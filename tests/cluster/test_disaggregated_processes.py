@@ -56,3 +56,16 @@ def test_two_processes_give_the_colocated_tokens(parts, transfer):
     else:
         assert stats["prefilled_recomputed"] > 0, "no transfer fell back to recomputing"
     assert prefill["kv_blocks_held_at_end"] == decode["kv_blocks_held_at_end"] == 0
+
+
+def test_the_command_line_takes_real_executors_to_the_pair_and_refuses_more_instances(tmp_path):
+    from servelab.cluster.pd_cli import is_real_pair, run_pair_job
+    from servelab.errors import ConfigError
+
+    pair = {"prefill": 1, "decode": 1}
+    assert is_real_pair({"cluster": pair})  # executor=model is the default
+    assert is_real_pair({"cluster": pair, "executor": {"name": "model"}})
+    assert not is_real_pair({"cluster": pair, "executor": "simulated"})
+    assert not is_real_pair({"cluster": {"replicas": 2}})
+    with pytest.raises(ConfigError, match="one prefill and one decode process"):
+        run_pair_job({"cluster": {"prefill": 2, "decode": 1}}, {}, tmp_path)

@@ -142,3 +142,16 @@ def test_tensor_parallel_is_refused():
     engine = type("E", (), {"executor": TwoRanks()})()
     with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
         handover._check_whole_cache(engine)
+
+
+def test_the_first_tokens_step_comes_first_in_the_record(case, pair):
+    prefill, decode = pair
+    handover = _handover(case, prefill)
+    decode.add_prefilled_request(handover)
+    while decode.has_unfinished():
+        decode.step()
+    record = decode.metrics.requests[-1]
+    assert record.request_id == handover.request_id
+    assert len(record.token_steps) == len(record.token_times) == len(case.expected[4])
+    assert record.token_steps == sorted(record.token_steps)
+    assert record.first_token_time == handover.first_token_time

@@ -167,6 +167,8 @@ def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, resul
                 figures = serve_prefill(engine, requests, wire)
             else:
                 figures = serve_decode(engine, wire, transfer, hold_until)
+            # an orderly end: neither leaves the group while the other may still read from it
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         Path(result).write_text(json.dumps({"backend": backend, **figures}))

@@ -10,15 +10,23 @@ Rank 1 (decode) receives on a thread and, between its steps, admits each arrival
 that does not fit waits or recomputes, `transfer`). Each process writes its outputs,
 request records and figures as JSON; `run_pair` spawns both and joins their outputs. The
 tokens equal one engine's: the K/V is the prefill engine's own, decoded by the same parts.
+No fixed ports: the group meets through a file (gloo then binds free ports itself). The wire
+has its own process group, so the decode side's receiving thread never shares a group with
+the main thread's end barrier; a failing role writes its error and exits at once (it does
+not wait on a group its peer may hold), and on the deadline each role dumps its stacks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import json
 import multiprocessing
+import os
 import queue
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -51,7 +59,9 @@ class PairResult:
 
 
 # -- the roles (in their processes)
-def serve_prefill(engine, requests: list[WorkloadRequest], device: torch.device) -> dict:
+def serve_prefill(
+    engine, requests: list[WorkloadRequest], device: torch.device, stream=None
+) -> dict:
     pending = sorted(enumerate(requests), key=lambda item: (item[1].arrival_time, item[0]))
     outputs, sent, kv_bytes = {}, 0, 0
     while pending or engine.has_unfinished():
@@ -70,37 +80,63 @@ def serve_prefill(engine, requests: list[WorkloadRequest], device: torch.device)
             if handover.done:  # the first token ended it: this output is final
                 outputs[handover.request_id] = _output(finished[handover.request_id], "prefill")
                 continue
-            kv_bytes += send_prefilled(handover, DECODE, device, clock_offset=engine.t0)
+            try:
+                kv_bytes += send_prefilled(handover, DECODE, device, engine.t0, group=stream)
+            except RuntimeError as error:  # gloo/NCCL: the peer left or the timeout passed
+                raise ServelabError(
+                    f"the prefill process could not send request {handover.request_id!r} "
+                    f"to the decode process ({sent} sent before it): {error}"
+                ) from error
             sent += 1
-    send_end(DECODE, device)
+    send_end(DECODE, device, group=stream)
     return {"outputs": outputs, "sent": sent, "kv_bytes": kv_bytes, **_figures(engine)}
 
 
-def serve_decode(engine, device: torch.device, transfer: str, hold_until: int = 0) -> dict:
+def serve_decode(
+    engine, device: torch.device, transfer: str, hold_until: int = 0, stream=None,
+    timeout: float | None = None,
+) -> dict:  # fmt: skip
     """`hold_until`: the first step waits for that many transfers (a burst arriving at a
-    busy instance, reproducibly); 0 steps as soon as there is work."""
+    busy instance, reproducibly); 0 steps as soon as there is work. `timeout`: the longest
+    wait for the next transfer while idle. The receiving thread uses only `stream` (the
+    K/V stream's process group); its failure or END reaches this thread by the inbox."""
     inbox: queue.Queue = queue.Queue()
 
     def receive() -> None:
-        while True:
-            request = recv_prefilled(PREFILL, device, clock_offset=engine.t0)
-            inbox.put(request)
-            if request is None:
-                return
+        try:
+            while True:
+                request = recv_prefilled(PREFILL, device, clock_offset=engine.t0, group=stream)
+                inbox.put(request)
+                if request is None:
+                    return
+        except BaseException as error:  # the main thread raises it: no silent wait forever
+            inbox.put(error)
 
-    threading.Thread(target=receive, name="servelab-kv-receiver", daemon=True).start()
+    receiver = threading.Thread(target=receive, name="servelab-kv-receiver", daemon=True)
+    receiver.start()
     outputs, received, max_waiting, ended = {}, 0, 0, False
     while not ended or engine.has_unfinished():
         holding = not ended and received < hold_until
         block = not ended and (holding or not engine.has_unfinished())
         while True:
             try:
-                request = inbox.get(block=block)
+                request = inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
+                if block:
+                    raise ServelabError(
+                        f"the decode process waited {timeout:.0f} s for transfer "
+                        f"{received + 1} from the prefill process (holding for {hold_until})"
+                    ) from None
                 break
             block = False
+            if isinstance(request, BaseException):
+                raise ServelabError(
+                    f"the decode process failed receiving transfer {received + 1} from "
+                    f"the prefill process: {request!r}"
+                ) from request
             if request is None:
                 ended = True
+                receiver.join()  # it returned after END: the wire is idle from here
                 break
             engine.add_prefilled_request(request, transfer)
             received += 1
@@ -148,7 +184,11 @@ def _own_device(config: Mapping, rank: int) -> Mapping:
 
 def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, result: str,
               transfer: str, hold_until: int, timeout: float) -> None:  # fmt: skip
-    """One process of the pair: build the engine, join the group, serve, write the JSON."""
+    """One process of the pair: build the engine, join the group, serve, write the JSON.
+    SIGUSR1 dumps every thread's stack to `<result>.stacks` (the parent's deadline)."""
+    stacks = open(f"{result}.stacks", "w")  # noqa: SIM115 (open for the process's life)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         engine = build_engine(engine_config(_own_device(config, rank)))
         if rank == PREFILL and requests is None:  # the workload node, sized to the model
@@ -158,23 +198,28 @@ def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, resul
         requested = (config.get("engine") or {}).get("distributed_backend", "auto")
         backend = data_backend(device.type, requested)
         wire = device if backend == "nccl" else torch.device("cpu")
+        limit = datetime.timedelta(seconds=timeout)
         dist.init_process_group(
             backend, init_method=f"file://{rendezvous}", rank=rank, world_size=2,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=limit,
         )  # fmt: skip
-        try:
-            if rank == PREFILL:
-                figures = serve_prefill(engine, requests, wire)
-            else:
-                figures = serve_decode(engine, wire, transfer, hold_until)
-            # an orderly end: neither leaves the group while the other may still read from it
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        # the K/V stream's own group: the receiving thread never shares one with the barrier
+        stream = dist.new_group([PREFILL, DECODE], timeout=limit)
+        if rank == PREFILL:
+            figures = serve_prefill(engine, requests, wire, stream)
+        else:
+            figures = serve_decode(engine, wire, transfer, hold_until, stream, timeout)
+        # an orderly end: neither leaves the group while the other may still read from it
+        dist.barrier()
+        dist.destroy_process_group()
         Path(result).write_text(json.dumps({"backend": backend, **figures}))
     except BaseException:
-        Path(result).write_text(json.dumps({"error": traceback.format_exc()}))
-        raise SystemExit(1) from None
+        # no group teardown on failure: it may wait on a peer (or a thread) that never comes;
+        # exiting closes the connections, so the peer's send/recv fails at once too
+        error = traceback.format_exc()
+        Path(result).write_text(json.dumps({"error": error}))
+        print(error, file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 # -- the parent
@@ -219,24 +264,32 @@ def run_pair(
         ]
         for process in processes:
             process.start()
-        _join(processes, results, timeout)
+        _join(processes, results, timeout + 60)  # the roles' own timeouts speak first
         prefill, decode = (json.loads(Path(r).read_text()) for r in results)
     outputs = {**prefill.pop("outputs"), **decode.pop("outputs")}
     return PairResult(outputs, prefill, decode)
 
 
 def _join(processes: list, results: list[str], timeout: float) -> None:
-    """Waits for both; a role that fails ends the other and raises with its traceback."""
-    deadline = time.monotonic() + timeout
+    """Waits for both; a role that fails ends the other and raises with every failed
+    role's traceback, the first to fail first; past the deadline, with their stacks."""
+    deadline, first = time.monotonic() + timeout, None
     while any(p.is_alive() for p in processes):
         failed = [i for i, p in enumerate(processes) if p.exitcode not in (None, 0)]
         if failed or time.monotonic() > deadline:
+            first = failed[0] if failed else None
+            stacks = "" if failed else _dump_stacks(processes, results)
             for process in processes:
                 if process.is_alive():
                     process.terminate()
                 process.join(5)
+                if process.is_alive():
+                    process.kill()
             if not failed:
-                raise ServelabError(f"the disaggregated pair did not finish in {timeout:.0f} s")
+                raise ServelabError(
+                    f"the disaggregated pair did not finish in {timeout:.0f} s; "
+                    f"where each process was:\n{stacks}"
+                )
             break
         time.sleep(0.05)
     errors = []
@@ -246,13 +299,23 @@ def _join(processes: list, results: list[str], timeout: float) -> None:
         error = json.loads(path.read_text()).get("error") if path.exists() else None
         if process.exitcode != 0:
             role = "prefill" if rank == PREFILL else "decode"
-            # the role that failed first says why; the other was ended
-            errors.append(
-                (
-                    error is None,
-                    f"the {role} process failed (exit code "
-                    f"{process.exitcode}):\n{error or 'ended after its peer failed'}",
-                )
-            )
+            message = error or "ended after its peer failed"
+            text = f"the {role} process failed (exit code {process.exitcode}):\n{message}"
+            errors.insert(0 if rank == first else len(errors), text)
     if errors:
-        raise ServelabError(sorted(errors)[0][1])
+        raise ServelabError("\n".join(errors))
+
+
+def _dump_stacks(processes: list, results: list[str]) -> str:
+    """Each live role's thread stacks (faulthandler on SIGUSR1), for the deadline's error."""
+    alive = [(rank, p) for rank, p in enumerate(processes) if p.is_alive()]
+    if not hasattr(signal, "SIGUSR1"):
+        return "(no SIGUSR1 on this platform)"
+    for _, process in alive:
+        os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(2)
+    return "\n".join(
+        f"-- {'prefill' if rank == PREFILL else 'decode'} (pid {p.pid}):\n"
+        + Path(f"{results[rank]}.stacks").read_text()
+        for rank, p in alive
+    )

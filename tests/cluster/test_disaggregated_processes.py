@@ -69,3 +69,37 @@ def test_the_command_line_takes_real_executors_to_the_pair_and_refuses_more_inst
     assert not is_real_pair({"cluster": {"replicas": 2}})
     with pytest.raises(ConfigError, match="one prefill and one decode process"):
         run_pair_job({"cluster": {"prefill": 2, "decode": 1}}, {}, tmp_path)
+
+
+class _IdleEngine:
+    """The decode loop's view of an engine with nothing to do (the wire is under test)."""
+
+    t0 = 0.0
+
+    def has_unfinished(self) -> bool:
+        return False
+
+
+def test_a_failed_receive_ends_the_decode_loop_with_the_cause(monkeypatch):
+    from servelab.cluster import pd_processes
+    from servelab.errors import ServelabError
+
+    def broken_wire(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(pd_processes, "recv_prefilled", broken_wire)
+    with pytest.raises(ServelabError, match="failed receiving transfer 1 .*Connection closed"):
+        pd_processes.serve_decode(_IdleEngine(), None, "wait", timeout=600)
+
+
+def test_a_silent_prefill_side_ends_the_decode_loop_at_its_timeout(monkeypatch):
+    import threading
+
+    from servelab.cluster import pd_processes
+    from servelab.errors import ServelabError
+
+    never = threading.Event()
+    monkeypatch.setattr(pd_processes, "recv_prefilled", lambda *a, **k: never.wait() and None)
+    with pytest.raises(ServelabError, match="waited 0 s for transfer 1 .*holding for 2"):
+        pd_processes.serve_decode(_IdleEngine(), None, "wait", hold_until=2, timeout=0.1)
+    never.set()  # the receiving thread returns None: END

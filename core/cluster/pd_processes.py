@@ -314,8 +314,9 @@ def _dump_stacks(processes: list, results: list[str]) -> str:
     for _, process in alive:
         os.kill(process.pid, signal.SIGUSR1)
     time.sleep(2)
+    dumps = {rank: Path(f"{results[rank]}.stacks") for rank, _ in alive}
     return "\n".join(
         f"-- {'prefill' if rank == PREFILL else 'decode'} (pid {p.pid}):\n"
-        + Path(f"{results[rank]}.stacks").read_text()
+        + (dumps[rank].read_text() if dumps[rank].exists() else "(not started: no stacks)")
         for rank, p in alive
     )

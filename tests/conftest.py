@@ -77,6 +77,7 @@ SLOW = (
     "tests/test_cli.py::test_one_run_writes_its_results_and_prints_the_summary",
     "tests/test_cli.py::test_a_failing_single_run_exits_2_and_still_writes_its_results",
     "tests/test_cli.py::test_a_plugin_registered_config_option_works_on_the_command_line",
+    "tests/cluster/test_disaggregated_processes.py::test_two_processes_give_the_colocated_tokens",
 )
 # Parametrized sweeps over every combination: the first case of each stays in the
 # fast tier (the code path is exercised), the rest are slow.
@@ -93,6 +94,7 @@ SWEEPS = (
     "tests/kernels/test_cpu_fused.py::test_qk_norm_rope_matches_torch",
     "tests/kernels/test_cpu_fused.py::test_rms_norm_matches_torch",
     "tests/kernels/test_cpu_linear.py::test_matches_the_exact_product",
+    "tests/engine/test_disaggregation.py::test_disaggregated_tokens_equal_colocated_and_reference",
 )
 
 

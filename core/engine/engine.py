@@ -21,7 +21,7 @@ from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
 from servelab.contracts.scheduler import Scheduler
-from servelab.engine import requests
+from servelab.engine import handover, requests
 from servelab.engine.failures import fail_step
 from servelab.engine.loop import EngineLoop
 from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
@@ -71,6 +71,7 @@ class Engine:
         self.loop = EngineLoop(self)  # the one loop `generate` and the server submit through
         self.step_failures: dict[tuple[str, str], int] = {}  # (stage, error type) -> count
         self._step_index = 0
+        self.kv_exports: handover.KVExports | None = None  # prefill-only requests (handover)
         self.clock = executor.now
         self.t0 = self.clock()
 
@@ -223,7 +224,10 @@ class Engine:
                 ),
                 default=-1,
             )
-        return self.executor.execute(plan)
+        sampled = self.executor.execute(plan)
+        if self.kv_exports:  # prefill-only requests: their K/V, before update frees their blocks
+            self.kv_exports.capture(self, plan, sampled)
+        return sampled
 
     # -- bookkeeping
     def _finish_group(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
@@ -346,6 +350,38 @@ class Engine:
             "recomputed_tokens": stats.get("recomputed_tokens", 0),
             **{f"attn_{k}": v for k, v in self.backend.stats().items()},
         }
+
+    # -- prefill/decode disaggregation (servelab.engine.handover)
+    def add_prefill_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        client: str | None = None,
+    ) -> str:
+        """Queues a request that runs its prompt and samples its first token only;
+        after the step that does, `take_prefilled` hands it (and its prompt's K/V) over."""
+        with self._lock:
+            return handover.add_prefill_request(
+                self, prompt, params, request_id, arrival_time, priority, client
+            )
+
+    def take_prefilled(self) -> list[handover.PrefilledRequest]:
+        """The prefill-only requests finished since the last call, each once."""
+        with self._lock:
+            return handover.take_prefilled(self)
+
+    def add_prefilled_request(
+        self, request: handover.PrefilledRequest, transfer: str = "wait"
+    ) -> str:
+        """Queues a request whose prompt another instance prefilled: it is admitted
+        when the allocator has room (`transfer="wait"`), or, when it does not fit at
+        the next step, recomputes prompt + first token as an ordinary request
+        (`transfer="recompute"`); then it decodes."""
+        with self._lock:
+            return handover.add_prefilled_request(self, request, transfer)
 
     # -- convenience
     def generate(

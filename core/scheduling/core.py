@@ -25,6 +25,7 @@ from servelab.contracts.scheduler import Scheduler
 from servelab.errors import ConfigError, RequestError
 from servelab.scheduling.admission import Admission
 from servelab.scheduling.policy import HOOKS, SchedulingPolicy, SchedulingPolicyError
+from servelab.scheduling.prefilled import PendingPrefilled, PrefilledAdmission
 from servelab.scheduling.update import StepUpdate
 from servelab.step.decode_batch import DecodeBatch
 from servelab.step.plan import ScheduledSeq, StepPlan
@@ -54,7 +55,7 @@ def queue_key(group: SequenceGroup) -> tuple:
     return (group.priority, group.arrival_time, group.seqs[0].seq_id)
 
 
-class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
+class SchedulerCore(Admission, PrefilledAdmission, SchedulingPolicy, StepUpdate, Scheduler):
     """Queues, admission, preemption (`schedule`) and, from `StepUpdate`, what
     happens after the forward. Subclass it and override the policy hooks only."""
 
@@ -121,6 +122,9 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
         # None whenever a step must take the general path
         self.decode_batch: DecodeBatch | None = None
         self._holds_slots = type(self).keeps_slot is not SchedulingPolicy.keeps_slot
+        # requests prefilled elsewhere, waiting for admission (`add_prefilled`)
+        self.prefilled: list[PendingPrefilled] = []
+        self.num_prefilled = {"admitted": 0, "recomputed": 0, "prefix_hit_tokens": 0}
 
     # -- the contract: queues
     def add(self, group: SequenceGroup) -> None:
@@ -143,6 +147,8 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
 
     def abort(self, request_id: str) -> list[Sequence]:
         self.decode_batch = None
+        if self.prefilled and (aborted := self._abort_prefilled(request_id)) is not None:
+            return aborted
         for queue in (self.waiting, self.running, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
@@ -161,7 +167,7 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
         self._finish(seq, FinishReason.STOP)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.prefilled)
 
     @property
     def num_running_seqs(self) -> int:
@@ -177,6 +183,8 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
     # -- the contract: one step
     def schedule(self) -> StepPlan:
         self.step_count += 1
+        if self.prefilled:
+            self._admit_prefilled()
         swapped_at_start = bool(self.swapped)
         victims = self.pick_victims()
         plan = self._preempt_victims(victims) if victims else None
@@ -365,6 +373,7 @@ class SchedulerCore(Admission, SchedulingPolicy, StepUpdate, Scheduler):
             "preemptions_recompute": self.num_preemptions["recompute"],
             "preemptions_swap": self.num_preemptions["swap"],
             "recomputed_tokens": self.num_recomputed_tokens,
+            **self._prefilled_stats(),
             **self.policy_stats(),
         }
 

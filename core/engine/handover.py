@@ -1,0 +1,259 @@
+"""Prefill/decode disaggregation, the engine's side: a prefill-only request, and a
+request whose prompt K/V arrives from another instance.
+
+Prefill instance: `Engine.add_prefill_request` queues a request that runs its prompt
+and samples its first token only (`max_tokens=1`, as DistServe and vLLM's disaggregated
+prefill do). In the step that samples it, before the scheduler frees its blocks, its
+prompt's K and V are read from the KV tensors through the allocator's block table:
+`[2 (k, v), num_layers, prompt tokens, num_kv_heads, head_dim]`. After the step,
+`Engine.take_prefilled` returns a `PrefilledRequest` per finished prefill: prompt,
+first token, the request's own parameters, the K/V, and `done` when the first token
+already ended the request (a stop token, EOS, a stop string, max_tokens=1, the length
+limit), so there is nothing to hand over.
+
+Decode instance: `Engine.add_prefilled_request` queues it as prompt + first token; the
+scheduler core (`servelab.scheduling.prefilled`) admits it when its allocator has room,
+the K/V is written into the blocks it got, and only decoding remains. A simulated
+executor has no K/V tensors: `kv` is None and only blocks and time are modelled.
+Same K/V, same greedy decode: the tokens equal a colocated run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from servelab.engine import requests
+from servelab.errors import ConfigError, RequestError
+from servelab.step.sequence import FinishReason, SamplingParams, Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from servelab.engine.engine import Engine
+    from servelab.executor.kv_cache import KVCache
+    from servelab.step.plan import StepPlan
+
+
+@dataclass
+class PrefilledRequest:
+    """A request whose prompt one instance prefilled, as another admits it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int  # sampled by the prefill instance
+    params: SamplingParams  # the request's own (max_tokens counts the first token)
+    # [2 (k, v), num_layers, len(prompt_token_ids), num_kv_heads, head_dim]; None: no content
+    kv: torch.Tensor | None = None
+    done: bool = False  # the first token ended the request: nothing to decode
+    finish_reason: str | None = None  # the prefill-only request's, when done
+    # on the clock of the engine that reads them (None: the admitting engine's now())
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    priority: int = 0
+    client: str | None = None
+    first_logprobs: list[dict] | None = None  # the first token's, when logprobs were asked for
+
+
+@dataclass
+class _Export:
+    params: SamplingParams  # the request's own
+    seq: Sequence | None = None  # set when its prefill sampled (capture)
+    kv: torch.Tensor | None = None
+    first_token: int = -1
+
+
+@dataclass
+class KVExports:
+    """A prefill instance's prefill-only requests, by request id (`Engine.kv_exports`)."""
+
+    pending: dict[str, _Export] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def capture(self, engine: Engine, plan: StepPlan, sampled: Any) -> None:
+        """After a step's forward, before its update frees anything: the K/V of each
+        prefill-only request whose prompt this step completed."""
+        cache = engine.kv_cache
+        for item in plan.items:
+            seq = item.seq
+            export = self.pending.get(seq.request_id)
+            tokens = sampled.get(seq.seq_id) if export is not None else None
+            if not tokens:
+                continue
+            assert export is not None
+            end = seq.num_computed_tokens + item.num_query_tokens
+            if cache is not None:
+                export.kv = read_kv(cache, engine.allocator.block_table(seq), end)
+            export.seq, export.first_token = seq, int(tokens[0])
+
+
+# -- the prefill instance
+def add_prefill_request(
+    engine: Engine,
+    prompt: Any,
+    params: SamplingParams | None,
+    request_id: str | None,
+    arrival_time: float | None,
+    priority: int,
+    client: str | None,
+) -> str:
+    _check_whole_cache(engine)
+    checked = requests.checked_params(params, str(request_id), engine.model_config.vocab_size)
+    if checked.n != 1:
+        raise RequestError(
+            f"request {request_id!r}: a disaggregated request has one sample (n=1), got n={checked.n}"
+        )
+    # the first token exactly as a whole run samples it (min_tokens keeps masking EOS)
+    first_only = dataclasses.replace(checked, max_tokens=1, min_tokens=min(checked.min_tokens, 1))
+    request_id = engine.add_request(prompt, first_only, request_id, arrival_time, priority, client)
+    if engine.kv_exports is None:
+        engine.kv_exports = KVExports()
+    engine.kv_exports.pending[request_id] = _Export(checked)
+    return request_id
+
+
+def take_prefilled(engine: Engine) -> list[PrefilledRequest]:
+    """The prefill-only requests that finished since the last call (an aborted or
+    failed one is dropped: its own output says why)."""
+    exports = engine.kv_exports
+    if not exports:
+        return []
+    ready = []
+    for request_id, export in list(exports.pending.items()):
+        seq = export.seq
+        if seq is None or not seq.is_finished:
+            if seq is None and request_id not in engine.groups:
+                del exports.pending[request_id]  # ended before its prefill completed
+            continue
+        del exports.pending[request_id]
+        reason = seq.finish_reason
+        if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            continue
+        done = (
+            reason is FinishReason.STOP
+            or export.params.max_tokens == 1
+            or seq.num_tokens >= engine.max_model_len
+        )
+        ready.append(
+            PrefilledRequest(
+                request_id=request_id,
+                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+                first_token=export.first_token,
+                params=export.params,
+                kv=export.kv,
+                done=done,
+                finish_reason=reason.value if done else None,
+                arrival_time=seq.arrival_time,
+                first_token_time=seq.token_times[0] if seq.token_times else None,
+                priority=seq.priority,
+                client=seq.client,
+                first_logprobs=list(seq.logprobs) if seq.logprobs else None,
+            )
+        )
+    return ready
+
+
+# -- the decode instance
+def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: str) -> str:
+    _check_whole_cache(engine)
+    request_id = requests.check_request_id(request.request_id)
+    if request_id in engine.groups:
+        raise RequestError(f"request id {request_id!r} is already in use")
+    if request.done:
+        raise RequestError(
+            f"request {request_id!r} already finished on its prefill instance "
+            f"({request.finish_reason}): there is nothing to decode"
+        )
+    vocab = engine.model_config.vocab_size
+    prompt = requests.prompt_token_ids(request.prompt_token_ids, None, request_id)
+    requests.check_tokens(prompt + [request.first_token], request_id, vocab, engine.max_model_len)
+    params = requests.checked_params(request.params, request_id, vocab)
+    write_kv = None
+    cache = engine.kv_cache
+    if cache is not None:
+        _check_kv(request.kv, cache, len(prompt), request_id)
+        kv = request.kv
+
+        def write_kv(seq: Sequence, start: int) -> None:
+            write_kv_slots(cache, engine.allocator.block_table(seq), kv, start, len(prompt))
+
+    now = engine.now()
+    seq = Sequence(
+        request_id,
+        prompt,
+        params,
+        arrival_time=now if request.arrival_time is None else request.arrival_time,
+        priority=requests.check_priority(request.priority, request_id),
+        eos_token_ids=engine.eos_token_ids,
+        client=requests.check_client(request.client, request_id),
+    )
+    seq.append_token(request.first_token)
+    seq.token_times.append(now if request.first_token_time is None else request.first_token_time)
+    if seq.logprobs is not None and request.first_logprobs:
+        seq.logprobs = list(request.first_logprobs)
+    admit = getattr(engine.scheduler, "add_prefilled", None)
+    if admit is None:
+        raise ConfigError(
+            f"scheduler {type(engine.scheduler).__name__} cannot admit a prefilled request: "
+            "disaggregated decoding needs a scheduler built on servelab.scheduling.SchedulerCore"
+        )
+    admit(SequenceGroup(request_id, seq), write_kv, transfer)
+    engine.groups[request_id] = seq.group
+    if params.stop or params.logprobs is not None:
+        engine.watched.add(request_id)
+    return request_id
+
+
+def _check_whole_cache(engine: Engine) -> None:
+    if getattr(engine.executor, "tp", 1) > 1:
+        raise ConfigError(
+            "prefill/decode disaggregation moves a request's whole K/V, and under tensor "
+            "parallelism each rank holds a share of it: use tensor_parallel_size=1"
+        )
+
+
+def _check_kv(kv: Any, cache: KVCache, num_tokens: int, request_id: str) -> None:
+    two, layers, _, _, heads, head_dim = cache.device_pool.shape
+    want = (two, layers, num_tokens, heads, head_dim)
+    if not isinstance(kv, torch.Tensor):
+        raise RequestError(
+            f"request {request_id!r}: this engine keeps K/V tensors, so a prefilled request "
+            f"must carry its prompt's K/V as a tensor of shape {want}, got {type(kv).__name__}"
+        )
+    if tuple(kv.shape) != want or kv.dtype != cache.device_pool.dtype:
+        raise RequestError(
+            f"request {request_id!r}: its K/V has shape {tuple(kv.shape)} and dtype {kv.dtype}; "
+            f"this engine needs shape {want} and dtype {cache.device_pool.dtype} (the same "
+            "model and dtype on both instances)"
+        )
+
+
+# -- K/V slots: token i of a sequence lives at block_table[i // block_size], offset i % block_size
+def _slots(table: list[int], block_size: int, start: int, end: int, device) -> torch.Tensor:
+    positions = torch.arange(start, end, dtype=torch.long)
+    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
+    return (blocks * block_size + positions % block_size).to(device)
+
+
+def _flat_pool(cache: KVCache) -> torch.Tensor:
+    two, layers, blocks, block_size, heads, head_dim = cache.device_pool.shape
+    return cache.device_pool.view(two, layers, blocks * block_size, heads, head_dim)
+
+
+def read_kv(cache: KVCache, table: list[int], num_tokens: int) -> torch.Tensor:
+    """A sequence's first `num_tokens` K/V: [2, num_layers, num_tokens, num_kv_heads, head_dim]."""
+    slots = _slots(table, cache.device_pool.shape[3], 0, num_tokens, cache.device)
+    return _flat_pool(cache)[:, :, slots]  # advanced indexing: a copy
+
+
+def write_kv_slots(
+    cache: KVCache, table: list[int], kv: torch.Tensor, start: int, end: int
+) -> None:
+    """Writes tokens [start, end) of `kv` into the sequence's slots."""
+    if start >= end:
+        return
+    slots = _slots(table, cache.device_pool.shape[3], start, end, cache.device)
+    _flat_pool(cache)[:, :, slots] = kv[:, :, start:end].to(cache.device)

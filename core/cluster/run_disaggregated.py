@@ -97,7 +97,13 @@ def transfer_figures(columns) -> dict[str, float]:
 def instance_figures(cluster: DisaggregatedCluster) -> dict[str, float]:
     prefill = cluster.prefill_dispatcher.ledger.routed_count
     decode = cluster.decode_dispatcher.ledger.routed_count
+    decoders = cluster.engines[cluster.num_prefill :]
     return {
+        # transfers that found their decode instance full and ran their prompt again there
+        "transfers_recomputed": sum(
+            e.scheduler.stats().get("prefilled_recomputed", 0) for e in decoders
+        ),
+        "decode_prefill_tokens": sum(s.prefill_tokens for e in decoders for s in e.metrics.steps),
         "replicas": len(cluster.engines),  # GPUs: prefill and decode instances together
         "prefill_replicas": len(prefill),
         "decode_replicas": len(decode),

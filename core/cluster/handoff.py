@@ -70,7 +70,9 @@ def joined_record(
     if decode is None:  # one token asked for, or the first one ended it: no hand-over
         return prefill, columns
     if decode.first_scheduled_time is not None:
-        columns["transfer_wait_s"] = max(0.0, decode.first_scheduled_time - handoff.transfer_arrival)
+        columns["transfer_wait_s"] = max(
+            0.0, decode.first_scheduled_time - handoff.transfer_arrival
+        )
     # the decode side's sequence holds the first token as its output 0: its later tokens'
     # times are its own
     later = decode.output_tokens - 1

@@ -143,8 +143,10 @@ def test_multi_turn_follow_ups_run_on_a_split_cluster():
     [
         ({"prefill": 1, "decode": 1, "link": "ethernet"}, "links: nvlink, infiniband, pcie"),
         ({"prefill": 1, "decode": 1, "transfer": "drop"}, "one of wait, recompute"),
-        ({"prefill": 1, "decode": 1, "decode_router": "nearest"},
-         "unknown router 'nearest'; registered: least_load, power_of_two"),
+        (
+            {"prefill": 1, "decode": 1, "decode_router": "nearest"},
+            "unknown router 'nearest'; registered: least_load, power_of_two",
+        ),
         ({"prefill": 1}, "needs both cluster.prefill and cluster.decode"),
         ({"prefill": 1, "decode": 1, "decoder": 2}, "unknown cluster option 'decoder'; accepted:"),
     ],
@@ -152,4 +154,3 @@ def test_multi_turn_follow_ups_run_on_a_split_cluster():
 def test_bad_split_options_are_clear_errors(cluster, message):
     with pytest.raises(ConfigError, match=message):
         run_cluster(config(cluster))
-

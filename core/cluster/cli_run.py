@@ -14,11 +14,12 @@ from servelab.lab.runner import RunResult, model_name, print_summary, save_run
 
 
 def run_cluster_job(config: dict, meta: dict, folder: Path) -> dict:
-    config = dict(config)
-    config.pop("run", None)  # the cluster steps its replicas itself (no warm-up, no progress bar)
-    config.pop("report", None)
-    started = provenance(config, model_name(config))
-    result = run_cluster(config)
+    # the cluster steps its replicas itself (no warm-up, no progress bar); the saved config
+    # is the whole one, as for one engine: servelab-report reads its `report:` node
+    served = {k: v for k, v in config.items() if k not in ("run", "report")}
+    started = provenance(served, model_name(served))
+    result = run_cluster(served)
+    started["executor"] = result.executor
     records = [_Row(r, _columns(r.request_id, result)) for r in result.requests]
     save_run(folder, RunResult(None, result.summary, records, result.steps, started), config, meta)
     title = ", ".join(f"{k}={_name(config.get(k))}" for k in ("cluster", "router", "scheduler"))

@@ -36,6 +36,9 @@ class ClusterResult:
     tokens: dict[str, list[list[int]]] = field(default_factory=dict)
     # request id -> its requests.csv columns beyond the record's (default: its `replica`)
     columns: dict[str, dict] = field(default_factory=dict)
+    # what timed the run, as a single engine's provenance records it (the report reads
+    # `virtual_clock`: exact figures, no repeats needed)
+    executor: dict = field(default_factory=dict)
 
 
 def engine_config(config: Mapping) -> dict:
@@ -91,7 +94,12 @@ def collect(
         dict(cluster.placement),
         list(cluster.dispatcher.decisions),
         dict(cluster.tokens),
+        executor=executor_provenance(engines[0]),
     )
+
+
+def executor_provenance(engine) -> dict:
+    return {"virtual_clock": bool(engine.executor.virtual_clock), **engine.executor.describe()}
 
 
 def cluster_figures(engines: list, routed: list[int]) -> dict[str, float]:

@@ -17,7 +17,12 @@ from servelab.cluster.disaggregated import DisaggregatedCluster
 from servelab.cluster.dispatch import Dispatcher, StateFeed
 from servelab.cluster.handoff import joined_record
 from servelab.cluster.links import kv_bytes_per_token, link
-from servelab.cluster.run import ClusterResult, build_replicas, workload_node
+from servelab.cluster.run import (
+    ClusterResult,
+    build_replicas,
+    executor_provenance,
+    workload_node,
+)
 from servelab.contracts.kinds import KINDS
 from servelab.engine.metrics import percentiles, summarize
 from servelab.lab.runner import output_digest
@@ -77,6 +82,7 @@ def collect(cluster: DisaggregatedCluster, router: Any, keep_steps: bool) -> Clu
         list(cluster.prefill_dispatcher.decisions),
         dict(cluster.tokens),
         columns,
+        executor_provenance(engines[0]),
     )
 
 

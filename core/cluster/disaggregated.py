@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from servelab.cluster.dispatch import Dispatcher
 from servelab.cluster.handoff import Handoff, admit, send
-from servelab.cluster.links import Link
-from servelab.cluster.simulated import IDLE_SLEEP
+from servelab.cluster.links import Link, kv_bytes_per_token
+from servelab.cluster.simulated import IDLE_SLEEP, catch_up, routed_request
 from servelab.contracts.router import RoutedRequest
 from servelab.engine.engine import Engine
 from servelab.engine.handover import PrefilledRequest
@@ -38,7 +38,6 @@ class DisaggregatedCluster:
         prefill_dispatcher: Dispatcher,
         decode_dispatcher: Dispatcher,
         link: Link,
-        kv_bytes_per_token: int,
         transfer: str = "wait",
     ) -> None:
         if not prefill or not decode:
@@ -53,7 +52,7 @@ class DisaggregatedCluster:
         self.prefill_dispatcher = prefill_dispatcher
         self.decode_dispatcher = decode_dispatcher
         self.link = link
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_bytes_per_token = kv_bytes_per_token(prefill[0])
         self.transfer = transfer
         self.handoffs: dict[str, Handoff] = {}
         self.tokens: dict[str, list[list[int]]] = {}  # request id -> its tokens (one sample)
@@ -105,27 +104,19 @@ class DisaggregatedCluster:
             else:
                 self._queued[index] = False
 
-    def _wake(self, index: int, now: float) -> None:
-        """Puts an instance that got work on the heap (an idle one's clock catches up first)."""
-        engine = self.engines[index]
-        if self._queued[index]:
-            return
-        if engine.now() < now:
-            engine.sleep(now - engine.now())
-        self._queued[index] = True
-        heapq.heappush(self._busy, (engine.now(), index))
+    def _wake(self, index: int) -> None:
+        """Puts an instance that got work on the heap (its clock caught up before the work
+        came: `catch_up`)."""
+        if not self._queued[index]:
+            self._queued[index] = True
+            heapq.heappush(self._busy, (self.engines[index].now(), index))
 
     def _arrive(self, req: WorkloadRequest, now: float) -> None:
-        routed = RoutedRequest(
-            req.request_id, tuple(req.prompt_token_ids), req.params.max_tokens, now
-        )
-        index = self.prefill_dispatcher.dispatch(routed)
+        index = self.prefill_dispatcher.dispatch(routed_request(req, now))
         self.handoffs[req.request_id] = Handoff(req.request_id, index)
-        engine = self.engines[index]
-        if not engine.has_unfinished() and engine.now() < now:
-            engine.sleep(now - engine.now())
-        send(engine, req, now)
-        self._wake(index, now)
+        catch_up(self.engines[index], now)
+        send(self.engines[index], req, now)
+        self._wake(index)
 
     def _prefilled(self, engine: Engine, outputs: list, transfers: list) -> list:
         """After a prefill instance's step: sends each finished prefill's KV to a decode
@@ -165,8 +156,7 @@ class DisaggregatedCluster:
         step if it fits)."""
         index = self.num_prefill + handoff.decode_replica
         engine = self.engines[index]
-        if not engine.has_unfinished() and engine.now() < now:
-            engine.sleep(now - engine.now())
+        catch_up(engine, now)
         admit(engine, handoff, self.transfer)
         self.decode_dispatcher.started(handoff.request_id)
-        self._wake(index, now)
+        self._wake(index)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from servelab.cluster.simulated import submit
 from servelab.engine.engine import Engine
 from servelab.engine.handover import PrefilledRequest
 from servelab.engine.metrics import RequestRecord
@@ -41,14 +42,7 @@ class Handoff:
 
 def send(engine: Engine, req: WorkloadRequest, now: float) -> None:
     """Queues the request on its prefill instance: its prompt and first token only."""
-    engine.add_prefill_request(
-        req.prompt_token_ids,
-        req.params,
-        request_id=req.request_id,
-        arrival_time=now,
-        priority=req.priority,
-        client=req.client,
-    )
+    submit(engine.add_prefill_request, req, now)
 
 
 def admit(engine: Engine, handoff: Handoff, transfer: str) -> None:

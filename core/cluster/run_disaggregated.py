@@ -16,7 +16,7 @@ from typing import Any
 from servelab.cluster.disaggregated import DisaggregatedCluster
 from servelab.cluster.dispatch import Dispatcher, StateFeed
 from servelab.cluster.handoff import joined_record
-from servelab.cluster.links import kv_bytes_per_token, link
+from servelab.cluster.links import link
 from servelab.cluster.run import (
     ClusterResult,
     build_replicas,
@@ -48,8 +48,7 @@ def run_disaggregated(
         Dispatcher(router, len(prefill), feed),
         Dispatcher(decode_router, len(decode)),
         wire,
-        kv_bytes_per_token(prefill[0]),
-        options["transfer"],
+        transfer=options["transfer"],
     )
     first = prefill[0]
     cluster.run(make_workload(workload, first.model_config.vocab_size, first.max_model_len))

@@ -154,3 +154,9 @@ def test_multi_turn_follow_ups_run_on_a_split_cluster():
 def test_bad_split_options_are_clear_errors(cluster, message):
     with pytest.raises(ConfigError, match=message):
         run_cluster(config(cluster))
+
+
+def test_a_real_executor_is_refused_with_the_fix():
+    node = config({"prefill": 1, "decode": 1})
+    with pytest.raises(ConfigError, match="executor=simulated"):
+        run_cluster({**node, "executor": "model", "engine": {**ENGINE, "cpu_kernels": "off"}})

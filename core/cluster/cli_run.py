@@ -14,12 +14,13 @@ from servelab.lab.runner import RunResult, model_name, print_summary, save_run
 
 
 def run_cluster_job(config: dict, meta: dict, folder: Path) -> dict:
-    config = dict(config)
-    config.pop("run", None)  # the cluster steps its replicas itself (no warm-up, no progress bar)
-    config.pop("report", None)
-    started = provenance(config, model_name(config))
-    result = run_cluster(config)
-    records = [_with_replica(r, result.placement) for r in result.requests]
+    # the cluster steps its replicas itself (no warm-up, no progress bar); the saved config
+    # is the whole one, as for one engine: servelab-report reads its `report:` node
+    served = {k: v for k, v in config.items() if k not in ("run", "report")}
+    started = provenance(served, model_name(served))
+    result = run_cluster(served)
+    started["executor"] = result.executor
+    records = [_Row(r, _columns(r.request_id, result)) for r in result.requests]
     save_run(folder, RunResult(None, result.summary, records, result.steps, started), config, meta)
     title = ", ".join(f"{k}={_name(config.get(k))}" for k in ("cluster", "router", "scheduler"))
     print_summary(result.summary, title=f"{title}\n{folder}")
@@ -27,17 +28,20 @@ def run_cluster_job(config: dict, meta: dict, folder: Path) -> dict:
 
 
 class _Row:
-    """A request record whose CSV row also names its replica."""
+    """A request record whose CSV row also names where it ran (its replica; prefill and
+    decode instances and the KV transfer in a disaggregated cluster)."""
 
-    def __init__(self, record, replica: int | None) -> None:
-        self.record, self.replica = record, replica
+    def __init__(self, record, columns: Mapping) -> None:
+        self.record, self.columns = record, columns
 
     def csv_row(self) -> dict:
-        return {**self.record.csv_row(), "replica": self.replica}
+        return {**self.record.csv_row(), **self.columns}
 
 
-def _with_replica(record, placement: Mapping[str, int]) -> _Row:
-    return _Row(record, placement.get(record.request_id))
+def _columns(request_id: str, result) -> Mapping:
+    if result.columns:
+        return result.columns.get(request_id, {})
+    return {"replica": result.placement.get(request_id)}
 
 
 def _name(node) -> str:

@@ -1,6 +1,7 @@
 """Link profiles: what moving a request's KV cache between two instances costs.
 
-A transfer of `b` bytes over a link takes `latency + b / bandwidth` seconds. Figures are
+A transfer of `b` bytes over a link takes `latency + b / bandwidth` seconds; a request's
+KV cache is `2 (K and V) x layers x KV heads x head dim x element size` bytes per token. Figures are
 per direction, for one GPU's share of the link, from the vendors' datasheets: NVLink 4
 (H100 SXM, 900 GB/s aggregate, 450 GB/s each way), InfiniBand NDR (400 Gb/s = 50 GB/s per
 port) and PCIe 5.0 x16 (64 GB/s nominal, about 50 GB/s achieved). Latencies are the order
@@ -38,3 +39,10 @@ def link(name: str) -> Link:
     if name not in LINKS:
         raise ConfigError(f"unknown cluster.link {name!r}; links: {', '.join(LINKS)}")
     return LINKS[name]
+
+
+def kv_bytes_per_token(engine) -> int:
+    """K and V of one token over every layer, at the engine's KV element size."""
+    c = engine.model_config
+    element_size = engine.executor.element_size  # the simulated executor's dtype size
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_size

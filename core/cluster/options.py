@@ -2,7 +2,8 @@
 and how a disaggregated cluster moves KV between them (docs/cluster.md).
 
     cluster: {replicas: 4}                                  # colocated: 4 engines behind the router
-    cluster: {prefill: 2, decode: 2, link: nvlink}          # disaggregated
+    cluster: {prefill: 2, decode: 2, link: nvlink}          # disaggregated (router=... picks
+                                                            # the prefill instance)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CLUSTER_DEFAULTS: dict[str, Any] = {
     "decode": 0,  # disaggregated: decode instances
     "link": "nvlink",  # the link a KV transfer crosses: a name in servelab.cluster.links
     "transfer": "wait",  # a transfer the decode instance cannot admit: wait | recompute
+    "decode_router": "least_load",  # the router part that picks a prefilled request's decode instance
     "record_steps": True,  # keep every step's record (off for very large runs)
 }
 TRANSFER_MODES = ("wait", "recompute")

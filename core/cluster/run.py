@@ -34,6 +34,11 @@ class ClusterResult:
     placement: dict[str, int]  # request id -> replica
     decisions: list[tuple[str, int]]  # the router's decisions, in arrival order
     tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+    # request id -> its requests.csv columns beyond the record's (default: its `replica`)
+    columns: dict[str, dict] = field(default_factory=dict)
+    # what timed the run, as a single engine's provenance records it (the report reads
+    # `virtual_clock`: exact figures, no repeats needed)
+    executor: dict = field(default_factory=dict)
 
 
 def engine_config(config: Mapping) -> dict:
@@ -41,21 +46,26 @@ def engine_config(config: Mapping) -> dict:
     return {k: v for k, v in config.items() if k not in (*RUNNER_NODES, "router")}
 
 
+def workload_node(config: Mapping) -> Mapping:
+    workload = config.get("workload")
+    if workload is None:
+        raise ConfigError("the config has no workload node; pick one with workload=NAME")
+    return workload
+
+
 def build_replicas(config: Mapping, count: int) -> list:
     return [build_engine(engine_config(config)) for _ in range(count)]
 
 
 def run_cluster(config: Mapping, feed: StateFeed | None = None) -> ClusterResult:
-    """Builds and serves the cluster `config` describes (a colocated one; see
-    servelab.cluster.disaggregated for prefill/decode)."""
+    """Builds and serves the cluster `config` describes (colocated, or prefill/decode:
+    servelab.cluster.run_disaggregated)."""
     options = cluster_options(config.get("cluster"))
     if is_disaggregated(options):
-        from servelab.cluster.disaggregated import run_disaggregated
+        from servelab.cluster.run_disaggregated import run_disaggregated
 
-        return run_disaggregated(config, options)
-    workload = config.get("workload")
-    if workload is None:
-        raise ConfigError("the config has no workload node; pick one with workload=NAME")
+        return run_disaggregated(config, options, feed)
+    workload = workload_node(config)
     engines = build_replicas(config, options["replicas"])
     router = construct(
         "router", config.get("router") or KINDS["router"].default, num_replicas=len(engines)
@@ -84,7 +94,12 @@ def collect(
         dict(cluster.placement),
         list(cluster.dispatcher.decisions),
         dict(cluster.tokens),
+        executor=executor_provenance(engines[0]),
     )
+
+
+def executor_provenance(engine) -> dict:
+    return {"virtual_clock": bool(engine.executor.virtual_clock), **engine.executor.describe()}
 
 
 def cluster_figures(engines: list, routed: list[int]) -> dict[str, float]:

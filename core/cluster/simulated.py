@@ -73,20 +73,32 @@ class SimulatedCluster:
                 queued[index] = False
 
     def _admit(self, req: WorkloadRequest, now: float) -> int:
-        routed = RoutedRequest(
-            req.request_id, tuple(req.prompt_token_ids), req.params.max_tokens, now
-        )
-        index = self.dispatcher.dispatch(routed)
+        index = self.dispatcher.dispatch(routed_request(req, now))
         engine = self.engines[index]
-        if not engine.has_unfinished() and engine.now() < now:
-            engine.sleep(now - engine.now())  # an idle replica's clock catches up
-        engine.add_request(
-            req.prompt_token_ids,
-            req.params,
-            request_id=req.request_id,
-            arrival_time=now,
-            priority=req.priority,
-            client=req.client,
-        )
+        catch_up(engine, now)
+        submit(engine.add_request, req, now)
         self.placement[req.request_id] = index
         return index
+
+
+def routed_request(req: WorkloadRequest, now: float) -> RoutedRequest:
+    """What the router sees of an arriving request."""
+    return RoutedRequest(req.request_id, tuple(req.prompt_token_ids), req.params.max_tokens, now)
+
+
+def catch_up(engine: Engine, now: float) -> None:
+    """An idle replica's clock jumps to `now` (a busy one's is already there or past it)."""
+    if not engine.has_unfinished() and engine.now() < now:
+        engine.sleep(now - engine.now())
+
+
+def submit(add, req: WorkloadRequest, now: float) -> str:
+    """Hands `req`, arriving at `now`, to an engine's entry (`add_request` or another)."""
+    return add(
+        req.prompt_token_ids,
+        req.params,
+        request_id=req.request_id,
+        arrival_time=now,
+        priority=req.priority,
+        client=req.client,
+    )

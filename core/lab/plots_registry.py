@@ -61,6 +61,7 @@ def _builtin() -> None:
     }
     for name, function in builtin.items():
         PLOTS.setdefault(name, function)
+    from servelab.lab import plots_goodput  # noqa: F401  (registers `goodput` on import)
 
 
 def plot_names(choice: str | Sequence[str]) -> list[str]:

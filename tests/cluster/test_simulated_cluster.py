@@ -77,14 +77,6 @@ def test_bad_cluster_options_are_clear_errors(node, message):
         cluster_options(node)
 
 
-def test_disaggregation_is_refused_with_what_to_use_instead():
-    node = {**config(), "cluster": {"prefill": 1, "decode": 1, "link": "infiniband"}}
-    with pytest.raises(ConfigError, match="not supported yet.*cluster.replicas=N"):
-        run_cluster(node)
-    with pytest.raises(ConfigError, match="links: nvlink, infiniband, pcie"):
-        run_cluster({**node, "cluster": {"prefill": 1, "decode": 1, "link": "ethernet"}})
-
-
 def test_link_transfer_time_is_latency_plus_bytes_over_bandwidth():
     from servelab.cluster.links import link
 

@@ -221,7 +221,7 @@ class Engine:
             stage = "scheduler.update"
             finished = self.scheduler.update(plan, sampled, self.now())
             # requests whose own sampling raised fail alone (request_failures)
-            failed = fail_sampled(
+            failed_alone = fail_sampled(
                 self.groups, sampled, finished, self.scheduler, self.step_failures
             )
             stage = "stop strings and logprobs"
@@ -233,11 +233,11 @@ class Engine:
                     self.scheduler,
                     self.step_failures,
                 )
-                finished, failed = finished + stopped, failed + failed_scan
+                finished, failed_alone = finished + stopped, failed_alone + failed_scan
         except WorkerError:
             raise  # the tensor-parallel group is gone: no request can run again
         except Exception as exc:
-            error, failed = fail_step(
+            error, touched = fail_step(
                 stage,
                 plan,
                 exc,
@@ -247,13 +247,13 @@ class Engine:
                 backend=self.backend,
                 counts=self.step_failures,
             )
-            for group in failed:
+            for group in touched:
                 self._finish_group(group, error)
             return
         for group in finished:
             self._finish_group(group)
-        for group, error in failed:
-            self._finish_group(group, error)
+        for group, message in failed_alone:
+            self._finish_group(group, message)
         self._record_step(plan, start)
 
     def _run(self, plan: StepPlan):

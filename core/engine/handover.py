@@ -177,8 +177,7 @@ def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: s
     write_kv = None
     cache = engine.kv_cache
     if cache is not None:
-        _check_kv(request.kv, cache, len(prompt), request_id)
-        kv = request.kv
+        kv = _check_kv(request.kv, cache, len(prompt), request_id)
 
         def write_kv(seq: Sequence, start: int) -> None:
             write_kv_slots(cache, engine.allocator.block_table(seq), kv, start, len(prompt))
@@ -221,7 +220,8 @@ def _check_whole_cache(engine: Engine) -> None:
         )
 
 
-def _check_kv(kv: Any, cache: KVCache, num_tokens: int, request_id: str) -> None:
+def _check_kv(kv: Any, cache: KVCache, num_tokens: int, request_id: str) -> torch.Tensor:
+    """`kv`, checked to be the K/V this cache holds for `num_tokens` prompt tokens."""
     two, layers, _, _, heads, head_dim = cache.device_pool.shape
     want = (two, layers, num_tokens, heads, head_dim)
     if not isinstance(kv, torch.Tensor):
@@ -235,6 +235,7 @@ def _check_kv(kv: Any, cache: KVCache, num_tokens: int, request_id: str) -> None
             f"this engine needs shape {want} and dtype {cache.device_pool.dtype} (the same "
             "model and dtype on both instances)"
         )
+    return kv
 
 
 # -- K/V slots: token i of a sequence lives at block_table[i // block_size], offset i % block_size

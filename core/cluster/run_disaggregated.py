@@ -17,7 +17,7 @@ from servelab.cluster.disaggregated import DisaggregatedCluster
 from servelab.cluster.dispatch import Dispatcher, StateFeed
 from servelab.cluster.handoff import joined_record
 from servelab.cluster.links import link
-from servelab.cluster.run import (
+from servelab.cluster.replica_set import (
     ClusterResult,
     build_replicas,
     executor_provenance,

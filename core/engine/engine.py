@@ -221,8 +221,10 @@ class Engine:
             stage = "scheduler.update"
             finished = self.scheduler.update(plan, sampled, self.now())
             # requests whose own sampling raised fail alone (request_failures)
-            failed_alone = fail_sampled(
-                self.groups, sampled, finished, self.scheduler, self.step_failures
+            failed_alone = (
+                fail_sampled(self.groups, sampled, finished, self.scheduler, self.step_failures)
+                if getattr(sampled, "failed", None)  # only a step whose sampling raised
+                else []
             )
             stage = "stop strings and logprobs"
             if self.with_stops_or_logprobs and sampled:

@@ -16,7 +16,6 @@ from pathlib import Path
 from servelab.lab.estimates import estimate
 from servelab.lab.plots import log_axis, pyplot, save
 from servelab.lab.plots_load import rate_families
-from servelab.lab.plots_registry import register_plot
 from servelab.lab.runs import Configuration
 from servelab.lab.slo import capacity
 
@@ -78,6 +77,3 @@ def _transfer_panel(ax, moved: Mapping, families: Mapping) -> None:
 def _value(config: Configuration, figure: str) -> float:
     value = estimate(config, figure).mean
     return math.nan if value is None else value  # nan > 0 is False: a figure a run lacks
-
-
-register_plot("goodput", lambda job, p: plot_goodput(job.configs, p, job.settings.get("slo")))

@@ -42,7 +42,14 @@ def register_plot(name: str, function: PlotFunction) -> None:
 
 def _builtin() -> None:
     # imported here: each plot module imports matplotlib only when it draws
-    from servelab.lab import plots, plots_claims, plots_fairness, plots_load, plots_workload
+    from servelab.lab import (
+        plots,
+        plots_claims,
+        plots_fairness,
+        plots_goodput,
+        plots_load,
+        plots_workload,
+    )
 
     builtin = {
         "claims": lambda job, p: plots_claims.plot_claims(job.claims, p),
@@ -58,10 +65,12 @@ def _builtin() -> None:
         "workload": lambda job, p: plots_workload.plot_workloads(
             [run for config in job.configs for run in config.runs], p
         ),
+        "goodput": lambda job, p: plots_goodput.plot_goodput(
+            job.configs, p, job.settings.get("slo")
+        ),
     }
     for name, function in builtin.items():
         PLOTS.setdefault(name, function)
-    from servelab.lab import plots_goodput  # noqa: F401  (registers `goodput` on import)
 
 
 def plot_names(choice: str | Sequence[str]) -> list[str]:

@@ -23,7 +23,7 @@ from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.scheduler import Scheduler
 from servelab.errors import ConfigError, RequestError
-from servelab.scheduling.admission import Admission
+from servelab.scheduling.admission import Admission, queue_key
 from servelab.scheduling.policy import HOOKS, SchedulingPolicy, SchedulingPolicyError
 from servelab.scheduling.prefilled import PendingPrefilled, PrefilledAdmission
 from servelab.scheduling.update import StepUpdate
@@ -49,10 +49,6 @@ OLD_OVERRIDES = {
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def queue_key(group: SequenceGroup) -> tuple:
-    return (group.priority, group.arrival_time, group.seqs[0].seq_id)
 
 
 class SchedulerCore(Admission, PrefilledAdmission, SchedulingPolicy, StepUpdate, Scheduler):
@@ -183,7 +179,7 @@ class SchedulerCore(Admission, PrefilledAdmission, SchedulingPolicy, StepUpdate,
     # -- the contract: one step
     def schedule(self) -> StepPlan:
         self.step_count += 1
-        if self.prefilled:
+        if self.prefilled:  # handed-over requests (disaggregation) waiting to be admitted
             self._admit_prefilled()
         swapped_at_start = bool(self.swapped)
         victims = self.pick_victims()
@@ -373,7 +369,9 @@ class SchedulerCore(Admission, PrefilledAdmission, SchedulingPolicy, StepUpdate,
             "preemptions_recompute": self.num_preemptions["recompute"],
             "preemptions_swap": self.num_preemptions["swap"],
             "recomputed_tokens": self.num_recomputed_tokens,
-            **self._prefilled_stats(),
+            # a decode instance's figures (disaggregation): none until one arrived
+            **(self._prefilled_stats() if self.prefilled or self.num_prefilled["admitted"]
+               or self.num_prefilled["recomputed"] else {}),  # fmt: skip
             **self.policy_stats(),
         }
 

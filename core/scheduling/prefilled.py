@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from servelab.errors import RequestError
+from servelab.scheduling.admission import queue_key
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
@@ -100,8 +101,6 @@ class PrefilledAdmission:
     def _admit_prefilled(self) -> None:
         """At the start of a step: admits the prefilled requests that fit, in arrival
         order; one that does not fit waits (and the ones behind it) or recomputes."""
-        from servelab.scheduling.core import queue_key  # core mixes this class in
-
         while self.prefilled:
             pending = self.prefilled[0]
             if not self.swapped and self._admit_one_prefilled(pending):

@@ -108,7 +108,7 @@ def test_an_error_no_row_explains_fails_the_step_as_before(llm, monkeypatch):
 def test_the_other_rows_draw_exactly_their_batched_tokens(monkeypatch):
     """Unseeded rows too: the retry replays the generator's state, so every row but
     the failing one gets the token the unfailed batch gives it."""
-    from servelab.executor.isolated_sampling import sample_isolating_rows
+    from servelab.model.sampler import sample_isolating_rows
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50, dtype=torch.float64)

@@ -24,6 +24,11 @@ CASES = [
          "preemption": {"name": "hybrid", "break_even_tokens": 16}},
         "recompute",
     ),
+    # with these two, every allocator of the oracle's variants and every preemption policy
+    # crosses the two processes (tests/engine/test_disaggregation.py: every pair, in one)
+    ({"allocator": {"name": "radix", "page_size": 1},
+      "preemption": {"name": "hybrid", "break_even_tokens": 16}}, "wait"),
+    ({"allocator": {"name": "contiguous"}, "preemption": {"name": "swap"}}, "recompute"),
 ]  # fmt: skip
 
 

@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     from servelab.step.decode_batch import DecodeBatch
 
 
-
 def queue_key(group: SequenceGroup) -> tuple:
     """The waiting queue's order: priority, then arrival, then sequence id (a tie-break)."""
     return (group.priority, group.arrival_time, group.seqs[0].seq_id)
+
 
 class Admission:
     """`_admit` and what it needs; mixed into `SchedulerCore`."""

@@ -28,6 +28,7 @@ VIRTUAL_CLOCK_MODULES = {
     "lab/test_presets_simulated.py",  # every run on a simulated H100
     "lab/test_public_traces_runs.py",  # its presets run on a simulated H100
     "cluster/test_simulated_cluster.py",
+    "cluster/test_disagg_presets.py",  # its presets run on simulated H100s
 }
 VIRTUAL_CLOCK_MARKS = ("simulated", "SIMULATED", "virtual", "FakeClock", "fake_clock")
 CONFIGURED = {"limit_s"}  # time budgets a config sets, not times measured

@@ -223,7 +223,7 @@ def test_an_error_in_one_requests_sampling_or_stop_scan_fails_it_alone(server, e
     """A request whose sampler rows raise (non-streamed) and one whose stop-string scan
     raises (streamed) get OpenAI's error shape with no internals; a greedy stream and
     a seeded request beside them get exactly their tokens."""
-    from servelab.engine import outputs as engine_outputs
+    from servelab.engine import stops_and_logprobs as engine_outputs
     from servelab.model.sampler import Sampler
 
     seeded = {"prompt": "hello", "max_tokens": 8, "temperature": 0.9, "seed": 5,

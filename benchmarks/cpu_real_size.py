@@ -164,19 +164,17 @@ def servelab_worker(args) -> dict:
     for i, r in enumerate(requests):
         params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
         engine.add_request(r["prompt"], params, request_id=str(i))
-    outputs, prefill_s, decode_s, decode_steps, decode_rows = {}, 0.0, 0.0, 0, 0
+    first = len(engine.metrics.steps)
+    outputs = {}
     while engine.has_unfinished():
-        t = time.perf_counter()
-        step = engine.step()
-        elapsed = time.perf_counter() - t
-        if any(len(o.token_ids) == 1 for o in step):  # some prompt was prefilled
-            prefill_s += elapsed
-        else:
-            decode_s += elapsed
-            decode_steps += 1
-            decode_rows += len(step)
-        for o in step:
+        for o in engine.step():  # the requests that finished in the step
             outputs[o.request_id] = list(o.token_ids)
+    # the engine's own step records say which steps ran a prompt (or a chunk of one)
+    steps = engine.metrics.steps[first:]
+    prefill_s = sum(s.wall_time for s in steps if s.prefill_tokens > 0)
+    decode = [s for s in steps if s.prefill_tokens == 0]
+    decode_s, decode_steps = sum(s.wall_time for s in decode), len(decode)
+    decode_rows = sum(s.decode_tokens for s in decode)
     wall = time.perf_counter() - start
     weight_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8
     lm_head = SHAPE["vocab_size"] * SHAPE["hidden_size"]

@@ -78,6 +78,13 @@ SLOW = (
     "tests/test_cli.py::test_a_failing_single_run_exits_2_and_still_writes_its_results",
     "tests/test_cli.py::test_a_plugin_registered_config_option_works_on_the_command_line",
     "tests/cluster/test_disaggregated_processes.py::test_two_processes_give_the_colocated_tokens",
+    "tests/cluster/test_disagg_presets.py",
+    "tests/plugins/test_triton_kernels.py::test_interpreter_works_when_triton_language_was_imported_first",
+    "tests/lab/test_report.py::test_plots_open_and_are_not_blank",
+    "tests/lab/test_report.py::test_no_slot_timeline_for_large_workloads",
+    "tests/lab/test_provenance.py::test_a_report_over_two_versions_warns",
+    "tests/executor/test_fused_forward.py",
+    "tests/engine/test_resilience.py::test_eight_threads_each_get_their_own_outputs",
 )
 # Parametrized sweeps over every combination: the first case of each stays in the
 # fast tier (the code path is exercised), the rest are slow.

@@ -268,6 +268,8 @@ def test_an_error_in_one_requests_sampling_or_stop_scan_fails_it_alone(server, e
     assert events[-2] == "data: " + json.dumps(
         {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
     )
-    assert max(batches) > 1  # the failing request shared a batch with others
+    # a failing row in a batch with others: tests/engine/test_request_isolation.py, where
+    # the batch is fixed (here it depends on when the server's steps fall)
+    assert batches, "the failing request was never sampled"
     assert "secret" not in sampling.text + stop.text
     wait_idle(server)

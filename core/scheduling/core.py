@@ -370,8 +370,8 @@ class SchedulerCore(Admission, PrefilledAdmission, SchedulingPolicy, StepUpdate,
             "preemptions_swap": self.num_preemptions["swap"],
             "recomputed_tokens": self.num_recomputed_tokens,
             # a decode instance's figures (disaggregation): none until one arrived
-            **(self._prefilled_stats() if self.prefilled or self.num_prefilled["admitted"]
-               or self.num_prefilled["recomputed"] else {}),  # fmt: skip
+            **(self._prefilled_stats() if self.prefilled or any(self.num_prefilled.values())
+               else {}),  # fmt: skip
             **self.policy_stats(),
         }
 

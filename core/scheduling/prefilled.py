@@ -155,9 +155,7 @@ class PrefilledAdmission:
         return None
 
     def _prefilled_stats(self) -> dict[str, float]:
-        """Figures of a decode instance (none until a prefilled request arrived)."""
-        if not any(self.num_prefilled.values()) and not self.prefilled:
-            return {}
+        """Figures of a decode instance (`stats` asks once a prefilled request arrived)."""
         return {
             "prefilled_waiting": len(self.prefilled),
             "prefilled_admitted": self.num_prefilled["admitted"],

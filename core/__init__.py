@@ -44,7 +44,9 @@ def __getattr__(name: str):
 MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "servelab.scheduler_base": ("servelab.scheduling.core",),
     "servelab.contracts.scheduler_base": ("servelab.scheduling.core",),
-    "servelab.contracts.scheduler_update": ("servelab.scheduling.update",),
+    "servelab.contracts.scheduler_update": ("servelab.scheduling.transitions",),
+    "servelab.scheduling.update": ("servelab.scheduling.transitions",),
+    "servelab.scheduling.admission": ("servelab.scheduling.transitions",),
     "servelab.batch": ("servelab.step.plan", "servelab.step.metadata"),
     "servelab.sequence": ("servelab.step.sequence",),
     "servelab.options": ("servelab.registry.options", "servelab.registry.construct"),
@@ -61,7 +63,12 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
 RENAMED_NAMES: dict[str, dict[str, str]] = {
     "servelab.scheduler_base": {"BaseScheduler": "SchedulerCore"},
     "servelab.contracts.scheduler_base": {"BaseScheduler": "SchedulerCore"},
-    "servelab.contracts.scheduler_update": {"AfterTheForward": "StepUpdate"},
+    "servelab.contracts.scheduler_update": {
+        "AfterTheForward": "QueueTransitions",
+        "StepUpdate": "QueueTransitions",
+    },
+    "servelab.scheduling.update": {"StepUpdate": "QueueTransitions"},
+    "servelab.scheduling.admission": {"Admission": "QueueTransitions"},
 }
 
 

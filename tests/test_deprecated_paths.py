@@ -14,7 +14,9 @@ from servelab import MOVED_MODULES
 CASES = [
     ("servelab.scheduler_base", "SchedulerCore", "servelab.scheduling.core"),
     ("servelab.contracts.scheduler_base", "SchedulerCore", "servelab.scheduling.core"),
-    ("servelab.contracts.scheduler_update", "StepUpdate", "servelab.scheduling.update"),
+    ("servelab.contracts.scheduler_update", "QueueTransitions", "servelab.scheduling.transitions"),
+    ("servelab.scheduling.update", "QueueTransitions", "servelab.scheduling.transitions"),
+    ("servelab.scheduling.admission", "queue_key", "servelab.scheduling.transitions"),
     ("servelab.batch", "StepPlan", "servelab.step.plan"),
     ("servelab.batch", "AttentionMetadata", "servelab.step.metadata"),
     ("servelab.batch", "BlockCopies", "servelab.step.plan"),

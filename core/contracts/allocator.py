@@ -55,7 +55,9 @@ class KVAllocator(abc.ABC):
         return sum(self.blocks_needed(seq, n) for seq, n in requests)
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Could `allocate(seq, num_tokens)` succeed now?"""
+        """Could `allocate(seq, num_tokens)` succeed now? A shorthand for callers
+        outside the scheduler core (which asks `blocks_needed` and `num_free_blocks`
+        itself): an allocator changes its answer through `blocks_needed`."""
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
     @abc.abstractmethod

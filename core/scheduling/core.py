@@ -23,10 +23,9 @@ from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.scheduler import Scheduler
 from servelab.errors import ConfigError, RequestError
-from servelab.scheduling.admission import Admission, queue_key
 from servelab.scheduling.policy import HOOKS, SchedulingPolicy, SchedulingPolicyError
 from servelab.scheduling.prefilled import PendingPrefilled, PrefilledAdmission
-from servelab.scheduling.update import StepUpdate
+from servelab.scheduling.transitions import QueueTransitions, queue_key
 from servelab.step.decode_batch import DecodeBatch
 from servelab.step.plan import ScheduledSeq, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -51,9 +50,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class SchedulerCore(Admission, PrefilledAdmission, SchedulingPolicy, StepUpdate, Scheduler):
-    """Queues, admission, preemption (`schedule`) and, from `StepUpdate`, what
-    happens after the forward. Subclass it and override the policy hooks only."""
+class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Scheduler):
+    """Queues, the running and swapped phases and preemption (`schedule`); from
+    `QueueTransitions`, admission and what happens after the forward (`update`).
+    Subclass it and override the policy hooks only."""
 
     needs_whole_prompt_budget = True  # max_num_batched_tokens must hold a whole prompt
     # steady decode phases run as a DecodeBatch (same plans, array bookkeeping);

@@ -5,7 +5,7 @@ instance prefilled: the prompt, the first sampled token, and (on the real path) 
 prompt's K/V. Here it is a sequence of prompt + first token with `num_computed_tokens`
 to be the prompt length, so only decoding remains. It waits in `prefilled` until the
 scheduler core can admit it, at the start of a `schedule()`: `max_num_seqs`, the reserve
-budget and the allocator (`can_allocate` / `allocate`, prefix-cache hits included) must
+budget and the allocator (`blocks_needed` / `allocate`, prefix-cache hits included) must
 allow the prompt's blocks. On admission the core calls the request's `write_kv(seq,
 start)` to fill the slots from `start` (the tokens the prefix cache did not already hold)
 to the prompt's end, then commits the blocks and runs it as a decoding sequence.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from servelab.errors import RequestError
-from servelab.scheduling.admission import queue_key
+from servelab.scheduling.transitions import queue_key
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class PrefilledAdmission:
             need = self._worst_case_blocks(group)
             if sum(self.reserved_blocks.values()) + need > self.allocator.num_blocks:
                 return False
-        if not self.allocator.can_allocate(seq, prompt):
+        if self.allocator.blocks_needed(seq, prompt) > self.allocator.num_free_blocks:
             return False
         cached = self.allocator.allocate(seq, prompt)
         seq.num_cached_tokens = cached

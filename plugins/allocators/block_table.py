@@ -151,9 +151,9 @@ class BlockTableAllocator(KVAllocator):
         return int(self.ref_count[block] > 1 or self._pinned(block))
 
     def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        if not self.can_allocate(seq, num_tokens):
+        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks:
             raise RuntimeError(
-                f"allocate({seq}, {num_tokens}) without room; call can_allocate first"
+                f"allocate({seq}, {num_tokens}) without room; check blocks_needed first"
             )
         cached = 0
         table = self.tables.get(seq.seq_id)

@@ -67,7 +67,7 @@ class RadixAllocator(BlockTableAllocator):
             n for n in self.tree.nodes() if not n.children and all(ref[b] == 0 for b in n.blocks)
         ]
         if not leaves:
-            raise RuntimeError("no free block and nothing to evict; call can_allocate first")
+            raise RuntimeError("no free block and nothing to evict; check blocks_needed first")
         leaf = min(leaves, key=lambda n: n.last_access)
         self.tree.remove_leaf(leaf)
         for block in leaf.blocks:

@@ -19,15 +19,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from servelab.errors import RequestError
-from servelab.scheduling.transitions import queue_key
+from servelab.scheduling.transitions import CoreState, queue_key
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
-
-if TYPE_CHECKING:
-    from servelab.contracts.allocator import KVAllocator
-    from servelab.step.decode_batch import DecodeBatch
 
 TRANSFER_MODES = ("wait", "recompute")
 # writes a prefilled sequence's received K/V for its tokens [start, prompt end) into its blocks
@@ -41,29 +36,13 @@ class PendingPrefilled:
     transfer: str
 
 
-class PrefilledAdmission:
+class PrefilledAdmission(CoreState):
     """`add_prefilled` and its admission; mixed into `SchedulerCore`."""
 
-    if TYPE_CHECKING:
-
-        @property
-        def num_running_seqs(self) -> int: ...
-
-    allocator: KVAllocator
-    waiting: list[SequenceGroup]
-    running: list[SequenceGroup]
-    swapped: list[SequenceGroup]
-    reserved_blocks: dict[str, int]
-    decode_batch: DecodeBatch | None
-    admission: str
-    max_num_seqs: int
-    max_model_len: int
     prefilled: list[PendingPrefilled]
     num_prefilled: dict[str, int]
     on_add: Callable[[SequenceGroup], None]
-    on_request_end: Callable[[SequenceGroup], None]
     _finish: Callable[[Sequence, FinishReason], None]
-    _worst_case_blocks: Callable[[SequenceGroup], int]
 
     def add_prefilled(
         self, group: SequenceGroup, write_kv: KVWriter | None, transfer: str = "wait"

@@ -36,8 +36,9 @@ def queue_key(group: SequenceGroup) -> tuple:
     return (group.priority, group.arrival_time, group.seqs[0].seq_id)
 
 
-class QueueTransitions:
-    """Admission (`_admit`) and `update`, and what they need; mixed into `SchedulerCore`."""
+class CoreState:
+    """What `SchedulerCore`'s mixins read and write of its state (declarations
+    for the type checker; `SchedulerCore.__init__` sets them)."""
 
     if TYPE_CHECKING:
 
@@ -48,15 +49,22 @@ class QueueTransitions:
     waiting: list[SequenceGroup]
     running: list[SequenceGroup]
     swapped: list[SequenceGroup]
-    cache_full: list[SequenceGroup]
     reserved_blocks: dict[str, int]
     decode_batch: DecodeBatch | None
-    decode_fast_path: bool
     admission: str
-    order: str
     max_num_seqs: int
-    max_num_batched_tokens: int
     max_model_len: int
+    on_request_end: Callable[[SequenceGroup], None]
+    _worst_case_blocks: Callable[[SequenceGroup], int]
+
+
+class QueueTransitions(CoreState):
+    """Admission (`_admit`) and `update`; mixed into `SchedulerCore`."""
+
+    cache_full: list[SequenceGroup]
+    decode_fast_path: bool
+    order: str
+    max_num_batched_tokens: int
     swapped_in_admission_order: bool
     _holds_slots: bool
     order_key: Callable[[SequenceGroup], tuple]
@@ -64,10 +72,8 @@ class QueueTransitions:
     tokens_for: Callable[[Sequence, int, int], int]
     keeps_slot: Callable[[SequenceGroup], bool]
     on_step_end: Callable[[StepPlan, list[SequenceGroup]], None]
-    on_request_end: Callable[[SequenceGroup], None]
     _resume_one: Callable[[SequenceGroup, StepPlan, int], int | None]
     _release_group: Callable[[SequenceGroup], None]
-    _worst_case_blocks: Callable[[SequenceGroup], int]
 
     # -- admission: waiting -> running
     def _admit(self, plan: StepPlan, budget: int) -> int:

@@ -271,9 +271,9 @@ class FlashVarlenBackend(AttentionBackend):
     def cpu_paged_kernel_inputs(
         self, plan: FlashVarlenPlan, num_layers: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """impl=cpu with its kernel: every step is `store_kv`, then `paged_decode`
-        over the sequences' tables (a decode-only step) or the prompt tokens'
-        own (`token_tables`); see `forward`."""
+        """impl=cpu with its kernel: a step is `store_kv`, then `paged_decode` over the
+        sequences' tables (a decode-only step) or the prompt tokens' own (`token_tables`);
+        None for a step with a chunk of `SDPA_PROMPT_TOKENS` or more (SDPA attends it)."""
         if not self._decode_kernel or self.active_impl not in SDPA_IMPLS:
             return None
         if not plan.completed:

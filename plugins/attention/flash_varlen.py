@@ -57,7 +57,8 @@ SDPA_IMPLS = ("sdpa", "cpu")  # impls that plan batched decodes + per-sequence p
 AUTO_ORDER = ("flash_attn", "torch", "cpu", "sdpa")  # what impl=auto tries, fastest first
 # impl=cpu: a step with a prompt chunk this long attends its prompt rows through SDPA (a
 # blocked GEMM over the chunk): the kernel's one decode per token reads the context once per
-# query, 2.6-12x slower at 64-512 tokens (Qwen3-0.6B's heads, 2 cores, measured)
+# query: level with SDPA at 16 tokens, 2x slower at 32, 2.6-12x at 64-512, 1.7x faster at 8
+# (a fresh prompt, Qwen3-0.6B's heads, 2 cores, measured)
 SDPA_PROMPT_TOKENS = 16
 KernelFn = Callable[..., torch.Tensor]
 

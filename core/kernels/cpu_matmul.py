@@ -30,20 +30,30 @@ from servelab.kernels import cpu_linear
 log = logging.getLogger(__name__)
 
 REDUCED = (torch.bfloat16, torch.float16)
-# At one or two rows MKL's gemv beats oneDNN's blocked kernel (float32 weights).
-GEMV_ROWS = 2
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+def _cpuinfo(field: str) -> str:
+    """A field of the first CPU in Linux's /proc/cpuinfo (empty elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+# Up to this many rows F.linear (MKL) beats oneDNN's blocked kernel over float32
+# weights. On Intel CPUs MKL's gemv wins at one or two rows; elsewhere MKL takes its
+# generic paths: its gemv (one row) is level with oneDNN, its two-row gemm 2-7x slower
+# on the large projections (AMD Zen 3, measured), so a second row goes to oneDNN.
+GEMV_ROWS = 2 if _cpuinfo("vendor_id") == "GenuineIntel" else 1
 
 
 class MatmulPath(NamedTuple):

@@ -4,8 +4,9 @@ bottom-right, so a chunk after a cached prefix needs no extra mask. `impl` picks
 - `flash_attn`: the flash-attn package (CUDA, fp16/bf16, block size a multiple of 256);
 - `torch`: PyTorch's `varlen_attn` on CUDA (fp16/bf16), paged where it takes a block table;
 - `sdpa`: SDPA over gathered pages, any device: decodes batched, each prefill chunk alone;
-- `cpu`: the C++ paged kernel (`servelab.kernels.cpu_paged`), every query of a step in one
-  call a layer, `sdpa`'s paths (logged) where it cannot run; the fast path on a CPU;
+- `cpu`: the C++ paged kernel (`servelab.kernels.cpu_paged`) for decodes and short prompt
+  chunks (every query as one decode), SDPA's flash kernel per chunk once a step has a chunk of
+  `SDPA_PROMPT_TOKENS` or more; `sdpa`'s paths (logged) where it cannot run; fast on a CPU;
 - `reference`: `varlen_attention_reference`, the specification, never chosen by `auto`;
 - `auto`: the first of flash_attn, torch, cpu, sdpa whose constraints hold (logged)."""
 
@@ -54,6 +55,11 @@ logger = logging.getLogger(__name__)
 IMPLS = ("auto", "flash_attn", "torch", "reference", "sdpa", "cpu")
 SDPA_IMPLS = ("sdpa", "cpu")  # impls that plan batched decodes + per-sequence prefill calls
 AUTO_ORDER = ("flash_attn", "torch", "cpu", "sdpa")  # what impl=auto tries, fastest first
+# impl=cpu: a step with a prompt chunk this long attends its prompt rows through SDPA (a
+# blocked GEMM over the chunk): the kernel's one decode per token reads the context once per
+# query: level with SDPA at 16 tokens, 2x slower at 32, 2.6-12x at 64-512, 1.7x faster at 8
+# (a fresh prompt, Qwen3-0.6B's heads, 2 cores, measured)
+SDPA_PROMPT_TOKENS = 16
 KernelFn = Callable[..., torch.Tensor]
 
 
@@ -218,7 +224,9 @@ class FlashVarlenBackend(AttentionBackend):
             if self._decode_kernel:  # the kernel reads the block table itself
                 plan.block_table = plan.block_table.contiguous()
                 plan.seq_lens = plan.seq_lens.contiguous()
-                if meta.num_decodes < meta.num_tokens:  # prompt tokens (maybe 1-token chunks)
+                if meta.max_query_len >= SDPA_PROMPT_TOKENS:  # the kernel for the decodes only
+                    plan.prefills = plan_per_seq(meta, first=meta.num_decodes)
+                elif meta.num_decodes < meta.num_tokens:  # short prompt chunks: each token a query
                     plan.token_tables, plan.token_lens = per_token_tables(meta)
             else:
                 plan.decodes = plan_decode_batch(meta, self.num_kv_heads)
@@ -264,13 +272,15 @@ class FlashVarlenBackend(AttentionBackend):
     def cpu_paged_kernel_inputs(
         self, plan: FlashVarlenPlan, num_layers: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """impl=cpu with its kernel: every step is `store_kv`, then `paged_decode`
-        over the sequences' tables (a decode-only step) or the prompt tokens'
-        own (`token_tables`); see `forward`."""
+        """impl=cpu with its kernel: a step is `store_kv`, then `paged_decode` over the
+        sequences' tables (a decode-only step) or the prompt tokens' own (`token_tables`);
+        None for a step with a chunk of `SDPA_PROMPT_TOKENS` or more (SDPA attends it)."""
         if not self._decode_kernel or self.active_impl not in SDPA_IMPLS:
             return None
         if not plan.completed:
             self.complete_plan(plan)
+        if plan.prefills is not None:  # long prompt chunks: SDPA in every layer's forward
+            return None
         self.cpu_kernel_calls += num_layers
         return (plan.slot_mapping, *self._kernel_tables(plan))
 
@@ -329,13 +339,23 @@ class FlashVarlenBackend(AttentionBackend):
         v_cache: torch.Tensor,
         plan: FlashVarlenPlan,
     ) -> torch.Tensor:
-        if self._decode_kernel:
-            # one kernel call: the decodes, and prompt tokens each over its causal
-            # context (its K/V were just stored) instead of an SDPA call per chunk;
-            # the kernel reads the first q.shape[0] rows of the tables
+        if self._decode_kernel and plan.prefills is None:
+            # one kernel call: the decodes, and short prompt chunks' tokens each over its
+            # causal context (its K/V were just stored); it reads the tables' first q rows
             self.cpu_kernel_calls += 1
             tables, lens = self._kernel_tables(plan)
             return cpu_paged.paged_decode(q, k_cache, v_cache, tables, lens, self.scale)
+        if self._decode_kernel:  # the decodes through the kernel, the prompt chunks through SDPA
+            out = torch.empty_like(q)
+            if plan.num_decodes:
+                self.cpu_kernel_calls += 1
+                out[: plan.num_decodes] = cpu_paged.paged_decode(
+                    q[: plan.num_decodes], k_cache, v_cache, plan.block_table, plan.seq_lens,
+                    self.scale,
+                )  # fmt: skip
+            return per_seq_attention(
+                q, k, v, k_cache, v_cache, plan.prefills, self.scale, out, self.workspace
+            )
         num_decodes = plan.num_decodes
         if num_decodes == q.shape[0]:  # a decode-only step: one call, nothing to assemble
             return self._decode(q, k_cache, v_cache, plan)

@@ -29,7 +29,7 @@ def test_paths_follow_the_cpu(caplog):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 37])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_matmul_is_linear(dtype, rows, with_bias):
     if cpu_matmul.path_for(dtype).name == "servelab" and cpu_linear.kernel() is None:

@@ -185,6 +185,8 @@ FAST_BATCHES = {
     "decode": ([1, 1, 1, 1, 1], [0, 15, 16, 40, 95]),
     "prefill": ([7, 19], [0, 0]),
     "mixed": ([1, 1, 1, 6, 9], [8, 31, 70, 0, 13]),
+    # chunks of SDPA_PROMPT_TOKENS or more: impl=cpu's kernel takes the decodes only
+    "mixed-long": ([1, 1, 17, 24], [8, 31, 5, 0]),
 }
 # (num_heads, num_kv_heads): no grouping, groups of 2 and 8, and of 3 (not a power of two)
 HEAD_LAYOUTS = [(4, 4), (4, 2), (8, 1), (6, 2)]
@@ -221,9 +223,12 @@ def test_fast_impls_match_the_reference_impl(impl, batch, head_dim, heads, block
     torch.testing.assert_close(out, want, **TOLERANCE[dtype])
     assert_matches_reference(out, case, dtype)  # and the independent naive one
     assert_cache_written(case, expected_caches)
-    # the path that ran: the C++ kernel for every impl=cpu step (prompt tokens
-    # too, each as one query over its causal context), never for sdpa
-    kernel_calls = 1 if impl == "cpu" else 0
+    # the path that ran: the C++ kernel for every impl=cpu step (short prompt chunks
+    # too, each token as one query over its causal context; with a chunk of
+    # SDPA_PROMPT_TOKENS or more, for the decodes only), never for sdpa
+    long_chunk = max(query_lens) >= flash_varlen.SDPA_PROMPT_TOKENS
+    decodes = query_lens[0] == 1 and context_lens[0] > 0
+    kernel_calls = 1 if impl == "cpu" and (decodes or not long_chunk) else 0
     assert backend.stats() == {"cpu_kernel_calls": kernel_calls}
 
 

@@ -280,11 +280,13 @@ def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> di
            "--attention-impl", args.attention_impl]  # fmt: skip
     if args.vllm_eager:
         cmd.append("--vllm-eager")
+    start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{system} {dtype} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    # the whole process (loading, compiling, warm-up) besides the timed part
+    return {**json.loads(lines[-1]), "process_s": time.perf_counter() - start}
 
 
 # -- the report
@@ -292,7 +294,7 @@ def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> di
 
 def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
     line = f"{system:8s} {dtype:9s} {run['output_tokens'] / run['wall_s']:7.2f} out tok/s"
-    line += f"  ({run['wall_s']:.1f} s)"
+    line += f"  ({run['wall_s']:.1f} s; process {run['process_s']:.0f} s)"
     if "prefill_s" in run and run["prefill_s"] > 0:
         flops = run["prefill_flop"] / run["prefill_s"]
         peak = peaks["float32"] if dtype == "float32" else max(peaks["float32"], peaks["bfloat16"])

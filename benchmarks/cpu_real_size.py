@@ -1,23 +1,27 @@
 """servelab on this CPU at a real model's size: Qwen3-0.6B's shape with random
 weights, against the machine's measured limits, optionally beside vLLM's CPU backend.
 
-The checkpoint (28 layers, hidden 1,024, 16 query / 8 KV heads, head_dim 128,
-intermediate 3,072, vocabulary 151,936, tied embedding; seed 0) is written in
-Hugging Face's format to a temporary folder, so both engines load the same
-weights. Workload: `--requests` requests (default 32), prompts uniform in
-[64, 512] tokens, outputs uniform in [32, 128], greedy, `ignore_eos`, all at
-once; servelab runs `continuous` + `paged` + `flash_varlen`.
+`--shape` picks a checkpoint shape and the workload that goes with it (SHAPES):
+`qwen3-0.6b` (default; 28 layers, hidden 1,024, 16 query / 8 KV heads, head_dim
+128, vocabulary 151,936, tied embedding; 32 requests, prompts uniform in [64, 512]
+tokens, outputs in [32, 128]) or `tiny`, servelab's embedded tiny Qwen3 with
+head_dim 32 instead of 16, the smallest vLLM's CPU attention takes (64 requests,
+prompts in [32, 256], outputs in [16, 256]). The seed-0 checkpoint is written in
+Hugging Face's format to a temporary folder, so both engines load the same weights.
+Requests are greedy, `ignore_eos`, all at once; servelab runs `continuous` +
+`paged` + `flash_varlen`.
 
 Measured in this process first: the float32 matmul peak (MKL), the bfloat16 one
 (oneDNN where the CPU runs it natively, else torch's), and the memory read
 bandwidth. Each engine run is a fresh process; runs alternate (servelab, vLLM,
 vLLM, servelab per repeat) so a slow spell of a shared machine falls on both.
 Reported per run: output tok/s; for servelab also the prefill steps' matmul
-TFLOP/s and the decode steps' weight-read GB/s, as fractions of the peaks, and
-the greedy tokens' agreement with vLLM's.
+TFLOP/s and the decode steps' weight-read GB/s (both counted from the shape), as
+fractions of the peaks, and the greedy tokens' agreement with vLLM's.
 
     python benchmarks/cpu_real_size.py --dtypes float32 bfloat16
     python benchmarks/cpu_real_size.py --vllm-python /work/venvs/vllm/bin/python --requests 8
+    python benchmarks/cpu_real_size.py --shape tiny --dtypes float32 --vllm-python ...
 """
 
 from __future__ import annotations
@@ -29,21 +33,45 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-SHAPE = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-    rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960,
-)  # fmt: skip
-MAX_MODEL_LEN = 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A checkpoint shape (one of servelab's named shapes, head_dim optionally
+    changed) and the workload served on it; token-count ranges are inclusive."""
+
+    model: str
+    requests: int
+    prompt_tokens: tuple[int, int]
+    output_tokens: tuple[int, int]
+    head_dim: int | None = None
+    max_model_len: int = 1024
+
+    def config(self):
+        """servelab's ModelConfig of this shape."""
+        from servelab.model.config import named_config
+
+        c = named_config(self.model)
+        return c if self.head_dim is None else replace(c, head_dim=self.head_dim)
+
+
+SHAPES = {
+    "qwen3-0.6b": Shape("qwen3-0.6b", requests=32, prompt_tokens=(64, 512), output_tokens=(32, 128)),
+    # vLLM's CPU attention takes head_dim 32 and up, not the embedded model's 16
+    "tiny": Shape("tiny", requests=64, prompt_tokens=(32, 256), output_tokens=(16, 256), head_dim=32),
+}  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-0.6b",
+                   help="checkpoint shape and its workload (default qwen3-0.6b)")  # fmt: skip
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", type=int, help="default: the shape's workload's count")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds (default 1)")
     p.add_argument(
         "--pattern",
@@ -105,37 +133,55 @@ def machine_peaks(threads: int) -> dict:
 # -- the checkpoint and the workload
 
 
-def write_checkpoint(folder: Path) -> None:
+def hf_config(shape: Shape):
+    """transformers' Qwen3 config of the shape."""
+    from transformers import Qwen3Config
+
+    c = shape.config()
+    return Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=c.max_position_embeddings, torch_dtype="float32",
+    )  # fmt: skip
+
+
+def write_checkpoint(folder: Path, shape: Shape) -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(**SHAPE, torch_dtype="float32")
-    model = Qwen3ForCausalLM(config)
-    model.save_pretrained(folder, safe_serialization=True)
+    Qwen3ForCausalLM(hf_config(shape)).save_pretrained(folder, safe_serialization=True)
 
 
-def write_workload(path: Path, num_requests: int) -> list[dict]:
+def write_workload(path: Path, shape: Shape, num_requests: int | None = None) -> list[dict]:
+    """The shape's workload (`num_requests` of it, default the shape's count): token
+    ids uniform over the vocabulary, lengths uniform over the shape's ranges."""
     import numpy as np
 
     rng = np.random.default_rng(0)
+    (p_lo, p_hi), (o_lo, o_hi) = shape.prompt_tokens, shape.output_tokens
+    vocab = shape.config().vocab_size
     requests = [
         {
-            "prompt": rng.integers(0, SHAPE["vocab_size"], int(rng.integers(64, 513))).tolist(),
-            "max_tokens": int(rng.integers(32, 129)),
+            "prompt": rng.integers(0, vocab, int(rng.integers(p_lo, p_hi + 1))).tolist(),
+            "max_tokens": int(rng.integers(o_lo, o_hi + 1)),
         }
-        for _ in range(num_requests)
+        for _ in range(shape.requests if num_requests is None else num_requests)
     ]
     path.write_text(json.dumps(requests))
     return requests
 
 
-def matmul_params() -> int:
+def matmul_params(shape: Shape) -> int:
     """Weights a token's projections multiply (no embedding, no LM head)."""
-    h, i, d = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
-    qkv = h * d * (SHAPE["num_attention_heads"] + 2 * SHAPE["num_key_value_heads"])
-    o = SHAPE["num_attention_heads"] * d * h
-    return SHAPE["num_hidden_layers"] * (qkv + o + 3 * h * i)
+    c = shape.config()
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+    qkv = h * d * (c.num_heads + 2 * c.num_kv_heads)
+    o = c.num_heads * d * h
+    return c.num_layers * (qkv + o + 3 * h * i)
 
 
 # -- the workers (a fresh process each)
@@ -147,13 +193,14 @@ def servelab_worker(args) -> dict:
     from servelab import SamplingParams
     from servelab.engine.build import build_engine
 
+    shape = SHAPES[args.shape]
     requests = json.loads(args.workload.read_text())
     engine = build_engine({
-        "model": {"name": "qwen3-0.6b-random", "path": str(args.checkpoint)},
+        "model": {"name": f"{args.shape}-random", "path": str(args.checkpoint)},
         "scheduler": {"name": "continuous"}, "allocator": {"name": "paged"},
         "attention": {"name": "flash_varlen", "impl": args.attention_impl},
         "engine": {"dtype": args.dtype, "num_threads": args.threads, "device": "cpu",
-                   "max_model_len": MAX_MODEL_LEN, "cpu_kernels": args.cpu_kernels,
+                   "max_model_len": shape.max_model_len, "cpu_kernels": args.cpu_kernels,
                    "kv_cache_memory": args.kv_cache, "swap_space": "64MiB"},
     })  # fmt: skip
     torch.set_num_threads(args.threads)
@@ -177,18 +224,19 @@ def servelab_worker(args) -> dict:
     decode_rows = sum(s.decode_tokens for s in decode)
     wall = time.perf_counter() - start
     weight_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8
-    lm_head = SHAPE["vocab_size"] * SHAPE["hidden_size"]
+    c = shape.config()
+    lm_head = c.vocab_size * c.hidden_size
     prompt_tokens = sum(len(r["prompt"]) for r in requests)
     return {
         "wall_s": wall,
         "output_tokens": sum(len(t) for t in outputs.values()),
         "tokens": [outputs[str(i)] for i in range(len(requests))],
         "prefill_s": prefill_s,
-        "prefill_flop": 2 * matmul_params() * prompt_tokens,
+        "prefill_flop": 2 * matmul_params(shape) * prompt_tokens,
         "decode_s": decode_s,
         "decode_steps": decode_steps,
         "decode_rows": decode_rows,
-        "decode_weight_bytes": decode_steps * (matmul_params() + lm_head) * weight_bytes,
+        "decode_weight_bytes": decode_steps * (matmul_params(shape) + lm_head) * weight_bytes,
     }
 
 
@@ -204,7 +252,7 @@ def vllm_worker(args) -> dict:
     requests = json.loads(args.workload.read_text())
     llm = LLM(
         model=str(args.checkpoint), dtype=args.dtype, skip_tokenizer_init=True,
-        max_model_len=MAX_MODEL_LEN, enforce_eager=args.vllm_eager, seed=0,
+        max_model_len=SHAPES[args.shape].max_model_len, enforce_eager=args.vllm_eager, seed=0,
         max_num_seqs=max(len(requests), 1),
     )  # fmt: skip
     prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
@@ -225,17 +273,20 @@ def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> di
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if system == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    cmd = [python, str(HERE), "--worker", system, "--dtype", dtype, "--workload", str(workload),
+    cmd = [python, str(HERE), "--worker", system, "--shape", args.shape, "--dtype", dtype,
+           "--workload", str(workload),
            "--checkpoint", str(args.checkpoint), "--threads", str(args.threads),
            "--cpu-kernels", args.cpu_kernels, "--kv-cache", args.kv_cache,
            "--attention-impl", args.attention_impl]  # fmt: skip
     if args.vllm_eager:
         cmd.append("--vllm-eager")
+    start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{system} {dtype} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    # the whole process (loading, compiling, warm-up) besides the timed part
+    return {**json.loads(lines[-1]), "process_s": time.perf_counter() - start}
 
 
 # -- the report
@@ -243,14 +294,14 @@ def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> di
 
 def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
     line = f"{system:8s} {dtype:9s} {run['output_tokens'] / run['wall_s']:7.2f} out tok/s"
-    line += f"  ({run['wall_s']:.1f} s)"
+    line += f"  ({run['wall_s']:.1f} s; process {run['process_s']:.0f} s)"
     if "prefill_s" in run and run["prefill_s"] > 0:
         flops = run["prefill_flop"] / run["prefill_s"]
         peak = peaks["float32"] if dtype == "float32" else max(peaks["float32"], peaks["bfloat16"])
-        line += f"  prefill {flops / 1e12:.3f} TFLOP/s = {flops / peak:.0%} of peak"
+        line += f"  prefill {flops / 1e12:.3g} TFLOP/s = {flops / peak:.1%} of peak"
     if run.get("decode_s", 0) > 0:
         rate = run["decode_weight_bytes"] / run["decode_s"]
-        line += f"  decode {rate / 1e9:.1f} GB/s = {rate / peaks['read_bytes_s']:.0%} of read bw"
+        line += f"  decode {rate / 1e9:.3g} GB/s = {rate / peaks['read_bytes_s']:.1%} of read bw"
         line += f" (mean batch {run['decode_rows'] / max(run['decode_steps'], 1):.1f})"
     return line
 
@@ -278,9 +329,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="servelab-real-size-") as tmp:
         if args.checkpoint is None:
             args.checkpoint = Path(tmp) / "checkpoint"
-            write_checkpoint(args.checkpoint)
+            write_checkpoint(args.checkpoint, SHAPES[args.shape])
         workload = Path(tmp) / "workload.json"
-        write_workload(workload, args.requests)
+        requests = write_workload(workload, SHAPES[args.shape], args.requests)
+        print(f"shape {args.shape}: {len(requests)} requests, "
+              f"{sum(len(r['prompt']) for r in requests)} prompt tokens, "
+              f"{sum(r['max_tokens'] for r in requests)} output tokens")  # fmt: skip
         systems = [("servelab", sys.executable)]
         if args.vllm_python:
             systems.append(("vllm", str(args.vllm_python)))

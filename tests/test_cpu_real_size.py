@@ -1,0 +1,92 @@
+"""`benchmarks/cpu_real_size.py` without vLLM and without timing anything: each
+`--shape` brings its own workload (the counts and ranges below are the
+benchmark's published ones), the FLOP and weight-byte counts match the weights
+transformers builds for the shape, and the tiny shape's checkpoint loads into
+servelab as the embedded tiny model with head_dim 32 and serves its requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from argparse import Namespace
+
+import pytest
+import torch
+
+from servelab.model.config import ModelConfig, named_config
+from tests.benchmark_scripts import load_benchmark
+
+# shape -> (requests, prompt tokens, output tokens), inclusive ranges
+WORKLOADS = {
+    "qwen3-0.6b": (32, (64, 512), (32, 128)),
+    "tiny": (64, (32, 256), (16, 256)),
+}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("cpu_real_size")
+
+
+def test_every_shape_is_offered_and_a_bad_one_names_the_choices(bench, capsys):
+    assert set(bench.SHAPES) == set(WORKLOADS)
+    assert bench.parse_args([]).shape == "qwen3-0.6b"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shape", "huge"])
+    assert "qwen3-0.6b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_each_shape_brings_its_own_workload(bench, tmp_path, name):
+    count, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
+    requests = bench.write_workload(tmp_path / "w.json", bench.SHAPES[name])
+    assert json.loads((tmp_path / "w.json").read_text()) == requests
+    assert len(requests) == count
+    vocab = named_config(name).vocab_size
+    assert all(0 <= t < vocab for r in requests for t in r["prompt"])
+    assert all(p_lo <= len(r["prompt"]) <= p_hi for r in requests)
+    assert all(o_lo <= r["max_tokens"] <= o_hi for r in requests)
+    # 64 draws spread over the range, not one corner of it
+    assert max(len(r["prompt"]) for r in requests) > (p_lo + p_hi) / 2
+    assert len(bench.write_workload(tmp_path / "w.json", bench.SHAPES[name], 3)) == 3
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_matmul_params_count_the_projection_weights_transformers_builds(bench, name):
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(bench.hf_config(bench.SHAPES[name]))
+    counted = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in PROJECTIONS)
+    assert bench.matmul_params(bench.SHAPES[name]) == counted
+
+
+def test_the_tiny_checkpoint_is_the_embedded_tiny_model_with_head_dim_32(bench, tmp_path):
+    bench.write_checkpoint(tmp_path, bench.SHAPES["tiny"])
+    loaded = ModelConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
+    tiny = named_config("tiny")
+    assert tiny.head_dim == 16 and loaded.head_dim == 32
+    differing = [
+        f.name
+        for f in dataclasses.fields(tiny)
+        if getattr(loaded, f.name) != getattr(tiny, f.name)
+        and f.name not in ("eos_token_ids", "bos_token_id")  # ignore_eos: unused here
+    ]
+    assert differing == ["head_dim"]
+
+
+def test_servelab_serves_the_tiny_shape(bench, tmp_path):
+    shape = bench.SHAPES["tiny"]
+    bench.write_checkpoint(tmp_path / "ckpt", shape)
+    requests = bench.write_workload(tmp_path / "w.json", shape, 3)
+    args = Namespace(
+        shape="tiny", workload=tmp_path / "w.json", checkpoint=tmp_path / "ckpt",
+        dtype="float32", threads=1, attention_impl="auto", cpu_kernels="auto",
+        kv_cache="16MiB",
+    )  # fmt: skip
+    run = bench.servelab_worker(args)
+    assert [len(t) for t in run["tokens"]] == [r["max_tokens"] for r in requests]
+    assert run["prefill_flop"] == 2 * bench.matmul_params(shape) * sum(
+        len(r["prompt"]) for r in requests
+    )

@@ -12,14 +12,8 @@ import numpy as np
 import pytest
 
 from servelab.engine.build import build_engine
-from servelab.engine.metrics import (
-    TOKEN_LISTS,
-    RequestRecord,
-    StepRecord,
-    decode_stalls,
-    percentiles,
-    summarize,
-)
+from servelab.engine.metrics import TOKEN_LISTS, RequestRecord, StepRecord
+from servelab.engine.summary import decode_stalls, percentiles, summarize
 from servelab.lab.runner import run_config, serve
 from servelab.lab.workload import make_workload
 from servelab.step.sequence import SamplingParams

@@ -264,7 +264,7 @@ class Engine:
 
     def _run(self, plan: StepPlan):
         now = None
-        for item in plan.items:  # a decode batch's rows were all scheduled before
+        for item in plan.items:  # a sequence is first scheduled as an item (StepPlan)
             if item.seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
                 item.seq.first_scheduled_time = now

@@ -243,7 +243,7 @@ class MetricsCollector:
                     steps.append(step)
             previous = seq_id
         first_step = self._first_step
-        for item in plan.items:  # the only sequences a step can schedule for the first time
+        for item in plan.items:  # a sequence is first scheduled as an item (StepPlan)
             seq_id = item.seq.seq_id
             if seq_id not in closed:
                 first_step.setdefault(seq_id, step)

@@ -181,6 +181,24 @@ def test_every_token_has_the_step_that_sampled_it(scheduler):
     assert not engine.metrics._token_steps and not engine.metrics._first_step
 
 
+def test_a_forking_prompt_gives_its_first_sample_one_step_per_token():
+    """A prompt with n samples forks in the step that samples it: the executor's
+    sampled tokens list the parent n times there, and its record still gets that
+    step once, like every later token's step (the decode batch's or not)."""
+    engine = tiny(engine={"max_num_seqs": 4})
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    engine.add_request([3, 9, 4, 7, 5], params, request_id="forked")
+    engine.add_request([6, 2, 8], SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    record = next(r for r in engine.metrics.requests if r.request_id == "forked")
+    assert record.output_tokens == 3 * 5
+    # one prefill step, then one decode step per token: steps k .. k+4
+    first = record.first_scheduled_step
+    assert record.token_steps == list(range(first, first + 5))
+    assert len(record.token_times) == 5
+
+
 def test_per_step_counters_add_up_to_the_parts_own_totals():
     engine = tiny(
         allocator={"name": "paged", "block_size": 4, "prefix_caching": True},

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from servelab.cluster.options import cluster_options, is_disaggregated
 from servelab.cluster.pd_processes import PairResult, run_pair
-from servelab.engine.metrics import RequestRecord, StepRecord, summarize
+from servelab.engine.metrics import RequestRecord, StepRecord
+from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
 from servelab.lab.provenance import provenance
 from servelab.lab.runner import RunResult, model_name, output_digest, print_summary, save_run

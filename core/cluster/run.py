@@ -27,7 +27,7 @@ from servelab.cluster.replica_set import (
 )
 from servelab.cluster.simulated import SimulatedCluster
 from servelab.contracts.kinds import KINDS
-from servelab.engine.metrics import summarize
+from servelab.engine.summary import summarize
 from servelab.lab.runner import output_digest
 from servelab.lab.workload import make_workload
 from servelab.registry.construct import construct

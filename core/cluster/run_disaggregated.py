@@ -24,7 +24,7 @@ from servelab.cluster.replica_set import (
     workload_node,
 )
 from servelab.contracts.kinds import KINDS
-from servelab.engine.metrics import percentiles, summarize
+from servelab.engine.summary import percentiles, summarize
 from servelab.lab.runner import output_digest
 from servelab.lab.workload import make_workload
 from servelab.registry.construct import construct

@@ -25,14 +25,13 @@ from servelab.contracts.executor import Executor
 from servelab.contracts.scheduler import Scheduler
 from servelab.engine import handover, requests
 from servelab.engine.failures import fail_step
-from servelab.engine.metrics import MetricsCollector, RequestRecord, StepRecord
+from servelab.engine.metrics import MetricsCollector
 from servelab.engine.request_failures import fail_sampled
 from servelab.engine.stops_and_logprobs import apply_stops_and_logprobs
 from servelab.errors import RequestError, WorkerError
-from servelab.step.plan import StepPlan
+from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.sequence import (
     CompletionOutput,
-    FinishReason,
     RequestOutput,
     SamplingParams,
     Sequence,
@@ -76,6 +75,11 @@ class Engine:
 
     def now(self) -> float:
         return self.clock() - self.t0
+
+    @property
+    def step_index(self) -> int:
+        """The number the next recorded step gets (a step that runs nothing gets none)."""
+        return self._step_index
 
     def sleep(self, seconds: float) -> None:
         """Waits on the executor's clock (a virtual clock just moves on)."""
@@ -217,7 +221,7 @@ class Engine:
             if plan.copies:
                 self.executor.apply(plan.copies)
             stage = "the model forward (attention backend, kernels, sampler)"
-            sampled = self._run(plan) if not plan.is_empty else {}
+            sampled = self._run(plan) if not plan.is_empty else SampledTokens([], [])
             stage = "scheduler.update"
             finished = self.scheduler.update(plan, sampled, self.now())
             # requests whose own sampling raised fail alone (request_failures)
@@ -256,11 +260,11 @@ class Engine:
             self._finish_group(group)
         for group, message in failed_alone:
             self._finish_group(group, message)
-        self._record_step(plan, start)
+        self._record_step(plan, sampled, start)
 
     def _run(self, plan: StepPlan):
         now = None
-        for item in plan.items:  # a decode batch's rows were all scheduled before
+        for item in plan.items:  # a sequence is first scheduled as an item (StepPlan)
             if item.seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
                 item.seq.first_scheduled_time = now
@@ -286,33 +290,7 @@ class Engine:
         for seq in group.seqs:
             if seq.finished_time is None:
                 seq.finished_time = now
-        first_step, token_steps, events = self.metrics.pop_sequence(
-            first.seq_id,
-            self._step_index,
-            len(first.token_times),
-            scheduled=first.first_scheduled_time is not None,
-        )
-        for seq in group.seqs[1:]:
-            self.metrics.pop_sequence(seq.seq_id, self._step_index, 0, scheduled=True)
-        record = RequestRecord(
-            request_id=group.request_id,
-            arrival_time=first.arrival_time,
-            prompt_tokens=first.num_prompt_tokens,
-            output_tokens=sum(s.num_output_tokens for s in group.seqs),
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.token_times[0] if first.token_times else None,
-            finished_time=now,
-            finish_reason=(first.finish_reason or FinishReason.ABORT).value,
-            preemptions=max(s.num_preemptions for s in group.seqs),
-            token_times=list(first.token_times),
-            token_steps=token_steps,
-            first_scheduled_step=first_step,
-            finished_step=self._step_index,
-            recomputed_tokens=sum(s.num_recomputed_tokens for s in group.seqs),
-            client=first.client,
-            preemption_events=events,
-        )
-        self.metrics.requests.append(record)
+        record = self.metrics.record_request(group, now, self._step_index)
         row = record.row()  # built once (it copies the record): the output and the hook share it
         output = RequestOutput(
             request_id=group.request_id,
@@ -346,61 +324,25 @@ class Engine:
             return None
         return self.tokenizer.decode(token_ids)
 
-    def _record_step(self, plan: StepPlan, start: float) -> None:
-        """Records one step's figures. A step that ran nothing (a batcher waiting
-        for its batch, an idle engine) is not a step: no record, no hook."""
+    def _record_step(self, plan: StepPlan, sampled: SampledTokens, start: float) -> None:
+        """Records one step's figures (`servelab.engine.metrics`). A step that ran
+        nothing (a batcher waiting for its batch, an idle engine) is not a step: no
+        record, no hook."""
         if plan.is_empty and not plan.preempted:
             return
-        step = self._step_index
-        self.metrics.note_step(step, plan)
-        usage = self.allocator.usage()
-        stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
-        delta = self.metrics.deltas(self._metric_counters(usage, stats))
-        num_seqs, decode_tokens, sampled_tokens = plan.counts()
-        record = StepRecord(
-            step=step,
-            start_time=start,
-            wall_time=self.now() - start,
-            num_seqs=num_seqs,
-            prefill_tokens=plan.num_tokens - decode_tokens,
-            decode_tokens=decode_tokens,
-            idle_slots=plan.idle_slots,
-            preempted=len(plan.preempted),
-            kv_tokens_used=int(usage["tokens_used"]),
-            kv_tokens_reserved=int(usage["tokens_reserved"]),
-            kv_tokens_capacity=int(usage["tokens_capacity"]),
-            num_prefills=num_seqs - decode_tokens,
-            sampled_tokens=sampled_tokens,
-            padding_tokens=int(delta.pop("attn_padded_query_slots", 0)),
-            padded_key_slots=int(delta.pop("attn_padded_key_slots", 0)),
-            real_key_tokens=int(delta.pop("attn_real_key_tokens", 0)),
-            prefix_hit_tokens=int(delta.pop("prefix_hit_tokens")),
-            prefix_query_tokens=int(delta.pop("prefix_query_tokens")),
-            swapped_out_bytes=int(delta.pop("swapped_out_bytes")),
-            swapped_in_bytes=int(delta.pop("swapped_in_bytes")),
-            preemptions_recompute=int(delta.pop("preemptions_recompute")),
-            preemptions_swap=int(delta.pop("preemptions_swap")),
-            recomputed_tokens=int(delta.pop("recomputed_tokens")),
-            waiting=int(stats.get("waiting", 0)),
-            extra=delta,  # what is left: any other backend counter, as a per-step increase
+        record = self.metrics.record_step(
+            self._step_index,
+            plan,
+            sampled,
+            start,
+            self.now,
+            allocator=self.allocator,
+            scheduler=self.scheduler,
+            executor=self.executor,
+            backend=self.backend,
         )
-        self.metrics.steps.append(record)
         self._step_index += 1
         self.notify("servelab_step_end", engine=self, step=record.row())
-
-    def _metric_counters(self, usage: dict, stats: dict) -> dict[str, float]:
-        """The cumulative counters (allocator usage, scheduler stats, KV copies,
-        backend stats) a step record turns into per-step increases."""
-        return {
-            "prefix_hit_tokens": usage.get("prefix_hit_tokens", 0),
-            "prefix_query_tokens": usage.get("prefix_query_tokens", 0),
-            "swapped_out_bytes": self.executor.bytes_swapped_out,
-            "swapped_in_bytes": self.executor.bytes_swapped_in,
-            "preemptions_recompute": stats.get("preemptions_recompute", 0),
-            "preemptions_swap": stats.get("preemptions_swap", 0),
-            "recomputed_tokens": stats.get("recomputed_tokens", 0),
-            **{f"attn_{k}": v for k, v in self.backend.stats().items()},
-        }
 
     # -- prefill/decode disaggregation (servelab.engine.handover)
     def add_prefill_request(

@@ -196,7 +196,7 @@ def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: s
     seq.token_times.append(now if request.first_token_time is None else request.first_token_time)
     # the first token came from another instance: its step is the admitting engine's next one,
     # so the record's token_steps stay in token order
-    engine.metrics._token_steps[seq.seq_id] = [engine._step_index]
+    engine.metrics.note_transferred_token(seq.seq_id, engine.step_index)
     if seq.logprobs is not None and request.first_logprobs:
         seq.logprobs = list(request.first_logprobs)
     admit = getattr(engine.scheduler, "add_prefilled", None)

@@ -1,28 +1,31 @@
-"""Per-request and per-step records, and the run summary built from them.
+"""The engine's records: a `RequestRecord` per finished request, a `StepRecord`
+per step that ran something, and `MetricsCollector`, which builds both as the
+engine runs (`servelab.engine.summary` turns them into a run's figures).
 
-Times are engine-relative seconds (`Engine.now()`); summary latencies are in
-milliseconds (`*_ms`), rates per second, shares in percent (`*_pct`).
-
-Counters the parts keep cumulatively (allocator prefix hits, swapped bytes,
-padding slots, preemptions) enter a `StepRecord` as that step's increase, so a
-run's figure is the sum over its steps, whatever ran before it (a warm-up).
+Times are engine-relative seconds (`Engine.now()`). Counters the parts keep
+cumulatively (allocator prefix hits, swapped bytes, padding slots, preemptions)
+enter a `StepRecord` as that step's increase, so a run's figure is the sum over
+its steps, whatever ran before it (a warm-up). A token's step comes from the
+executor's `SampledTokens` (who got a token), never from how the scheduler
+packed the step: the decode batch stays the scheduler core's and executor's.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from servelab.step.sequence import SequenceStatus
+from servelab.step.sequence import FinishReason, SequenceStatus
 
 if TYPE_CHECKING:
-    from servelab.step.plan import StepPlan
+    from servelab.contracts.allocator import KVAllocator
+    from servelab.contracts.attention import AttentionBackend
+    from servelab.contracts.executor import Executor
+    from servelab.contracts.scheduler import Scheduler
+    from servelab.step.plan import SampledTokens, StepPlan
+    from servelab.step.sequence import SequenceGroup
 
 # finish reasons of requests that did not complete (the rest: "stop", "length")
 UNFINISHED_REASONS = ("abort", "rejected", "cache_full", "error")
@@ -131,152 +134,6 @@ class StepRecord:
         return row
 
 
-def percentiles(values: Iterable[float], qs=(50, 90, 99)) -> dict[str, float]:
-    """Mean and the given percentiles (numpy's linear interpolation); NaN when empty."""
-    arr = np.asarray(list(values), dtype=np.float64)
-    if arr.size == 0:
-        return {"mean": math.nan, **{f"p{q}": math.nan for q in qs}}
-    return {"mean": float(arr.mean()), **{f"p{q}": float(np.percentile(arr, q)) for q in qs}}
-
-
-@dataclass
-class Stall:
-    """The longest gaps between consecutive tokens of a decoding sequence during
-    which some prefill ran (each figure maximised on its own)."""
-
-    seconds: float = 0.0
-    steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed inside one such gap
-
-
-def decode_stalls(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> Stall:
-    """A gap between tokens i and i+1 of a request spans steps
-    (token_steps[i], token_steps[i+1]]; it is a stall when those steps computed
-    prefill tokens (another request's prompt, or its own recompute)."""
-    index = [s.step for s in steps]
-    cumulative = np.concatenate([[0], np.cumsum([s.prefill_tokens for s in steps])])
-
-    def prefill_between(after: int, upto: int) -> int:
-        lo, hi = bisect.bisect_right(index, after), bisect.bisect_right(index, upto)
-        return int(cumulative[hi] - cumulative[lo])
-
-    stall = Stall()
-    for req in requests:
-        pairs = zip(req.token_steps, req.token_steps[1:], req.token_times, req.token_times[1:])
-        for step_a, step_b, time_a, time_b in pairs:
-            prefill = prefill_between(step_a, step_b)
-            if prefill:
-                stall.seconds = max(stall.seconds, time_b - time_a)
-                stall.steps = max(stall.steps, step_b - step_a)
-                stall.prefill_tokens = max(stall.prefill_tokens, prefill)
-    return stall
-
-
-def _pct(part: float, whole: float) -> float:
-    return 100.0 * part / whole if whole else 0.0
-
-
-def _latency_figures(name: str, seconds: Iterable[float]) -> dict[str, float]:
-    return {f"{name}_{k}_ms": v * 1000.0 for k, v in percentiles(seconds).items()}
-
-
-def _finish_steps(done: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> dict:
-    """`finish_step_mean` / `finish_step_p50`: how many steps from the run's first
-    step each completed request took to come back (its job completion time in
-    steps, the same on any machine when every request arrives at once)."""
-    first = steps[0].step if steps else 0
-    counts = [r.finished_step - first + 1 for r in done if r.finished_step is not None]
-    if not counts:
-        return {"finish_step_mean": math.nan, "finish_step_p50": math.nan}
-    return {
-        "finish_step_mean": float(np.mean(counts)),
-        "finish_step_p50": float(np.percentile(counts, 50)),
-    }
-
-
-def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> dict[str, float]:
-    """One run's figures; see docs/ablation.md for each definition."""
-    done = [r for r in requests if r.completed]
-    out_tokens = sum(r.output_tokens for r in done)
-    prompt_tokens = sum(r.prompt_tokens for r in done)
-    if steps:
-        start = min([s.start_time for s in steps[:1]] + [r.arrival_time for r in requests])
-        end = max(s.start_time + s.wall_time for s in steps[-1:])
-        wall = max(end - start, 1e-9)
-    else:
-        wall = 0.0
-
-    def per_second(x: float) -> float:
-        return x / wall if wall else 0.0
-
-    def total(attr: str) -> int:
-        return sum(getattr(s, attr) for s in steps)
-
-    step_times = [s.wall_time for s in steps]
-    decode_only = [s.wall_time for s in steps if s.prefill_tokens == 0]
-    with_prefill = [s.wall_time for s in steps if s.prefill_tokens > 0]
-    used, reserved = total("kv_tokens_used"), total("kv_tokens_reserved")
-    real_queries = total("prefill_tokens") + total("decode_tokens")
-    slot_steps = total("num_seqs") + total("idle_slots")
-    stall = decode_stalls(done, steps)
-    summary = {
-        "requests": len(done),
-        "requests_total": len(requests),
-        "finished_pct": _pct(len(done), len(requests)),
-        "output_tokens": out_tokens,
-        "prompt_tokens": prompt_tokens,
-        "steps": len(steps),
-        "wall_time_s": wall,
-        "request_throughput": per_second(len(done)),
-        "output_tok_s": per_second(out_tokens),
-        "total_tok_s": per_second(out_tokens + prompt_tokens),
-        **_latency_figures("ttft", (r.ttft for r in done if r.ttft is not None)),
-        **_latency_figures("tpot", (r.tpot for r in done if r.tpot is not None)),
-        **_latency_figures("itl", (x for r in done for x in r.itls)),
-        **_latency_figures("e2e", (r.e2e for r in done)),
-        **_latency_figures("queue", (r.queue_time for r in done if r.queue_time is not None)),
-        "step_ms_mean": 1000.0 * float(np.mean(step_times)) if steps else math.nan,
-        "decode_step_ms_mean": 1000.0 * float(np.mean(decode_only)) if decode_only else math.nan,
-        "prefill_step_ms_mean": 1000.0 * float(np.mean(with_prefill)) if with_prefill else math.nan,
-        "prefill_tokens": total("prefill_tokens"),
-        "decode_tokens": total("decode_tokens"),
-        "peak_seqs": max((s.num_seqs for s in steps), default=0),
-        "mean_seqs": float(np.mean([s.num_seqs for s in steps])) if steps else 0.0,
-        "kv_util_pct": float(np.mean([_pct(s.kv_tokens_used, s.kv_tokens_capacity) for s in steps]))
-        if steps
-        else 0.0,
-        "peak_kv_util_pct": max(
-            (_pct(s.kv_tokens_used, s.kv_tokens_capacity) for s in steps), default=0.0
-        ),
-        "peak_kv_tokens_used": max((s.kv_tokens_used for s in steps), default=0),
-        "peak_kv_tokens_reserved": max((s.kv_tokens_reserved for s in steps), default=0),
-        "reservation_waste_pct": _pct(reserved - used, reserved),
-        "padding_waste_pct": _pct(total("padding_tokens"), total("padding_tokens") + real_queries),
-        "key_padding_waste_pct": _pct(
-            total("padded_key_slots"), total("padded_key_slots") + total("real_key_tokens")
-        ),
-        "idle_slot_pct": _pct(total("idle_slots"), slot_steps),
-        "preemptions": total("preemptions_recompute") + total("preemptions_swap"),
-        "preemptions_recompute": total("preemptions_recompute"),
-        "preemptions_swap": total("preemptions_swap"),
-        "recomputed_tokens": total("recomputed_tokens"),
-        "swapped_out_bytes": total("swapped_out_bytes"),
-        "swapped_in_bytes": total("swapped_in_bytes"),
-        "prefix_hit_tokens": total("prefix_hit_tokens"),
-        "prefix_hit_rate": (
-            total("prefix_hit_tokens") / total("prefix_query_tokens")
-            if total("prefix_query_tokens")
-            else 0.0
-        ),
-        # completion time in steps (machine-independent): from the run's first step
-        **_finish_steps(done, steps),
-        "longest_stall_ms": 1000.0 * stall.seconds,
-        "longest_stall_steps": stall.steps,
-        "longest_stall_prefill_tokens": stall.prefill_tokens,
-    }
-    return summary
-
-
 class MetricsCollector:
     """The engine's records, plus what it needs between steps: the last value
     of every cumulative counter, and per live sequence its first scheduled step
@@ -288,7 +145,7 @@ class MetricsCollector:
         self._last_counters: dict[str, float] = {}
         self._first_step: dict[int, int] = {}
         self._token_steps: dict[int, list[int]] = {}
-        self._closed: set[int] = set()  # finished since the last note_step
+        self._closed: set[int] = set()  # finished since the last step was recorded
         self._events: dict[int, list[list]] = {}  # seq id -> its preemptions so far
 
     def start_run(self) -> None:
@@ -302,36 +159,135 @@ class MetricsCollector:
         self._last_counters.update(counters)
         return out
 
-    def note_step(self, step: int, plan: StepPlan) -> None:
+    def record_step(
+        self,
+        step: int,
+        plan: StepPlan,
+        sampled: SampledTokens,
+        start: float,
+        now: Callable[[], float],
+        *,
+        allocator: KVAllocator,
+        scheduler: Scheduler,
+        executor: Executor,
+        backend: AttentionBackend,
+    ) -> StepRecord:
+        """Records step number `step` (`sampled`: its executor's tokens; `now`: the
+        engine's clock) with the parts' figures after it, and returns the record."""
+        self._note_step(step, plan, sampled)
+        usage = allocator.usage()
+        stats = scheduler.stats() if hasattr(scheduler, "stats") else {}
+        delta = self.deltas(
+            {
+                "prefix_hit_tokens": usage.get("prefix_hit_tokens", 0),
+                "prefix_query_tokens": usage.get("prefix_query_tokens", 0),
+                "swapped_out_bytes": executor.bytes_swapped_out,
+                "swapped_in_bytes": executor.bytes_swapped_in,
+                "preemptions_recompute": stats.get("preemptions_recompute", 0),
+                "preemptions_swap": stats.get("preemptions_swap", 0),
+                "recomputed_tokens": stats.get("recomputed_tokens", 0),
+                **{f"attn_{k}": v for k, v in backend.stats().items()},
+            }
+        )
+        num_seqs, decode_tokens, sampled_tokens = plan.counts()
+        record = StepRecord(
+            step=step,
+            start_time=start,
+            wall_time=now() - start,
+            num_seqs=num_seqs,
+            prefill_tokens=plan.num_tokens - decode_tokens,
+            decode_tokens=decode_tokens,
+            idle_slots=plan.idle_slots,
+            preempted=len(plan.preempted),
+            kv_tokens_used=int(usage["tokens_used"]),
+            kv_tokens_reserved=int(usage["tokens_reserved"]),
+            kv_tokens_capacity=int(usage["tokens_capacity"]),
+            num_prefills=num_seqs - decode_tokens,
+            sampled_tokens=sampled_tokens,
+            padding_tokens=int(delta.pop("attn_padded_query_slots", 0)),
+            padded_key_slots=int(delta.pop("attn_padded_key_slots", 0)),
+            real_key_tokens=int(delta.pop("attn_real_key_tokens", 0)),
+            prefix_hit_tokens=int(delta.pop("prefix_hit_tokens")),
+            prefix_query_tokens=int(delta.pop("prefix_query_tokens")),
+            swapped_out_bytes=int(delta.pop("swapped_out_bytes")),
+            swapped_in_bytes=int(delta.pop("swapped_in_bytes")),
+            preemptions_recompute=int(delta.pop("preemptions_recompute")),
+            preemptions_swap=int(delta.pop("preemptions_swap")),
+            recomputed_tokens=int(delta.pop("recomputed_tokens")),
+            waiting=int(stats.get("waiting", 0)),
+            extra=delta,  # what is left: any other backend counter, as a per-step increase
+        )
+        self.steps.append(record)
+        return record
+
+    def _note_step(self, step: int, plan: StepPlan, sampled: SampledTokens) -> None:
         """Remembers, per sequence id, its first scheduled step and its sampling
         steps, and the sequences the step preempted (swapped out, or sent back to
         recompute). Runs after the step's finished requests were recorded: their
-        sequences (closed by `pop_sequence`) are skipped."""
-        # the plan's decode-batch rows were scheduled before and sample one token each
-        scheduled, decoded_ids, preempted = plan.items, plan.decode_seq_ids, plan.preempted
+        sequences (closed by `_pop_sequence`) are skipped."""
         closed = self._closed
-        for seq in preempted:
+        for seq in plan.preempted:
             kind = "swap" if seq.status == SequenceStatus.SWAPPED else "recompute"
             self._events.setdefault(seq.seq_id, []).append([step, kind])
         token_steps = self._token_steps
         known = token_steps.get
-        for seq_id in decoded_ids:  # every step, every row: no list built to be dropped
-            if seq_id not in closed:
+        previous = None
+        # every sequence that got a token, once (a prompt that forks owns n entries in a
+        # row); every step, every row: no list built to be dropped
+        for seq_id in sampled.owners:
+            if seq_id != previous and seq_id not in closed:
                 steps = known(seq_id)
                 if steps is None:
                     token_steps[seq_id] = [step]
                 else:
                     steps.append(step)
-        for item in scheduled:
+            previous = seq_id
+        first_step = self._first_step
+        for item in plan.items:  # a sequence is first scheduled as an item (StepPlan)
             seq_id = item.seq.seq_id
-            if seq_id in closed:
-                continue
-            self._first_step.setdefault(seq_id, step)
-            if item.samples:
-                token_steps.setdefault(seq_id, []).append(step)
+            if seq_id not in closed:
+                first_step.setdefault(seq_id, step)
         closed.clear()
 
-    def pop_sequence(
+    def note_transferred_token(self, seq_id: int, step: int) -> None:
+        """A sequence arrives with its first token sampled on another instance: that
+        token counts as sampled in `step`, so its record's token_steps stay in order."""
+        self._token_steps[seq_id] = [step]
+
+    def record_request(self, group: SequenceGroup, now: float, step: int) -> RequestRecord:
+        """Records a request finishing at `now`, in step number `step` (the running
+        one), and returns the record."""
+        first = group.seqs[0]
+        first_step, token_steps, events = self._pop_sequence(
+            first.seq_id,
+            step,
+            len(first.token_times),
+            scheduled=first.first_scheduled_time is not None,
+        )
+        for seq in group.seqs[1:]:
+            self._pop_sequence(seq.seq_id, step, 0, scheduled=True)
+        record = RequestRecord(
+            request_id=group.request_id,
+            arrival_time=first.arrival_time,
+            prompt_tokens=first.num_prompt_tokens,
+            output_tokens=sum(s.num_output_tokens for s in group.seqs),
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.token_times[0] if first.token_times else None,
+            finished_time=now,
+            finish_reason=(first.finish_reason or FinishReason.ABORT).value,
+            preemptions=max(s.num_preemptions for s in group.seqs),
+            token_times=list(first.token_times),
+            token_steps=token_steps,
+            first_scheduled_step=first_step,
+            finished_step=step,
+            recomputed_tokens=sum(s.num_recomputed_tokens for s in group.seqs),
+            client=first.client,
+            preemption_events=events,
+        )
+        self.requests.append(record)
+        return record
+
+    def _pop_sequence(
         self, seq_id: int, current_step: int, num_tokens: int, scheduled: bool
     ) -> tuple[int | None, list[int], list[list]]:
         """(first scheduled step, step of each of its `num_tokens` tokens, its
@@ -342,6 +298,3 @@ class MetricsCollector:
         steps = self._token_steps.pop(seq_id, [])
         events = self._events.pop(seq_id, [])
         return first, steps + [current_step] * (num_tokens - len(steps)), events
-
-    def summary(self) -> dict[str, float]:
-        return summarize(self.requests, self.steps)

@@ -20,7 +20,8 @@ import math
 import time
 from collections.abc import Mapping
 
-from servelab.engine.metrics import RequestRecord, summarize
+from servelab.engine.metrics import RequestRecord
+from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
 from servelab.lab.runner import output_digest
 from servelab.lab.workload import WorkloadRequest

@@ -31,6 +31,7 @@ from rich.table import Table
 from servelab.engine.build import build_engine
 from servelab.engine.engine import Engine
 from servelab.engine.metrics import RequestRecord, StepRecord
+from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
 from servelab.lab.arrivals import ArrivalQueue
 from servelab.lab.fairness import fairness_figures
@@ -150,7 +151,7 @@ def serve(
                 engine.sleep(gap if virtual else min(gap, 0.01))
             elif arrivals:  # cannot happen: every followed request reaches the engine
                 raise RuntimeError("follow-up requests wait for requests that never ran")
-    summary = engine.metrics.summary()
+    summary = summarize(engine.metrics.requests, engine.metrics.steps)
     summary["output_digest"] = output_digest(tokens)
     summary.update(client_figures(engine))
     engine.notify("servelab_run_end", engine=engine, summary=summary)

@@ -12,14 +12,8 @@ import numpy as np
 import pytest
 
 from servelab.engine.build import build_engine
-from servelab.engine.metrics import (
-    TOKEN_LISTS,
-    RequestRecord,
-    StepRecord,
-    decode_stalls,
-    percentiles,
-    summarize,
-)
+from servelab.engine.metrics import TOKEN_LISTS, RequestRecord, StepRecord
+from servelab.engine.summary import decode_stalls, percentiles, summarize
 from servelab.lab.runner import run_config, serve
 from servelab.lab.workload import make_workload
 from servelab.step.sequence import SamplingParams
@@ -185,6 +179,24 @@ def test_every_token_has_the_step_that_sampled_it(scheduler):
             assert record.finished_step == max(r.token_steps[-1] for r in batch)
     # nothing is left behind for finished sequences
     assert not engine.metrics._token_steps and not engine.metrics._first_step
+
+
+def test_a_forking_prompt_gives_its_first_sample_one_step_per_token():
+    """A prompt with n samples forks in the step that samples it: the executor's
+    sampled tokens list the parent n times there, and its record still gets that
+    step once, like every later token's step (the decode batch's or not)."""
+    engine = tiny(engine={"max_num_seqs": 4})
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    engine.add_request([3, 9, 4, 7, 5], params, request_id="forked")
+    engine.add_request([6, 2, 8], SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    record = next(r for r in engine.metrics.requests if r.request_id == "forked")
+    assert record.output_tokens == 3 * 5
+    # one prefill step, then one decode step per token: steps k .. k+4
+    first = record.first_scheduled_step
+    assert record.token_steps == list(range(first, first + 5))
+    assert len(record.token_times) == 5
 
 
 def test_per_step_counters_add_up_to_the_parts_own_totals():

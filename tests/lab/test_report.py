@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from servelab.cli import report_main
-from servelab.engine.metrics import RequestRecord, StepRecord, summarize
+from servelab.engine.metrics import RequestRecord, StepRecord
+from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
 from servelab.lab.report import evaluate_claims, group_runs, load_runs, write_report
 from servelab.lab.runner import RunResult, save_run

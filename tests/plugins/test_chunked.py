@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from servelab import LLM, SamplingParams
-from servelab.engine.metrics import decode_stalls
+from servelab.engine.summary import decode_stalls
 
 KIB = 1024  # float64 tiny model: 1 KiB of K/V per token
 LONG = 600

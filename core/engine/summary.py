@@ -1,0 +1,166 @@
+"""A run's figures from its records (`servelab.engine.metrics`): latency
+percentiles, throughput, KV use, padding, preemptions, decode stalls.
+
+Pure functions over `RequestRecord` and `StepRecord` lists, so a run read back
+from disk, or several engines' records put together (a cluster), summarise the
+same way as one engine's. Times in the records are seconds; summary latencies
+are in milliseconds (`*_ms`), rates per second, shares in percent (`*_pct`).
+See docs/ablation.md for each figure's definition.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelab.engine.metrics import RequestRecord, StepRecord
+
+
+def percentiles(values: Iterable[float], qs=(50, 90, 99)) -> dict[str, float]:
+    """Mean and the given percentiles (numpy's linear interpolation); NaN when empty."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        return {"mean": math.nan, **{f"p{q}": math.nan for q in qs}}
+    return {"mean": float(arr.mean()), **{f"p{q}": float(np.percentile(arr, q)) for q in qs}}
+
+
+@dataclass
+class Stall:
+    """The longest gaps between consecutive tokens of a decoding sequence during
+    which some prefill ran (each figure maximised on its own)."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed inside one such gap
+
+
+def decode_stalls(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> Stall:
+    """A gap between tokens i and i+1 of a request spans steps
+    (token_steps[i], token_steps[i+1]]; it is a stall when those steps computed
+    prefill tokens (another request's prompt, or its own recompute)."""
+    index = [s.step for s in steps]
+    cumulative = np.concatenate([[0], np.cumsum([s.prefill_tokens for s in steps])])
+
+    def prefill_between(after: int, upto: int) -> int:
+        lo, hi = bisect.bisect_right(index, after), bisect.bisect_right(index, upto)
+        return int(cumulative[hi] - cumulative[lo])
+
+    stall = Stall()
+    for req in requests:
+        pairs = zip(req.token_steps, req.token_steps[1:], req.token_times, req.token_times[1:])
+        for step_a, step_b, time_a, time_b in pairs:
+            prefill = prefill_between(step_a, step_b)
+            if prefill:
+                stall.seconds = max(stall.seconds, time_b - time_a)
+                stall.steps = max(stall.steps, step_b - step_a)
+                stall.prefill_tokens = max(stall.prefill_tokens, prefill)
+    return stall
+
+
+def _pct(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole else 0.0
+
+
+def _latency_figures(name: str, seconds: Iterable[float]) -> dict[str, float]:
+    return {f"{name}_{k}_ms": v * 1000.0 for k, v in percentiles(seconds).items()}
+
+
+def _finish_steps(done: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> dict:
+    """`finish_step_mean` / `finish_step_p50`: how many steps from the run's first
+    step each completed request took to come back (its job completion time in
+    steps, the same on any machine when every request arrives at once)."""
+    first = steps[0].step if steps else 0
+    counts = [r.finished_step - first + 1 for r in done if r.finished_step is not None]
+    if not counts:
+        return {"finish_step_mean": math.nan, "finish_step_p50": math.nan}
+    return {
+        "finish_step_mean": float(np.mean(counts)),
+        "finish_step_p50": float(np.percentile(counts, 50)),
+    }
+
+
+def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> dict[str, float]:
+    """One run's figures; see docs/ablation.md for each definition."""
+    done = [r for r in requests if r.completed]
+    out_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    if steps:
+        start = min([s.start_time for s in steps[:1]] + [r.arrival_time for r in requests])
+        end = max(s.start_time + s.wall_time for s in steps[-1:])
+        wall = max(end - start, 1e-9)
+    else:
+        wall = 0.0
+
+    def per_second(x: float) -> float:
+        return x / wall if wall else 0.0
+
+    def total(attr: str) -> int:
+        return sum(getattr(s, attr) for s in steps)
+
+    step_times = [s.wall_time for s in steps]
+    decode_only = [s.wall_time for s in steps if s.prefill_tokens == 0]
+    with_prefill = [s.wall_time for s in steps if s.prefill_tokens > 0]
+    used, reserved = total("kv_tokens_used"), total("kv_tokens_reserved")
+    real_queries = total("prefill_tokens") + total("decode_tokens")
+    slot_steps = total("num_seqs") + total("idle_slots")
+    stall = decode_stalls(done, steps)
+    summary = {
+        "requests": len(done),
+        "requests_total": len(requests),
+        "finished_pct": _pct(len(done), len(requests)),
+        "output_tokens": out_tokens,
+        "prompt_tokens": prompt_tokens,
+        "steps": len(steps),
+        "wall_time_s": wall,
+        "request_throughput": per_second(len(done)),
+        "output_tok_s": per_second(out_tokens),
+        "total_tok_s": per_second(out_tokens + prompt_tokens),
+        **_latency_figures("ttft", (r.ttft for r in done if r.ttft is not None)),
+        **_latency_figures("tpot", (r.tpot for r in done if r.tpot is not None)),
+        **_latency_figures("itl", (x for r in done for x in r.itls)),
+        **_latency_figures("e2e", (r.e2e for r in done)),
+        **_latency_figures("queue", (r.queue_time for r in done if r.queue_time is not None)),
+        "step_ms_mean": 1000.0 * float(np.mean(step_times)) if steps else math.nan,
+        "decode_step_ms_mean": 1000.0 * float(np.mean(decode_only)) if decode_only else math.nan,
+        "prefill_step_ms_mean": 1000.0 * float(np.mean(with_prefill)) if with_prefill else math.nan,
+        "prefill_tokens": total("prefill_tokens"),
+        "decode_tokens": total("decode_tokens"),
+        "peak_seqs": max((s.num_seqs for s in steps), default=0),
+        "mean_seqs": float(np.mean([s.num_seqs for s in steps])) if steps else 0.0,
+        "kv_util_pct": float(np.mean([_pct(s.kv_tokens_used, s.kv_tokens_capacity) for s in steps]))
+        if steps
+        else 0.0,
+        "peak_kv_util_pct": max(
+            (_pct(s.kv_tokens_used, s.kv_tokens_capacity) for s in steps), default=0.0
+        ),
+        "peak_kv_tokens_used": max((s.kv_tokens_used for s in steps), default=0),
+        "peak_kv_tokens_reserved": max((s.kv_tokens_reserved for s in steps), default=0),
+        "reservation_waste_pct": _pct(reserved - used, reserved),
+        "padding_waste_pct": _pct(total("padding_tokens"), total("padding_tokens") + real_queries),
+        "key_padding_waste_pct": _pct(
+            total("padded_key_slots"), total("padded_key_slots") + total("real_key_tokens")
+        ),
+        "idle_slot_pct": _pct(total("idle_slots"), slot_steps),
+        "preemptions": total("preemptions_recompute") + total("preemptions_swap"),
+        "preemptions_recompute": total("preemptions_recompute"),
+        "preemptions_swap": total("preemptions_swap"),
+        "recomputed_tokens": total("recomputed_tokens"),
+        "swapped_out_bytes": total("swapped_out_bytes"),
+        "swapped_in_bytes": total("swapped_in_bytes"),
+        "prefix_hit_tokens": total("prefix_hit_tokens"),
+        "prefix_hit_rate": (
+            total("prefix_hit_tokens") / total("prefix_query_tokens")
+            if total("prefix_query_tokens")
+            else 0.0
+        ),
+        # completion time in steps (machine-independent): from the run's first step
+        **_finish_steps(done, steps),
+        "longest_stall_ms": 1000.0 * stall.seconds,
+        "longest_stall_steps": stall.steps,
+        "longest_stall_prefill_tokens": stall.prefill_tokens,
+    }
+    return summary

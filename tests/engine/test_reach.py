@@ -1,0 +1,93 @@
+"""What the engine package may reach, read from its source (no run needed).
+
+`x._name` only on `self`: the engine, its loop, its helpers and the serving front
+end reach each other and the parts through public methods and properties. And
+the decode batch (the scheduler core's fast path: `StepPlan.decodes` and the row
+lists kept with it) is read only by the scheduler core and the executor: the
+engine learns who got a token from the executor's `SampledTokens`, so a plan
+packed either way gives the same records."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from servelab.step.plan import StepPlan
+
+CORE = Path(__file__).resolve().parents[2] / "core"
+ENGINE_FILES = sorted((CORE / "engine").glob("*.py"))
+# StepPlan's decode-batch representation (each checked to exist below, so a rename
+# in StepPlan fails here instead of leaving the list to guard nothing)
+DECODE_BATCH_FIELDS = (
+    "decodes",
+    "decode_seqs",
+    "decode_seq_ids",
+    "decode_starts",
+    "num_batch_decodes",
+)
+DECODE_BATCH_MODULE = "servelab.step.decode_batch"
+
+
+def private_reaches(source: str) -> list[str]:
+    """`line .name` for each `x._name` whose `x` is not `self` or `cls`."""
+    return [
+        f"{node.lineno} .{node.attr}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    ]
+
+
+def decode_batch_reads(source: str) -> list[str]:
+    """`line name` for each read of a decode-batch field and each import of its module."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in DECODE_BATCH_FIELDS:
+            found.append(f"{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            DECODE_BATCH_MODULE
+        ):
+            found.append(f"{node.lineno} from {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{node.lineno} import {a.name}"
+                for a in node.names
+                if a.name.startswith(DECODE_BATCH_MODULE)
+            ]
+    return found
+
+
+def test_the_engine_package_and_the_front_end_touch_no_private_member_of_another_object():
+    files = ENGINE_FILES + sorted((CORE / "serve").glob("*.py"))
+    assert CORE / "engine" / "handover.py" in files and CORE / "engine" / "loop.py" in files
+    reached = [f"{p.name}:{hit}" for p in files for hit in private_reaches(p.read_text())]
+    assert reached == []
+
+
+def test_the_engine_reads_nothing_of_the_decode_batch():
+    plan = StepPlan()
+    assert all(hasattr(plan, name) for name in DECODE_BATCH_FIELDS)
+    assert (CORE / "step" / "decode_batch.py").exists()
+    read = [f"{p.name}:{hit}" for p in ENGINE_FILES for hit in decode_batch_reads(p.read_text())]
+    assert read == []
+
+
+def test_both_checks_can_fail():
+    assert private_reaches("engine.metrics._token_steps[i] = [engine._step_index]") == [
+        "1 ._token_steps",
+        "1 ._step_index",
+    ]
+    assert private_reaches("self._step_index += 1") == []
+    source = (
+        "ids = plan.decode_seq_ids\n"
+        "from servelab.step.decode_batch import DecodeBatch\n"
+        "import servelab.step.decode_batch\n"
+        "n = plan.num_decodes\n"  # one count over both representations: allowed
+    )
+    assert sorted(decode_batch_reads(source)) == [
+        "1 .decode_seq_ids",
+        "2 from servelab.step.decode_batch",
+        "3 import servelab.step.decode_batch",
+    ]

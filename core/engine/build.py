@@ -181,14 +181,16 @@ def build_engine(config: Mapping) -> Engine:
     described = {"model": config.get("model", "tiny"), "engine": opts, **parts}
     if config.get("hardware") is not None:
         described["hardware"] = config["hardware"]
+    plugins = get_plugin_manager()
     engine = Engine(
         executor,
         scheduler,
         allocator,
         backend,
         max_model_len,
-        notify=notify,
+        notify=plugins.notify,
         config=described,
+        hooks=plugins.hook,
     )
     notify("servelab_engine_ready", engine=engine)
     return engine

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import pluggy
 import torch
 
 from servelab.contracts.allocator import KVAllocator
@@ -49,6 +50,7 @@ class Engine:
         max_model_len: int,
         notify: Callable[..., None] | None = None,
         config: dict | None = None,
+        hooks: pluggy.HookRelay | None = None,
     ) -> None:
         self.executor = executor  # the step's tensor work (or its cost model) and the clock
         self.model_config = executor.model_config
@@ -59,6 +61,9 @@ class Engine:
         self.max_model_len = max_model_len
         self.config = config or {}
         self.notify = notify or (lambda hook, **kwargs: None)
+        # the hook relay of the plugin manager `notify` calls (None: every event is sent):
+        # an event no plugin implements costs no call and no copy of its record
+        self.hooks = hooks
         self.groups: dict[str, SequenceGroup] = {}
         self.metrics = MetricsCollector()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ())
@@ -316,7 +321,8 @@ class Engine:
         self.with_stops_or_logprobs.discard(group.request_id)
         if self._step_outputs is not None:
             self._step_outputs.append(output)
-        self.notify("servelab_request_end", engine=self, request=dict(row))
+        if self.listened("servelab_request_end"):
+            self.notify("servelab_request_end", engine=self, request=dict(row))
         return output
 
     def _detokenize(self, token_ids: list[int]) -> str | None:
@@ -342,7 +348,12 @@ class Engine:
             backend=self.backend,
         )
         self._step_index += 1
-        self.notify("servelab_step_end", engine=self, step=record.row())
+        if self.listened("servelab_step_end"):
+            self.notify("servelab_step_end", engine=self, step=record.row())
+
+    def listened(self, hook: str) -> bool:
+        """Whether a plugin implements the event hook `hook` now (pluggy's own list)."""
+        return self.hooks is None or bool(getattr(self.hooks, hook).get_hookimpls())
 
     # -- prefill/decode disaggregation (servelab.engine.handover)
     def add_prefill_request(

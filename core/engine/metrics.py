@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from servelab.contracts.attention import AttentionBackend
 from servelab.step.sequence import FinishReason, SequenceStatus
 
 if TYPE_CHECKING:
     from servelab.contracts.allocator import KVAllocator
-    from servelab.contracts.attention import AttentionBackend
     from servelab.contracts.executor import Executor
     from servelab.contracts.scheduler import Scheduler
     from servelab.step.plan import SampledTokens, StepPlan
@@ -186,7 +186,12 @@ class MetricsCollector:
                 "preemptions_recompute": stats.get("preemptions_recompute", 0),
                 "preemptions_swap": stats.get("preemptions_swap", 0),
                 "recomputed_tokens": stats.get("recomputed_tokens", 0),
-                **{f"attn_{k}": v for k, v in backend.stats().items()},
+                # only a backend that keeps counters is asked for them
+                **(
+                    {f"attn_{k}": v for k, v in backend.stats().items()}
+                    if type(backend).stats is not AttentionBackend.stats
+                    else {}
+                ),
             }
         )
         num_seqs, decode_tokens, sampled_tokens = plan.counts()

@@ -9,17 +9,38 @@ the background thread aborts only the asyncio requests, and a waiting
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from servelab import LLM, SamplingParams
+from servelab import LLM, SamplingParams, hookimpl
+from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.serve.async_engine import AsyncEngine
 from tests.engine.engine_checks import assert_engine_clean
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[3 + i, 9, 4 + 2 * i, 7, 5] for i in range(6)]
+
+
+@contextlib.contextmanager
+def on_step_end(callback: Callable[[], None]) -> Iterator[None]:
+    """A plugin implementing `servelab_step_end`, registered after the engine was built
+    (the engine asks pluggy's live list, so it is called) and unregistered after."""
+
+    class StepObserver:
+        @hookimpl
+        def servelab_step_end(self, engine, step):
+            callback()
+
+    manager = get_plugin_manager()
+    plugin = manager.register(StepObserver(), name="step-observer")
+    try:
+        yield
+    finally:
+        manager.unregister(name=plugin)
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +121,31 @@ def test_streams_and_generate_share_the_steps_and_keep_their_tokens(llm, plain):
     assert_engine_clean(llm)
 
 
-def test_a_request_aborted_by_a_hook_comes_back_as_aborted(llm, plain, monkeypatch):
-    engine = llm.engine
-    notify = engine.notify
+def test_an_event_is_sent_only_while_a_plugin_implements_it(llm, monkeypatch):
+    sent: list[str] = []
+    notify = llm.engine.notify
+    monkeypatch.setattr(
+        llm.engine, "notify", lambda hook, **kw: (sent.append(hook), notify(hook, **kw))
+    )
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert "servelab_step_end" not in sent  # no plugin implements it: no call, no record copy
+    with on_step_end(lambda: None):
+        llm.generate(PROMPTS[:1], GREEDY)
+    assert sent.count("servelab_step_end") == GREEDY.max_tokens  # one per step
 
+
+def test_a_request_aborted_by_a_hook_comes_back_as_aborted(llm, plain):
+    engine = llm.engine
     aborted: list[str] = []
 
-    def abort_the_second_after_a_step(hook, **kwargs):
-        notify(hook, **kwargs)
-        if hook == "servelab_step_end" and not aborted:
+    def abort_the_second_after_a_step():
+        if not aborted:
             aborted.append([r for r in engine.groups if r.startswith("gen-")][1])
             engine.abort(aborted[0])
 
-    monkeypatch.setattr(engine, "notify", abort_the_second_after_a_step)
-    outs = llm.generate(PROMPTS[:3], GREEDY)
-    monkeypatch.undo()
+    with on_step_end(abort_the_second_after_a_step):
+        outs = llm.generate(PROMPTS[:3], GREEDY)
+    assert aborted
     assert [o.finish_reason for o in outs] == ["length", "abort", "length"]
     assert outs[0].token_ids == plain[0] and outs[2].token_ids == plain[2]
     assert outs[1].token_ids == plain[1][: len(outs[1].token_ids)]
@@ -166,20 +197,19 @@ def test_stopping_the_background_aborts_streams_but_generate_finishes(llm, plain
     assert_engine_clean(llm)
 
 
-def test_a_hook_abort_during_a_step_is_among_that_steps_outputs(llm, plain, monkeypatch):
+def test_a_hook_abort_during_a_step_is_among_that_steps_outputs(llm, plain):
     """The engine alone, no loop: every finished request comes back from `step`."""
     engine = llm.engine
-    notify, aborted = engine.notify, []
+    aborted: list = []
 
-    def abort_b_after_the_first_step(hook, **kwargs):
-        notify(hook, **kwargs)
-        if hook == "servelab_step_end" and not aborted:
+    def abort_b_after_the_first_step():
+        if not aborted:
             aborted.append(engine.abort("b"))
 
-    monkeypatch.setattr(engine, "notify", abort_b_after_the_first_step)
     engine.add_request(PROMPTS[0], GREEDY, request_id="a")
     engine.add_request(PROMPTS[1], GREEDY, request_id="b")
-    first = engine.step()
+    with on_step_end(abort_b_after_the_first_step):
+        first = engine.step()
     assert [o.request_id for o in first] == ["b"] and first[0] is aborted[0]
     assert first[0].finish_reason == "abort"
     rest = []

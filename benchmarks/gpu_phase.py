@@ -108,7 +108,7 @@ class StepShapes:
                 batch_context = 0
                 if plan.decodes is not None:
                     batch_context = int(plan.decode_starts.sum()) + plan.num_batch_decodes
-                self.shapes[engine._step_index] = StepShape(
+                self.shapes[engine.step_index] = StepShape(
                     context_tokens=batch_context
                     + sum(i.start + i.num_query_tokens for i in plan.items),
                     decode_only=all(i.num_query_tokens == 1 for i in plan.items),

@@ -17,6 +17,15 @@
 #include "simd.h"
 
 #include <atomic>
+#include <type_traits>
+// AVX2 (with FMA) but not AVX-512: a few loops the compiler lowers badly from
+// 64-byte vectors there are written for ymm registers, with the same arithmetic.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define SERVELAB_PAGED_AVX2 1
+#include <immintrin.h>
+#else
+#define SERVELAB_PAGED_AVX2 0
+#endif
 
 namespace {
 
@@ -32,6 +41,17 @@ constexpr int kPrefetchLocality = 2;
 template <typename T>
 inline T reduce_max(typename Simd<T>::vec v) {
   using S = Simd<T>;
+#if SERVELAB_PAGED_AVX2
+  if constexpr (S::kLanes == 16) {  // the same comparisons on two ymm halves (see reduce_add_16)
+    float x[16];
+    std::memcpy(x, &v, sizeof(x));
+    const __m256 h = _mm256_max_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8));  // a > b ? a : b
+    const __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    float r[4];
+    _mm_storeu_ps(r, q);
+    return std::max(std::max(r[0], r[2]), std::max(r[1], r[3]));
+  }
+#endif
   const auto halves = bits_as<std::array<typename S::half, 2>>(v);
   const typename S::half h = halves[0] > halves[1] ? halves[0] : halves[1];
   const auto quarters = bits_as<std::array<typename S::quarter, 2>>(h);
@@ -153,6 +173,9 @@ struct GroupState {
       run_sum[g] = run_sum[g] * correction + reduce_add<T>(probs[g]);
       for (int j = 0; j < V; ++j) acc[g][j] *= correction;
     }
+#if SERVELAB_PAGED_AVX2
+    accumulate_avx2(v_head, rows, n, probs);
+#else
     for (int t = 0; t < n; ++t) {
       vec v[V];
       for (int j = 0; j < V; ++j) v[j] = load<vec>(v_head + rows[t] + j * S::kLanes);
@@ -161,7 +184,34 @@ struct GroupState {
         for (int j = 0; j < V; ++j) acc[g][j] += p * v[j];
       }
     }
+#endif
   }
+
+#if SERVELAB_PAGED_AVX2
+  // acc[g] += probs[g][t] * V row t, as one fused multiply-add per lane, as the
+  // generic loop above compiles to. On AVX2 that loop broadcasts p through 16
+  // stack stores and keeps acc in memory (measured: most of the kernel's time);
+  // here acc lives in ymm registers for the whole tile.
+  void accumulate_avx2(const T* v_head, const int64_t* rows, int n, const vec (&probs)[G]) {
+    using Ymm = std::conditional_t<std::is_same_v<T, float>, __m256, __m256d>;
+    constexpr int kYmmLanes = 32 / sizeof(T), W = D / kYmmLanes;  // ymm registers a row
+    Ymm a[G][W];
+    for (int g = 0; g < G; ++g) std::memcpy(a[g], acc[g], sizeof(a[g]));
+    for (int t = 0; t < n; ++t) {
+      const T* row = v_head + rows[t];
+      for (int g = 0; g < G; ++g) {
+        if constexpr (std::is_same_v<T, float>) {
+          const __m256 p = _mm256_set1_ps(probs[g][t]);
+          for (int j = 0; j < W; ++j) a[g][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + j * 8), a[g][j]);
+        } else {
+          const __m256d p = _mm256_set1_pd(probs[g][t]);
+          for (int j = 0; j < W; ++j) a[g][j] = _mm256_fmadd_pd(p, _mm256_loadu_pd(row + j * 4), a[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) std::memcpy(acc[g], a[g], sizeof(a[g]));
+  }
+#endif
 
   void finish(T* out) const {  // out: [G][D]; no key at all -> zeros
     for (int g = 0; g < G; ++g) {

@@ -43,9 +43,9 @@ from servelab.plugins.attention.sdpa_paths import (
 from servelab.plugins.attention.varlen_impls import (
     TorchVarlenCall,
     allocator_name,
-    flash_attn_problems,
+    first_usable,
+    impl_problems,
     per_token_tables,
-    torch_varlen_problems,
     varlen_attention_reference,
 )
 from servelab.step.metadata import AttentionMetadata
@@ -135,7 +135,7 @@ class FlashVarlenBackend(AttentionBackend):
         if self.impl in ("reference", *SDPA_IMPLS):
             chosen = self.impl
         elif self.impl in ("flash_attn", "torch"):
-            problems = self._problems(self.impl, block_size, device, dtype)
+            problems = impl_problems(self.impl, block_size, device, dtype, self.head_dim)
             if problems:
                 raise ConfigError(
                     f"attention backend 'flash_varlen' with impl={self.impl!r} cannot serve "
@@ -143,7 +143,7 @@ class FlashVarlenBackend(AttentionBackend):
                 )
             chosen = self.impl
         else:
-            chosen, reasons = self._first_usable(block_size, device, dtype)
+            chosen, reasons = first_usable(AUTO_ORDER, block_size, device, dtype, self.head_dim)
             logger.info(
                 "flash_varlen impl=auto chose %r for %s/%s/block_size=%d%s",
                 chosen,
@@ -169,30 +169,6 @@ class FlashVarlenBackend(AttentionBackend):
                     "; ".join(problems),
                 )
         self.active_impl = chosen
-
-    def _first_usable(
-        self, block_size: int, device: torch.device, dtype: torch.dtype
-    ) -> tuple[str, list[str]]:
-        """impl=auto: the first of `AUTO_ORDER` whose constraints hold, and why
-        each earlier one did not."""
-        reasons = []
-        for candidate in AUTO_ORDER:
-            problems = self._problems(candidate, block_size, device, dtype)
-            if not problems:
-                return candidate, reasons
-            reasons.append(f"not {candidate}: {'; '.join(problems)}")
-        raise AssertionError("impl='sdpa' serves every configuration")  # AUTO_ORDER ends with it
-
-    def _problems(
-        self, impl: str, block_size: int, device: torch.device, dtype: torch.dtype
-    ) -> list[str]:
-        if impl == "flash_attn":
-            return flash_attn_problems(block_size, device, dtype)
-        if impl == "torch":
-            return torch_varlen_problems(device, dtype)
-        if impl == "cpu":
-            return cpu_paged.problems(device, dtype, self.head_dim)
-        return []  # sdpa: any device, any dtype
 
     # -- one step
 

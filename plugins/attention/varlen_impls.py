@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from servelab.contracts.allocator import KVAllocator
+from servelab.kernels import cpu_paged
 from servelab.plugins.attention.common import expand_kv_heads
 from servelab.step.metadata import AttentionMetadata
 
@@ -130,6 +131,33 @@ def torch_varlen_problems(device: torch.device, dtype: torch.dtype) -> list[str]
     if dtype not in HALF_DTYPES:
         problems.append(f"the dtype must be float16 or bfloat16 (got {dtype})")
     return problems
+
+
+def impl_problems(
+    impl: str, block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> list[str]:
+    """Every constraint of `impl` this configuration breaks (empty: it can run)."""
+    if impl == "flash_attn":
+        return flash_attn_problems(block_size, device, dtype)
+    if impl == "torch":
+        return torch_varlen_problems(device, dtype)
+    if impl == "cpu":
+        return cpu_paged.problems(device, dtype, head_dim)
+    return []  # sdpa: any device, any dtype
+
+
+def first_usable(
+    order: tuple[str, ...], block_size: int, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> tuple[str, list[str]]:
+    """impl=auto: the first impl of `order` whose constraints hold, and why each
+    earlier one did not."""
+    reasons = []
+    for candidate in order:
+        problems = impl_problems(candidate, block_size, device, dtype, head_dim)
+        if not problems:
+            return candidate, reasons
+        reasons.append(f"not {candidate}: {'; '.join(problems)}")
+    raise AssertionError("impl='sdpa' serves every configuration")  # the order ends with it
 
 
 def _torch_varlen_attn() -> Callable[..., torch.Tensor] | None:

@@ -53,6 +53,7 @@ SLOW = (
     "tests/executor/test_tensor_parallel_failures.py",
     "tests/executor/test_tensor_parallel_graphs.py",
     "tests/kernels/test_kernel_cache.py",
+    "tests/kernels/test_cpu_kernel.py::test_an_avx2_build_agrees_with_the_native_one",
     "tests/registry/test_example_plugin.py",
     "tests/registry/test_broken_plugins.py::test_a_broken_plugin_is_one_warning",
     "tests/registry/test_typed_options.py::test_the_command_line_says_which_key_is_wrong",

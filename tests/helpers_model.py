@@ -73,9 +73,12 @@ class PagedDriver:
     """Runs a `Transformer` over sequences with a paged KV cache, like the engine
     would: each sequence owns blocks handed out in a scrambled order so the block
     table is really exercised. `forward` is the executor's forward to run it
-    through (`TorchForward(model)` when None; a `KernelForward` for the C++ path)."""
+    through (`TorchForward(model)` when None; a `KernelForward` for the C++ path);
+    `backend` its attention backend (the dense reference when None)."""
 
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 4, forward=None) -> None:
+    def __init__(
+        self, model, num_blocks: int = 64, block_size: int = 4, forward=None, backend=None
+    ) -> None:
         self.model = model
         self.forward = forward if forward is not None else TorchForward(model)
         self.block_size = block_size
@@ -93,7 +96,7 @@ class PagedDriver:
         ).tolist()
         self.tables: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
-        self.backend = make_backend(model.config)
+        self.backend = make_backend(model.config) if backend is None else backend
 
     def _grow(self, seq: int, num_tokens: int) -> list[int]:
         table = self.tables.setdefault(seq, [])

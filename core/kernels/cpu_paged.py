@@ -3,9 +3,11 @@
 Decode attention on a CPU is bound by memory traffic: gathering pages for SDPA
 reads and writes the context three times, while `paged_decode`
 (`csrc/cpu_paged.h`) reads each key and value once, through the block table,
-with an online softmax. Contract: float32, or float64 (C-library `exp`: the oracle's dtype);
-head_dim in `HEAD_DIMS`; any block size and grouped-query ratio; float32 matches
-SDPA to rounding, not bit for bit; results never depend on the thread count.
+with an online softmax. Contract: float32, float64 (C-library `exp`: the oracle's
+dtype), or bfloat16 (q and caches; widened to float32 as read, summed in float32,
+the output rounded to bfloat16 once: half float32's bytes read); head_dim in
+`HEAD_DIMS`; any block size and grouped-query ratio; float32 matches SDPA to
+rounding, not bit for bit; results never depend on the thread count.
 `store_kv` is `common.store_kv` in one call. Without a build, callers take the
 SDPA path (the fallback rule is in `servelab.kernels.cpp_extension`).
 """
@@ -20,7 +22,7 @@ import torch
 from servelab.kernels.cpp_extension import BUILD_PROBLEM, build, placement_problems
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
-DTYPES = (torch.float32, torch.float64)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 @functools.cache

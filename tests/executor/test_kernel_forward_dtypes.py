@@ -17,16 +17,17 @@ import torch
 from servelab.executor.forward import TorchForward, cpu_kernel_problems
 from servelab.executor.kernel_forward import KernelForward
 from servelab.model.loader import load_model
+from servelab.plugins.attention.flash_varlen import FlashVarlenBackend
 from tests.helpers_model import PagedDriver
 
 BF16_EPS = 2.0**-8  # bfloat16's relative rounding step (8 significant bits)
 
 
-def run_steps(model, forward) -> torch.Tensor:
+def run_steps(model, forward, backend=None) -> torch.Tensor:
     """Logits of a two-prompt prefill step then two decode steps on a fresh cache."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (11, 5)]
-    driver = PagedDriver(model, num_blocks=16, block_size=4, forward=forward)
+    driver = PagedDriver(model, num_blocks=16, block_size=4, forward=forward, backend=backend)
     steps = [driver.step([(0, prompts[0]), (1, prompts[1])])]
     steps.append(driver.step([(0, [5]), (1, [7])]))
     steps.append(driver.step([(0, [9]), (1, [2])]))
@@ -59,13 +60,25 @@ def test_float32_kernel_path_matches_torch(shape):
     torch.testing.assert_close(kernels, reference, rtol=1e-4, atol=1e-4)
 
 
+def paged_kernel_backend(config) -> FlashVarlenBackend:
+    """flash_varlen impl=cpu: its C++ paged kernel attends every step of `run_steps`
+    (prompts shorter than the SDPA route's 16 tokens), in bfloat16 here."""
+    return FlashVarlenBackend(
+        config.num_heads, config.num_kv_heads, config.head_dim, config.attention_scale, impl="cpu"
+    )
+
+
+@pytest.mark.parametrize("attention", ["reference", "paged-kernel"])
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-llama"])
-def test_bfloat16_logits_within_bfloat16_rounding_of_float32(shape):
+def test_bfloat16_logits_within_bfloat16_rounding_of_float32(shape, attention):
     low, high = models(shape)
+    backend = paged_kernel_backend(low.config) if attention == "paged-kernel" else None
     with torch.no_grad():
         reference = run_steps(high, TorchForward(high))
-        kernels = run_steps(low, KernelForward(low))
+        kernels = run_steps(low, KernelForward(low), backend)
         torch_bf16 = run_steps(low, TorchForward(low))
+    if backend is not None:  # the bfloat16 paged kernel attended all 3 steps' layers
+        assert backend.stats()["cpu_kernel_calls"] == 3 * low.config.num_layers
     bound = 8 * BF16_EPS * reference.abs().max().item()
     assert (torch_bf16 - reference).abs().max().item() <= bound  # the bound is bf16's
     assert (kernels - reference).abs().max().item() <= bound

@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelab.kernels import cpu_paged
+from servelab.kernels import cpu_matmul, cpu_paged
+from servelab.kernels.cpp_extension import CSRC, load_extension
 from servelab.plugins.attention import common
 from servelab.plugins.attention.flash_varlen import FlashVarlenBackend
 from servelab.testing.oracle import cached_case, engine_options, restored_num_threads
@@ -136,18 +137,95 @@ def test_results_do_not_depend_on_the_thread_count(num_threads):
     torch.testing.assert_close(other, two, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", cpu_paged.HEAD_DIMS)
+def test_bfloat16_is_the_float32_kernel_on_widened_inputs_rounded_once(head_dim, block_size):
+    """bfloat16 q and caches are widened exactly as read and summed in float32:
+    the result is the float32 kernel's on the widened tensors, rounded to bfloat16
+    by torch (round to nearest even), bit for bit."""
+    case = decode_case(4, 2, head_dim, block_size, torch.bfloat16, seed=head_dim + block_size)
+    out = kernel_out(case)
+    assert out.shape == case.q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    wide = kernel_out(
+        case, q=case.q.float(), k_cache=case.k_cache.float(), v_cache=case.v_cache.float()
+    )
+    assert torch.equal(out, wide.to(torch.bfloat16))
+    # and within bfloat16 rounding of float64 attention over the same (bf16) values
+    torch.testing.assert_close(out.double(), expected(case), rtol=2.0**-8, atol=1e-5)
+
+
+def test_bfloat16_rounds_ties_to_even_and_keeps_nan():
+    """Two keys with equal scores: the output is the mean of their V rows, exact
+    in float32. The rows are bfloat16 values whose means lie exactly between two
+    bfloat16s (a tie to round down to even, one to round up), past a tie, and
+    NaN; the kernel's rounding of them equals torch's (NaN stays a NaN)."""
+    case = decode_case(2, 1, 16, 4, torch.float32, lengths=[2], seed=3)
+    block = int(case.meta().block_tables[0, 0])
+    case.k_cache[block, :2] = 0.5  # equal keys: equal scores, probabilities 1/2 each
+    step = 2.0**-7  # bfloat16's spacing in [1, 2)
+    first = torch.tensor([1.0, 1 + step, 1.0, float("nan")] * 4)
+    second = torch.tensor([1 + step, 1 + 2 * step, 3 * 2.0**-9, 1.0] * 4)
+    case.v_cache[block, 0, 0], case.v_cache[block, 1, 0] = first, second
+    wide = kernel_out(case)[0, 0]
+    assert wide[:3].tolist() == [1 + step / 2, 1 + 3 * step / 2, 0.5 + 3 * 2.0**-10]
+    narrow = kernel_out(
+        case, q=case.q.bfloat16(), k_cache=case.k_cache.bfloat16(),
+        v_cache=case.v_cache.bfloat16(),
+    )[0, 0]  # fmt: skip
+    # two ties to even (down, then up), and 3/4 of a step (2^-8 in [0.5, 1)) up
+    assert narrow[:3].tolist() == [1.0, 1 + 2 * step, 0.5 + 2.0**-8]
+    rounded = wide.to(torch.bfloat16)
+    torch.testing.assert_close(narrow, rounded, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(narrow[3::4]).all()
+
+
+# AVX2 with FMA, no AVX-512: the target of the kernel's AVX2-only branch
+AVX2_CFLAGS = ("-O3", "-march=haswell", "-fopenmp")
+
+
+def test_an_avx2_build_agrees_with_the_native_one():
+    """The kernel built for an AVX2 CPU (its ymm branch), run on this one: float32
+    within rounding of the native build, float64 too, and bfloat16 equal to the
+    AVX2 build's own float32 on the widened inputs, rounded once. Skipped only on a
+    CPU that cannot run AVX2 code."""
+    if not {"avx2", "fma"} <= cpu_matmul.cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    avx2 = load_extension(
+        "servelab_cpu_paged_decode_avx2", [CSRC / "cpu_paged.cpp"], include_dirs=[CSRC],
+        cflags=AVX2_CFLAGS,
+    )  # fmt: skip
+    for head_dim in (16, 32, 128):
+        for dtype in (torch.float32, torch.float64):
+            case = decode_case(8, 2, head_dim, 5, dtype, seed=head_dim)
+            meta = case.meta()
+            args = (case.k_cache, case.v_cache, meta.block_tables, meta.seq_lens, case.scale)
+            got = avx2.paged_decode(case.q, *args)
+            torch.testing.assert_close(got, kernel_out(case), **TOLERANCE[dtype])
+            torch.testing.assert_close(got.double(), expected(case), **TOLERANCE[dtype])
+        case = decode_case(8, 2, head_dim, 5, torch.bfloat16, seed=head_dim)
+        meta = case.meta()
+        tables = (meta.block_tables, meta.seq_lens, case.scale)
+        narrow = avx2.paged_decode(case.q, case.k_cache, case.v_cache, *tables)
+        wide = avx2.paged_decode(
+            case.q.float(), case.k_cache.float(), case.v_cache.float(), *tables
+        )
+        assert torch.equal(narrow, wide.to(torch.bfloat16))
+
+
 def test_rejects_inputs_it_cannot_read():
     case = decode_case(4, 2, 64, 16, torch.float32, lengths=[5], seed=8)
     with pytest.raises(RuntimeError, match="int32"):
         kernel_out(case, seq_lens=case.meta().seq_lens.long())
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernel_out(case, q=case.q.double())
-    with pytest.raises(RuntimeError, match="float32 or float64"):
-        half = case.q.bfloat16()
-        kernel_out(case, q=half, k_cache=case.k_cache.bfloat16(), v_cache=case.v_cache.bfloat16())
+    with pytest.raises(RuntimeError, match="float32, float64 or bfloat16 only"):
+        half = case.q.half()
+        kernel_out(case, q=half, k_cache=case.k_cache.half(), v_cache=case.v_cache.half())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"]
+)
 def test_store_kv_writes_like_index_copy(dtype):
     """The fused store against `common.store_kv`: exact, strided K/V views (as
     the model passes them), every other slot untouched (NaN stays NaN)."""
@@ -177,8 +255,9 @@ def test_store_kv_rejects_a_slot_out_of_range_and_a_dtype_mismatch():
 
 def test_problems_name_every_broken_constraint():
     assert cpu_paged.problems(torch.device("cpu"), torch.float32, 64) == []
-    found = " | ".join(cpu_paged.problems(torch.device("cuda"), torch.bfloat16, 80))
-    assert "CPU (got cuda)" in found and "torch.bfloat16" in found and "got 80" in found
+    assert cpu_paged.problems(torch.device("cpu"), torch.bfloat16, 128) == []
+    found = " | ".join(cpu_paged.problems(torch.device("cuda"), torch.float16, 80))
+    assert "CPU (got cuda)" in found and "torch.float16" in found and "got 80" in found
 
 
 def test_environment_switch_turns_the_kernel_off(monkeypatch):

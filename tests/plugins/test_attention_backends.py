@@ -354,7 +354,8 @@ def test_unknown_impl_lists_the_choices():
     [
         (64, torch.float32, "cpu", []),
         (128, torch.float64, "cpu", []),
-        (64, torch.bfloat16, "sdpa", ["not cpu", "float32 or float64"]),
+        (64, torch.bfloat16, "cpu", []),
+        (64, torch.float16, "sdpa", ["not cpu", "float32 or float64 or bfloat16"]),
         (HEAD_DIM, torch.float32, "sdpa", ["not cpu", "head_dim"]),
     ],
 )

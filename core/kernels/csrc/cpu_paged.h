@@ -12,6 +12,12 @@
 // (`reduce_add_16`: the same pairwise sums, in the same order, as 16 separate
 // `reduce_add`s, so results are bit for bit the same) in a quarter of the
 // instructions. Deterministic: a work item runs whole on one thread, in key order.
+//
+// bfloat16 q and caches (`C` = `uint16_t`, bf16's bits) are computed in float32:
+// each q, K and V row is widened as it is loaded (bf16 is float32's top half, so
+// widening is exact), the softmax and the sums run in float32, and the output is
+// rounded to bf16 once, to nearest even as torch rounds. The cache is read at
+// half float32's bytes, which is what decode attention's time is made of.
 #pragma once
 
 #include "simd.h"
@@ -36,6 +42,41 @@ namespace {
 // fast as L1 at 16).
 constexpr int kPrefetchKeys = 32;
 constexpr int kPrefetchLocality = 2;
+
+// Storage -> compute: a row of C (the caches' and q's element type: float,
+// double, or bf16's bits as uint16_t) as the compute type's vectors.
+template <typename C>
+struct Compute { using type = C; };
+template <>
+struct Compute<uint16_t> { using type = float; };
+
+typedef uint16_t bf16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// One vector of the compute type from `Simd<T>::kLanes` elements at p.
+template <typename C>
+inline typename Simd<typename Compute<C>::type>::vec load_wide(const C* p) {
+  using vec = typename Simd<typename Compute<C>::type>::vec;
+  if constexpr (std::is_same_v<C, uint16_t>) {  // exact: bf16 is float32's top 16 bits
+    return bits_as<vec>(__builtin_convertvector(load<bf16x16>(p), u32x16) << 16);
+  } else {
+    return load<vec>(p);
+  }
+}
+
+// One vector stored as C: bf16 rounded to nearest even, as torch rounds; a NaN
+// stays a NaN (0x7FC0, c10::BFloat16's quiet NaN).
+template <typename C>
+inline void store_narrow(C* p, typename Simd<typename Compute<C>::type>::vec v) {
+  if constexpr (std::is_same_v<C, uint16_t>) {
+    const u32x16 bits = bits_as<u32x16>(v);
+    u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    rounded = (bits & 0x7FFFFFFFu) > 0x7F800000u ? u32x16{} + 0x7FC0u : rounded;
+    store(p, __builtin_convertvector(rounded, bf16x16));
+  } else {
+    store(p, v);
+  }
+}
 
 // The largest lane, halves folded onto each other (see `reduce_add`).
 template <typename T>
@@ -107,8 +148,9 @@ struct KeyWalk {
 // G query heads sharing one KV head, D elements a head: pre-scaled queries,
 // unnormalised outputs, the online softmax's running max and sum. Keys come in
 // tiles of one vector of scores; each K and V row is read once for all G heads.
-template <typename T, int D, int G>
+template <typename C, int D, int G>
 struct GroupState {
+  using T = typename Compute<C>::type;
   using S = Simd<T>;
   using vec = typename S::vec;
   static constexpr int kTile = S::kLanes;
@@ -116,19 +158,19 @@ struct GroupState {
   vec qs[G][V], acc[G][V];
   T run_max[G], run_sum[G];
 
-  void start(const T* q, T scale) {  // q: [G][D]
+  void start(const C* q, T scale) {  // q: [G][D]
     for (int g = 0; g < G; ++g) {
       run_max[g] = -INFINITY;
       run_sum[g] = 0;
       for (int j = 0; j < V; ++j) {
-        qs[g][j] = load<vec>(q + g * D + j * S::kLanes) * scale;
+        qs[g][j] = load_wide(q + g * D + j * S::kLanes) * scale;
         acc[g][j] = vec{};
       }
     }
   }
 
   // n <= kTile keys, their K rows at k_head + rows[t], V rows at v_head + rows[t].
-  void update(const T* k_head, const T* v_head, const int64_t* rows, int n) {
+  void update(const C* k_head, const C* v_head, const int64_t* rows, int n) {
     vec tile_scores[G];  // lane t: key t's score (lanes past n: anything)
     if constexpr (S::kLanes == 16) {
       // a tile's 16 dot products per head are summed together (`reduce_add_16`)
@@ -139,7 +181,7 @@ struct GroupState {
           continue;
         }
         vec k[V];
-        for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
+        for (int j = 0; j < V; ++j) k[j] = load_wide(k_head + rows[t] + j * S::kLanes);
         for (int g = 0; g < G; ++g) {
           vec dot = qs[g][0] * k[0];
           for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
@@ -151,7 +193,7 @@ struct GroupState {
       T scores[G][kTile];
       for (int t = 0; t < n; ++t) {
         vec k[V];
-        for (int j = 0; j < V; ++j) k[j] = load<vec>(k_head + rows[t] + j * S::kLanes);
+        for (int j = 0; j < V; ++j) k[j] = load_wide(k_head + rows[t] + j * S::kLanes);
         for (int g = 0; g < G; ++g) {
           vec dot = qs[g][0] * k[0];
           for (int j = 1; j < V; ++j) dot += qs[g][j] * k[j];
@@ -178,7 +220,7 @@ struct GroupState {
 #else
     for (int t = 0; t < n; ++t) {
       vec v[V];
-      for (int j = 0; j < V; ++j) v[j] = load<vec>(v_head + rows[t] + j * S::kLanes);
+      for (int j = 0; j < V; ++j) v[j] = load_wide(v_head + rows[t] + j * S::kLanes);
       for (int g = 0; g < G; ++g) {
         const T p = probs[g][t];
         for (int j = 0; j < V; ++j) acc[g][j] += p * v[j];
@@ -192,15 +234,22 @@ struct GroupState {
   // generic loop above compiles to. On AVX2 that loop broadcasts p through 16
   // stack stores and keeps acc in memory (measured: most of the kernel's time);
   // here acc lives in ymm registers for the whole tile.
-  void accumulate_avx2(const T* v_head, const int64_t* rows, int n, const vec (&probs)[G]) {
+  void accumulate_avx2(const C* v_head, const int64_t* rows, int n, const vec (&probs)[G]) {
     using Ymm = std::conditional_t<std::is_same_v<T, float>, __m256, __m256d>;
     constexpr int kYmmLanes = 32 / sizeof(T), W = D / kYmmLanes;  // ymm registers a row
     Ymm a[G][W];
     for (int g = 0; g < G; ++g) std::memcpy(a[g], acc[g], sizeof(a[g]));
     for (int t = 0; t < n; ++t) {
-      const T* row = v_head + rows[t];
+      const C* row = v_head + rows[t];
       for (int g = 0; g < G; ++g) {
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<C, uint16_t>) {  // bf16 widened: 8 lanes, shifted up
+          const __m256 p = _mm256_set1_ps(probs[g][t]);
+          for (int j = 0; j < W; ++j) {
+            const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j * 8));
+            const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+            a[g][j] = _mm256_fmadd_ps(p, x, a[g][j]);
+          }
+        } else if constexpr (std::is_same_v<T, float>) {
           const __m256 p = _mm256_set1_ps(probs[g][t]);
           for (int j = 0; j < W; ++j) a[g][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + j * 8), a[g][j]);
         } else {
@@ -213,25 +262,25 @@ struct GroupState {
   }
 #endif
 
-  void finish(T* out) const {  // out: [G][D]; no key at all -> zeros
+  void finish(C* out) const {  // out: [G][D]; no key at all -> zeros
     for (int g = 0; g < G; ++g) {
       const T inv = run_sum[g] > 0 ? 1 / run_sum[g] : 0;
-      for (int j = 0; j < V; ++j) store(out + g * D + j * S::kLanes, acc[g][j] * inv);
+      for (int j = 0; j < V; ++j) store_narrow(out + g * D + j * S::kLanes, acc[g][j] * inv);
     }
   }
 };
 
 // Where a work item's keys live: its KV head's rows through its sequence's table.
-template <typename T, int D>
+template <typename C, int D>
 struct ItemKeys {
-  const T* k_head = nullptr;  // the KV head's row in slot 0
-  const T* v_head = nullptr;
+  const C* k_head = nullptr;  // the KV head's row in slot 0
+  const C* v_head = nullptr;
   KeyWalk walk{nullptr, 0, 0};
   int64_t len = 0;  // 0: no item
 
   // Prefetches keys [*done, until) into L2, one 64-byte line at a time.
   void prefetch(int64_t* done, int64_t until) {
-    constexpr int kLineElems = 64 / sizeof(T);
+    constexpr int kLineElems = 64 / sizeof(C);
     for (; *done < until; ++*done) {
       int64_t row;
       walk.next(&row, 1);
@@ -247,9 +296,10 @@ struct ItemKeys {
 // head. The keys are prefetched kPrefetchKeys ahead; in the item's last tiles,
 // where its own keys run out, the prefetch runs on into `next`'s first keys
 // (the item this thread takes next), so a new item does not start cold.
-template <typename T, int D, int G>
-void attend_group(const T* q, ItemKeys<T, D> keys, ItemKeys<T, D> next, T scale, T* out) {
-  using State = GroupState<T, D, G>;
+template <typename C, int D, int G>
+void attend_group(const C* q, ItemKeys<C, D> keys, ItemKeys<C, D> next,
+                  typename Compute<C>::type scale, C* out) {
+  using State = GroupState<C, D, G>;
   State state;
   state.start(q, scale);
   KeyWalk walk = keys.walk;
@@ -270,25 +320,25 @@ void attend_group(const T* q, ItemKeys<T, D> keys, ItemKeys<T, D> next, T scale,
 // atomic counter: a thread slowed by a busy neighbour core takes fewer items
 // instead of making the others wait. A group of `group` query heads runs as
 // group / G passes of G heads (G the largest of 8, 4, 2, 1 dividing it).
-template <typename T, int D, int G>
+template <typename C, int D, int G>
 void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                const torch::Tensor& block_tables, const torch::Tensor& seq_lens, T scale,
-                torch::Tensor& out) {
+                const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                typename Compute<C>::type scale, torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(2);
   const int64_t passes = num_heads / kv_heads / G;
   const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
+  const C* qp = static_cast<const C*>(q.data_ptr());
   const int64_t q_stride = q.stride(0);  // a view of a fused QKV projection: heads, then K/V
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
+  C* op = static_cast<C*>(out.data_ptr());
   const int64_t items = num_seqs * kv_heads * passes;
   std::atomic<int64_t> next_item{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
   auto keys_of = [&](int64_t item) {
-    ItemKeys<T, D> keys;
+    ItemKeys<C, D> keys;
     if (item >= items) return keys;
     const int64_t seq = item / (kv_heads * passes);
     const int64_t head = item % (kv_heads * passes) / passes;  // the KV head
@@ -306,35 +356,36 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
       const int64_t seq = item / (kv_heads * passes);
       const int64_t head = item % (kv_heads * passes) / passes;
       const int64_t first_head = head * passes * G + item % passes * G;
-      attend_group<T, D, G>(qp + seq * q_stride + first_head * D, keys_of(item),
+      attend_group<C, D, G>(qp + seq * q_stride + first_head * D, keys_of(item),
                             keys_of(upcoming), scale, op + (seq * num_heads + first_head) * D);
       item = upcoming;
     }
   });
 }
 
-template <typename T, int D>
+template <typename C, int D>
 void attend_all_groups(const torch::Tensor& q, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                       const torch::Tensor& seq_lens, T scale, torch::Tensor& out) {
+                       const torch::Tensor& seq_lens, typename Compute<C>::type scale,
+                       torch::Tensor& out) {
   const int64_t group = q.size(1) / k_cache.size(2);
-  if (group % 8 == 0) attend_all<T, D, 8>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-  else if (group % 4 == 0) attend_all<T, D, 4>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-  else if (group % 2 == 0) attend_all<T, D, 2>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-  else attend_all<T, D, 1>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  if (group % 8 == 0) attend_all<C, D, 8>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (group % 4 == 0) attend_all<C, D, 4>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (group % 2 == 0) attend_all<C, D, 2>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else attend_all<C, D, 1>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
 }
 
-template <typename T>
+template <typename C>
 void attend_all_dims(const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                      const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const T s = static_cast<T>(scale);
+  const auto s = static_cast<typename Compute<C>::type>(scale);
   switch (q.size(2)) {
-    case 16: return attend_all_groups<T, 16>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
-    case 32: return attend_all_groups<T, 32>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
-    case 64: return attend_all_groups<T, 64>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
-    case 128: return attend_all_groups<T, 128>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
-    case 256: return attend_all_groups<T, 256>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 16: return attend_all_groups<C, 16>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 32: return attend_all_groups<C, 32>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 64: return attend_all_groups<C, 64>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 128: return attend_all_groups<C, 128>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
+    case 256: return attend_all_groups<C, 256>(q, k_cache, v_cache, block_tables, seq_lens, s, out);
     default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", q.size(2));
   }
 }
@@ -383,7 +434,7 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 
 // q [num_seqs, num_heads, D], any stride between tokens (each token's heads
 // contiguous); caches [num_blocks, block_size, kv_heads, D], contiguous; all
-// float32 or all float64; block_tables int32 [>= num_seqs, width]; seq_lens
+// float32, all float64 or all bfloat16; block_tables int32 [>= num_seqs, width]; seq_lens
 // int32 [>= num_seqs]. Returns a new contiguous [num_seqs, num_heads, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -403,8 +454,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto out = torch::empty(q.sizes(), q.options());
   if (q.scalar_type() == torch::kFloat) {
     attend_all_dims<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    attend_all_dims<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == torch::kDouble, "paged_decode: float32 or float64 only");
+    TORCH_CHECK(q.scalar_type() == torch::kDouble,
+                "paged_decode: float32, float64 or bfloat16 only");
     attend_all_dims<double>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   }
   return out;

@@ -11,13 +11,16 @@ Hugging Face's format to a temporary folder, so both engines load the same weigh
 Requests are greedy, `ignore_eos`, all at once; servelab runs `continuous` +
 `paged` + `flash_varlen`.
 
-Measured in this process first: the float32 matmul peak (MKL), the bfloat16 one
-(oneDNN where the CPU runs it natively, else torch's), and the memory read
-bandwidth. Each engine run is a fresh process; runs alternate (servelab, vLLM,
+Measured in this process first: the float32 matmul peak (the best of MKL, oneDNN
+and servelab's packed kernel), the bfloat16 one (oneDNN where the CPU runs it
+natively, else torch's), and the memory read bandwidth. Each engine run is a fresh process; runs alternate (servelab, vLLM,
 vLLM, servelab per repeat) so a slow spell of a shared machine falls on both.
 Reported per run: output tok/s; for servelab also the prefill steps' matmul
-TFLOP/s and the decode steps' weight-read GB/s (both counted from the shape), as
-fractions of the peaks, and the greedy tokens' agreement with vLLM's.
+TFLOP/s and the decode steps' read GB/s (weights counted from the shape, plus the
+K/V the cache holds at each decode step), as fractions of the peaks, and the
+greedy tokens' agreement with vLLM's. With two runs or more a side, servelab /
+vLLM comes with a 95% interval (`servelab.lab.stats.ratio_estimate`, paired by
+round).
 
     python benchmarks/cpu_real_size.py --dtypes float32 bfloat16
     python benchmarks/cpu_real_size.py --vllm-python /work/venvs/vllm/bin/python --requests 8
@@ -107,14 +110,39 @@ def _best(fn, repeats: int = 3) -> float:
     return min(times)
 
 
+def _float32_peak(n: int) -> tuple[float, str]:
+    """The float32 matmul peak: the best of the paths servelab's CPU matmul can
+    take (MKL, oneDNN prepacked, servelab's packed kernel where it is built), on
+    an n x n x n product; and which path gave it."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times = {"MKL": _best(lambda: a @ b)}
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, None)
+        times["oneDNN prepacked"] = _best(
+            lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        )
+    except RuntimeError:
+        pass
+    from servelab.kernels import cpu_linear
+
+    if cpu_linear.kernel() is not None:
+        linear = cpu_linear.PackedLinear(b, None)
+        times["servelab packed"] = _best(lambda: linear(a))
+    path = min(times, key=times.get)
+    return 2 * n**3 / times[path], path
+
+
 def machine_peaks(threads: int) -> dict:
-    """Matmul peaks (FLOP/s, float32 and bfloat16) and read bandwidth (bytes/s)."""
+    """Matmul peaks (FLOP/s, float32 and bfloat16; each the best path here) and
+    read bandwidth (bytes/s, the best of ten sums over 256 MiB)."""
     import torch
 
     torch.set_num_threads(threads)
     n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    peaks = {"float32": 2 * n**3 / _best(lambda: a @ b)}
+    peaks: dict = {}
+    peaks["float32"], peaks["float32_path"] = _float32_peak(n)
     w = torch.randn(4096, n).bfloat16()
     x = torch.randn(512, n).bfloat16()
     try:  # oneDNN's prepacked bf16 linear: the matrix units where the CPU has them
@@ -126,7 +154,7 @@ def machine_peaks(threads: int) -> dict:
         peaks["bfloat16_path"] = "torch F.linear (no native bf16 matmul)"
     peaks["bfloat16"] = 2 * 512 * n * 4096 / t
     big = torch.ones(256 * 2**20 // 4)
-    peaks["read_bytes_s"] = big.numel() * 4 / _best(lambda: big.sum())
+    peaks["read_bytes_s"] = big.numel() * 4 / _best(lambda: big.sum(), repeats=10)
     return peaks
 
 
@@ -223,9 +251,10 @@ def servelab_worker(args) -> dict:
     decode_s, decode_steps = sum(s.wall_time for s in decode), len(decode)
     decode_rows = sum(s.decode_tokens for s in decode)
     wall = time.perf_counter() - start
-    weight_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    weight_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8  # the KV cache's too
     c = shape.config()
     lm_head = c.vocab_size * c.hidden_size
+    kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * weight_bytes
     prompt_tokens = sum(len(r["prompt"]) for r in requests)
     return {
         "wall_s": wall,
@@ -237,6 +266,8 @@ def servelab_worker(args) -> dict:
         "decode_steps": decode_steps,
         "decode_rows": decode_rows,
         "decode_weight_bytes": decode_steps * (matmul_params(shape) + lm_head) * weight_bytes,
+        # each decode step reads its sequences' whole K/V: the tokens the cache holds
+        "decode_kv_bytes": sum(s.kv_tokens_used for s in decode) * kv_token_bytes,
     }
 
 
@@ -300,10 +331,42 @@ def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
         peak = peaks["float32"] if dtype == "float32" else max(peaks["float32"], peaks["bfloat16"])
         line += f"  prefill {flops / 1e12:.3g} TFLOP/s = {flops / peak:.1%} of peak"
     if run.get("decode_s", 0) > 0:
-        rate = run["decode_weight_bytes"] / run["decode_s"]
+        weights = run["decode_weight_bytes"] / run["decode_s"]
+        rate = weights + run.get("decode_kv_bytes", 0) / run["decode_s"]
         line += f"  decode {rate / 1e9:.3g} GB/s = {rate / peaks['read_bytes_s']:.1%} of read bw"
-        line += f" (mean batch {run['decode_rows'] / max(run['decode_steps'], 1):.1f})"
+        line += f" (weights {weights / 1e9:.3g}, K/V {(rate - weights) / 1e9:.3g};"
+        line += f" mean batch {run['decode_rows'] / max(run['decode_steps'], 1):.1f})"
     return line
+
+
+def compare(mine: list[dict], theirs: list[dict]) -> str:
+    """servelab / vLLM output tok/s: the ratio of means; with two runs or more a
+    side, `ratio_estimate`'s ratio and 95% interval: paired by round (each round's
+    runs of a side averaged) over two rounds or more, else over the runs."""
+    import math
+
+    from servelab.lab.stats import ratio_estimate
+
+    def rate(r: dict) -> float:
+        return r["output_tokens"] / r["wall_s"]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    text = f"{mean([rate(r) for r in mine]) / mean([rate(r) for r in theirs]):.2f}x"
+    if min(len(mine), len(theirs)) < 2:
+        return text
+    rounds = sorted({r["round"] for r in mine} & {r["round"] for r in theirs})
+    if len(rounds) >= 2:
+        a = [mean([rate(r) for r in mine if r["round"] == k]) for k in rounds]
+        b = [mean([rate(r) for r in theirs if r["round"] == k]) for k in rounds]
+        est, how = ratio_estimate(a, b, paired=True), f"{len(rounds)} rounds, paired"
+    else:
+        a, b = [rate(r) for r in mine], [rate(r) for r in theirs]
+        est, how = ratio_estimate(a, b), f"{len(a)} and {len(b)} runs"
+    if not math.isnan(est.low):
+        text += f"; estimate {est.mean:.2f}x, 95% interval {est.low:.2f}-{est.high:.2f}x ({how})"
+    return text
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> str:
@@ -322,7 +385,8 @@ def main(argv=None) -> int:
         return 0
     peaks = machine_peaks(args.threads)
     print(
-        f"machine ({args.threads} threads): float32 matmul {peaks['float32'] / 1e9:.1f} GFLOP/s, "
+        f"machine ({args.threads} threads): float32 matmul {peaks['float32'] / 1e9:.1f} GFLOP/s "
+        f"({peaks['float32_path']}), "
         f"bfloat16 matmul {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({peaks['bfloat16_path']}), "
         f"read {peaks['read_bytes_s'] / 1e9:.1f} GB/s"
     )
@@ -340,19 +404,17 @@ def main(argv=None) -> int:
             systems.append(("vllm", str(args.vllm_python)))
         order = systems + systems[::-1] if args.pattern == "ABBA" else systems
         runs = []
-        for _ in range(args.repeats):
+        for k in range(args.repeats):
             for dtype in args.dtypes:
                 for system, python in order:
                     run = run_worker(args, system, dtype, python, workload)
-                    runs.append({"system": system, "dtype": dtype, **run})
+                    runs.append({"system": system, "dtype": dtype, "round": k, **run})
                     print(describe(system, dtype, run, peaks), flush=True)
         for dtype in args.dtypes:
             mine = [r for r in runs if r["dtype"] == dtype and r["system"] == "servelab"]
             theirs = [r for r in runs if r["dtype"] == dtype and r["system"] == "vllm"]
             if mine and theirs:
-                rate = sum(r["output_tokens"] / r["wall_s"] for r in mine) / len(mine)
-                other = sum(r["output_tokens"] / r["wall_s"] for r in theirs) / len(theirs)
-                print(f"{dtype}: servelab / vLLM = {rate / other:.2f}x; greedy tokens "
+                print(f"{dtype}: servelab / vLLM = {compare(mine, theirs)}; greedy tokens "
                       f"{agreement(mine[0]['tokens'], theirs[0]['tokens'])}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"peaks": peaks, "runs": runs}, indent=1))

@@ -90,3 +90,27 @@ def test_servelab_serves_the_tiny_shape(bench, tmp_path):
     assert run["prefill_flop"] == 2 * bench.matmul_params(shape) * sum(
         len(r["prompt"]) for r in requests
     )
+    # each decode step reads the K/V its cache holds: 2 (K and V) x layers x KV heads x head_dim
+    c = shape.config()
+    kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    assert run["decode_kv_bytes"] > 0 and run["decode_kv_bytes"] % kv_token_bytes == 0
+
+
+def runs(system: str, rates: list[float], rounds: list[int]) -> list[dict]:
+    return [
+        {"system": system, "output_tokens": rate, "wall_s": 1.0, "round": k}
+        for rate, k in zip(rates, rounds, strict=True)
+    ]
+
+
+def test_the_ratio_comes_with_an_interval_only_from_two_runs_a_side(bench):
+    # one run each: the ratio of the two rates, no interval
+    assert bench.compare(runs("s", [6.0], [0]), runs("v", [3.0], [0])) == "2.00x"
+    # one ABBA round: two runs a side, compared unpaired (the runs' geometric means)
+    text = bench.compare(runs("s", [6.0, 8.0], [0, 0]), runs("v", [3.0, 4.0], [0, 0]))
+    assert text.startswith("2.00x; estimate 2.00x, 95% interval ") and "(2 and 2 runs)" in text
+    # two rounds: paired by round, each round's runs averaged: ratios 2 and 2 exactly
+    text = bench.compare(
+        runs("s", [6.0, 6.0, 8.0, 8.0], [0, 0, 1, 1]), runs("v", [3.0, 3.0, 4.0, 4.0], [0, 0, 1, 1])
+    )
+    assert "estimate 2.00x, 95% interval 2.00-2.00x (2 rounds, paired)" in text

@@ -123,10 +123,12 @@ def machine_load(before: Mapping | None, after: Mapping | None) -> dict[str, Any
         load["load_average_1m"], load["load_average_5m"], _ = (round(v, 2) for v in os.getloadavg())
     except OSError:
         pass
-    if before and after and after["total"] > before["total"]:
+    if before and after:
         total = after["total"] - before["total"]
         other = (after["busy"] - before["busy"]) - (after["own"] - before["own"])
-        load["other_cpu_pct"] = round(min(100.0, max(0.0, 100.0 * other / total)), 1)
+        # a run shorter than the clock tick (10 ms) sees no tick pass: nothing measurable ran
+        share = 100.0 * other / total if total > 0 else 0.0
+        load["other_cpu_pct"] = round(min(100.0, max(0.0, share)), 1)
         load["busy"] = load["other_cpu_pct"] >= BUSY_OTHER_CPU_PCT
     return load
 

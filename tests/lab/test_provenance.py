@@ -55,6 +55,9 @@ def test_other_processes_cpu_share_is_the_machines_busy_time_less_this_process()
     quiet = machine_load(before, {"total": 120.0, "busy": 46.0, "own": 8.0})  # only ours
     assert quiet["other_cpu_pct"] == 5.0 and not quiet["busy"]
     assert "other_cpu_pct" not in machine_load(None, after)  # no /proc: no share, no verdict
+    # shorter than a clock tick: no tick passed on any core, so nothing measurable ran
+    instant = machine_load(before, dict(before))
+    assert instant["other_cpu_pct"] == 0.0 and not instant["busy"]
     snapshot = cpu_snapshot()
     assert snapshot is None or snapshot["total"] >= snapshot["busy"] >= 0
 

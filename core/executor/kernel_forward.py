@@ -14,7 +14,8 @@ between its layers, is not used. The projections take `cpu_matmul.path_for`'s
 path for the weights' dtype: servelab's packed kernel (and the one-call decoder),
 or oneDNN over prepacked weights. bfloat16 / float16 weights keep float32
 activations (norms, RoPE, residual, logits); q/k/v are rounded to the KV cache's
-dtype for attention.
+dtype for attention, and on the native bf16 path SwiGLU runs on the gate/up
+projection's bf16 output and feeds the down projection in bf16.
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ def _call(x: torch.Tensor, matmul: cpu_matmul.PackedMatmul) -> torch.Tensor:
 
 
 def _gated(x: torch.Tensor, matmul: cpu_matmul.PackedMatmul) -> torch.Tensor:
-    return cpu_matmul.silu_mul(matmul(x), matmul.out_features // 2)
+    # in the matmul's own dtype: on the native bf16 path the down projection reads
+    # bf16, so the widest activation is never widened to float32 and narrowed back
+    return cpu_matmul.silu_mul(matmul.native(x), matmul.out_features // 2)
 
 
 class KernelForward:

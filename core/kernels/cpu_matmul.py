@@ -127,6 +127,12 @@ class PackedMatmul:
         self.bias = None if bias is None else bias.detach().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.native(x)
+        return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in the path's compute dtype (bfloat16 on the native bf16
+        path), not widened to `out_dtype`: for a consumer that reads that dtype."""
         if self.servelab is not None:
             return self.servelab(x)
         if self.gemv is not None and x.shape[0] <= GEMV_ROWS:
@@ -134,12 +140,12 @@ class PackedMatmul:
         dtype = self.path.compute_dtype
         if x.dtype != dtype:
             x = x.to(dtype)
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
     """silu(gate) * up for the fused gate/up projection's output `[T, 2 * inner]`,
-    as the model's `F.silu(gate) * up`."""
+    as the model's `F.silu(gate) * up`, in the output's dtype (bfloat16 rounds
+    twice, as the model's bfloat16 ops do)."""
     out = F.silu(gate_up[:, :inner])
     return out.mul_(gate_up[:, inner:])

@@ -50,8 +50,16 @@ def test_packed_matmul_is_linear(dtype, rows, with_bias):
     if path.compute_dtype == torch.bfloat16:
         tol = 5e-2  # oneDNN may round its output to bfloat16
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    # `native` is the same product before it is widened: in the path's compute dtype
+    native = cpu_matmul.PackedMatmul(weight, bias).native(x.to(dtype))
+    assert native.dtype == (path.compute_dtype if path.name != "servelab" else dtype)
+    assert torch.equal(native.to(out.dtype), out)
 
 
-def test_silu_mul_is_the_models_formula():
-    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(cpu_matmul.silu_mul(x, 6), F.silu(x[:, :6]) * x[:, 6:])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_the_models_formula(dtype):
+    """In the input's dtype, with the model's roundings: exactly its ops."""
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = cpu_matmul.silu_mul(x, 6)
+    assert out.dtype == dtype
+    assert torch.equal(out, F.silu(x[:, :6]) * x[:, 6:])

@@ -388,11 +388,16 @@ def compare(mine: list[dict], theirs: list[dict]) -> str:
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> str:
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    first = [
-        next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(a, b)
+    """How many requests got identical tokens, and where the others first differ."""
+    differ = [
+        next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        for x, y in zip(a, b, strict=True)
+        if x != y
     ]
-    return f"{same}/{len(a)} identical, mean first divergence at token {sum(first) / len(a):.1f}"
+    text = f"{len(a) - len(differ)}/{len(a)} identical"
+    if differ:
+        text += f"; the other {len(differ)} first differ at token {sum(differ) / len(differ):.1f} on average"
+    return text
 
 
 def main(argv=None) -> int:

@@ -114,3 +114,9 @@ def test_the_ratio_comes_with_an_interval_only_from_two_runs_a_side(bench):
         runs("s", [6.0, 6.0, 8.0, 8.0], [0, 0, 1, 1]), runs("v", [3.0, 3.0, 4.0, 4.0], [0, 0, 1, 1])
     )
     assert "estimate 2.00x, 95% interval 2.00-2.00x (2 rounds, paired)" in text
+
+
+def test_agreement_counts_identical_requests_and_where_the_others_differ(bench):
+    assert bench.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == "2/2 identical"
+    text = bench.agreement([[1, 2, 3], [4, 5], [6, 7, 8]], [[1, 9, 3], [4, 5], [6, 7, 0]])
+    assert text == "1/3 identical; the other 2 first differ at token 1.5 on average"

@@ -45,7 +45,9 @@ def decode_case(num_heads, num_kv_heads, head_dim, block_size, dtype, lengths=LE
     return case
 
 
-def kernel_out(case, q=None, **overrides):
+def kernel_out(case, q=None, call=cpu_paged.paged_decode, **overrides):
+    """`call` (the kernel, or another build's `paged_decode`) on the case's tensors,
+    any of them overridden."""
     meta = case.meta()
     args = dict(
         q=case.q if q is None else q,
@@ -56,7 +58,12 @@ def kernel_out(case, q=None, **overrides):
         scale=case.scale,
     )
     args.update(overrides)
-    return cpu_paged.paged_decode(**args)
+    return call(*args.values())
+
+
+def as_dtype(case, dtype) -> dict:
+    """The case's q and caches in `dtype`, as `kernel_out` overrides."""
+    return dict(q=case.q.to(dtype), k_cache=case.k_cache.to(dtype), v_cache=case.v_cache.to(dtype))
 
 
 def expected(case):
@@ -146,9 +153,7 @@ def test_bfloat16_is_the_float32_kernel_on_widened_inputs_rounded_once(head_dim,
     case = decode_case(4, 2, head_dim, block_size, torch.bfloat16, seed=head_dim + block_size)
     out = kernel_out(case)
     assert out.shape == case.q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
-    wide = kernel_out(
-        case, q=case.q.float(), k_cache=case.k_cache.float(), v_cache=case.v_cache.float()
-    )
+    wide = kernel_out(case, **as_dtype(case, torch.float32))
     assert torch.equal(out, wide.to(torch.bfloat16))
     # and within bfloat16 rounding of float64 attention over the same (bf16) values
     torch.testing.assert_close(out.double(), expected(case), rtol=2.0**-8, atol=1e-5)
@@ -168,10 +173,7 @@ def test_bfloat16_rounds_ties_to_even_and_keeps_nan():
     case.v_cache[block, 0, 0], case.v_cache[block, 1, 0] = first, second
     wide = kernel_out(case)[0, 0]
     assert wide[:3].tolist() == [1 + step / 2, 1 + 3 * step / 2, 0.5 + 3 * 2.0**-10]
-    narrow = kernel_out(
-        case, q=case.q.bfloat16(), k_cache=case.k_cache.bfloat16(),
-        v_cache=case.v_cache.bfloat16(),
-    )[0, 0]  # fmt: skip
+    narrow = kernel_out(case, **as_dtype(case, torch.bfloat16))[0, 0]
     # two ties to even (down, then up), and 3/4 of a step (2^-8 in [0.5, 1)) up
     assert narrow[:3].tolist() == [1.0, 1 + 2 * step, 0.5 + 2.0**-8]
     rounded = wide.to(torch.bfloat16)
@@ -197,18 +199,12 @@ def test_an_avx2_build_agrees_with_the_native_one():
     for head_dim in (16, 32, 128):
         for dtype in (torch.float32, torch.float64):
             case = decode_case(8, 2, head_dim, 5, dtype, seed=head_dim)
-            meta = case.meta()
-            args = (case.k_cache, case.v_cache, meta.block_tables, meta.seq_lens, case.scale)
-            got = avx2.paged_decode(case.q, *args)
+            got = kernel_out(case, call=avx2.paged_decode)
             torch.testing.assert_close(got, kernel_out(case), **TOLERANCE[dtype])
             torch.testing.assert_close(got.double(), expected(case), **TOLERANCE[dtype])
         case = decode_case(8, 2, head_dim, 5, torch.bfloat16, seed=head_dim)
-        meta = case.meta()
-        tables = (meta.block_tables, meta.seq_lens, case.scale)
-        narrow = avx2.paged_decode(case.q, case.k_cache, case.v_cache, *tables)
-        wide = avx2.paged_decode(
-            case.q.float(), case.k_cache.float(), case.v_cache.float(), *tables
-        )
+        narrow = kernel_out(case, call=avx2.paged_decode)
+        wide = kernel_out(case, call=avx2.paged_decode, **as_dtype(case, torch.float32))
         assert torch.equal(narrow, wide.to(torch.bfloat16))
 
 
@@ -219,8 +215,7 @@ def test_rejects_inputs_it_cannot_read():
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernel_out(case, q=case.q.double())
     with pytest.raises(RuntimeError, match="float32, float64 or bfloat16 only"):
-        half = case.q.half()
-        kernel_out(case, q=half, k_cache=case.k_cache.half(), v_cache=case.v_cache.half())
+        kernel_out(case, **as_dtype(case, torch.float16))
 
 
 @pytest.mark.parametrize(

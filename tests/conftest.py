@@ -40,8 +40,6 @@ SLOW = (
     "tests/test_cli.py::test_joblib_launcher_runs_a_sweep_and_the_report_reads_it",
     "tests/test_cli.py::test_a_failing_job_does_not_end_its_sweep_and_the_report_lists_it",
     "tests/test_layering.py::test_allocators_import_without_torch",
-    "tests/test_deprecated_paths.py::test_an_old_path_still_imports_with_a_warning",
-    "tests/test_deprecated_paths.py::test_the_new_paths_do_not_warn",
     "tests/test_simulation_accuracy.py",
     "tests/engine/test_memory.py::test_nothing_lost_under_memory_pressure",
     "tests/engine/test_engine.py::test_outputs_do_not_depend_on_batch_composition",

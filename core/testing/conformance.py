@@ -136,7 +136,7 @@ def _combos(**axes: dict | list[dict]) -> list[dict]:
 
 
 def check_scheduler(cls: type, **options: Any) -> ConformanceReport:
-    """Checks a `Scheduler` (usually a `BaseScheduler` subclass) built with `options`.
+    """Checks a `Scheduler` (usually a `SchedulerCore` subclass) built with `options`.
 
     Oracle runs with the paged (plain and prefix-cached) and contiguous
     allocators under recompute and swap preemption; then the property that,

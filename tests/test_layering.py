@@ -7,9 +7,9 @@ copy laid out as one importable package, with the repo's pyproject.toml, in a su
 path puts the copy first (the in-process `servelab` would shadow it).
 
 Each contract is also broken on purpose, one injected import per case, to prove it can fail.
-import-linter ignores annotation-only imports and does not look for cycles inside a layer,
-so `servelab_import_cycles` reads every import statement itself (type-only and function-local
-ones included) and the suite holds the set of cycles empty. Run as a script to lint the working tree from the command line:
+import-linter counts type-only imports (`exclude_type_checking_imports = false`) but does not
+look for cycles inside a layer, so `servelab_import_cycles` reads every import statement itself
+(type-only and function-local ones included) and the suite holds the set of cycles empty. Run as a script to lint the working tree from the command line:
 
     .venv/bin/python tests/test_layering.py [--contract ID ...]
 """
@@ -210,11 +210,13 @@ BREAKS = {
         ("plugin-kinds-independent",),
         "servelab.plugins.schedulers.chunked -> servelab.plugins.allocators.paged",
     ),
-    # an annotation-only import is no dependency (exclude_type_checking_imports)
+    # a type-only import is a dependency too (exclude_type_checking_imports = false): a
+    # lower layer names a higher one's type as `Any`, a Protocol of its own or in a docstring
     "step imports engine for type checking only": Break(
         "servelab/step/sequence.py",
         "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    import servelab.engine.engine",
-        (),
+        ("layers", "allocators-no-torch", "plugins-not-harness"),
+        "servelab.step.sequence -> servelab.engine.engine",
     ),
 }
 

@@ -6,7 +6,9 @@ of these specifications; an implementation may accept fewer arguments than its s
   `{name: class}`; the plugin manager checks the classes against the contracts in
   `servelab.contracts` and rejects duplicate names;
 - event hooks observe the engine; each implementation is called in isolation, so an
-  observer that raises is reported and never stops the engine.
+  observer that raises is reported and never stops the engine. Their `engine` argument is
+  the `servelab.engine.engine.Engine` that fires them, typed `Any`: the contracts sit below the
+  engine and import nothing of it, not even for type checking.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import pluggy
 
 if TYPE_CHECKING:
     from hydra.core.config_store import ConfigStore
-
-    from servelab.engine.engine import Engine
 
 PROJECT = "servelab"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -69,20 +69,20 @@ def servelab_register_configs(store: ConfigStore) -> None:
 
 
 @hookspec
-def servelab_engine_ready(engine: Engine) -> None:
+def servelab_engine_ready(engine: Any) -> None:
     """The engine is built (model loaded, KV cache allocated) and about to serve."""
 
 
 @hookspec
-def servelab_step_end(engine: Engine, step: dict[str, Any]) -> None:
+def servelab_step_end(engine: Any, step: dict[str, Any]) -> None:
     """One engine step finished; `step` is that step's metrics record."""
 
 
 @hookspec
-def servelab_request_end(engine: Engine, request: dict[str, Any]) -> None:
+def servelab_request_end(engine: Any, request: dict[str, Any]) -> None:
     """One request finished (stopped, length, aborted or rejected); `request` is its metrics record."""
 
 
 @hookspec
-def servelab_run_end(engine: Engine, summary: dict[str, Any]) -> None:
+def servelab_run_end(engine: Any, summary: dict[str, Any]) -> None:
     """A run (`generate` call or CLI workload) finished; `summary` holds its aggregate metrics."""

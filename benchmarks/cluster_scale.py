@@ -48,7 +48,7 @@ def compose(args: list[str]) -> dict:
 
 
 def run(config: dict) -> dict:
-    from servelab.cluster.run import run_cluster
+    from servelab.lab.cluster.run import run_cluster
 
     cpu, wall = time.process_time(), time.perf_counter()
     result = run_cluster(config)

@@ -48,9 +48,9 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
     from servelab.lab.runner import model_name, print_summary, run_config, save_failed_run, save_run
 
     meta = {**meta, "choices": {**meta["choices"], "model": model_name(config)}}
-    if config.get("cluster"):  # engines behind a router (servelab.cluster)
-        from servelab.cluster.cli_run import run_cluster_job
-        from servelab.cluster.pd_cli import is_real_pair, run_pair_job
+    if config.get("cluster"):  # engines behind a router (servelab.lab.cluster)
+        from servelab.lab.cluster.cli_run import run_cluster_job
+        from servelab.lab.cluster.pd_cli import is_real_pair, run_pair_job
 
         if is_real_pair(config):  # prefill and decode in two real processes
             return run_pair_job(config, meta, folder)

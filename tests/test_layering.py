@@ -150,6 +150,13 @@ BREAKS = {
         ("layers",),
         "servelab.lab.workload -> servelab.testing.deps",
     ),
+    # the router proxy sits below the experiment harness; cluster runs are lab.cluster
+    "cluster imports the lab": Break(
+        "servelab/cluster/dispatch.py",
+        "import servelab.lab.workload",
+        ("layers",),
+        "servelab.cluster.dispatch -> servelab.lab.workload",
+    ),
     # a chain breaks every contract it crosses: allocators and plugins import step.sequence,
     # and engine.engine imports torch
     "step imports engine": Break(

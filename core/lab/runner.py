@@ -62,7 +62,7 @@ RUNNER_NODES = (
     "run",
     "report",
     "serve",
-    "cluster",  # a cluster of engines: servelab.cluster
+    "cluster",  # a cluster of engines: servelab.lab.cluster
 )  # not engine nodes: build_engine never sees them
 
 

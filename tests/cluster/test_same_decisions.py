@@ -15,9 +15,9 @@ import pytest
 
 from servelab.cluster.dispatch import Dispatcher
 from servelab.cluster.proxy import create_proxy_app
-from servelab.cluster.run import run_cluster
 from servelab.contracts.router import ReplicaState, RoutedRequest
 from servelab.lab.arrivals import ArrivalQueue
+from servelab.lab.cluster.run import run_cluster
 from servelab.lab.workload import make_workload
 from servelab.registry.construct import construct
 from tests.serve.harness import Running, free_port, server_config

@@ -27,8 +27,8 @@ CLOCKS = {"perf_counter", "time", "monotonic", "perf_counter_ns", "monotonic_ns"
 VIRTUAL_CLOCK_MODULES = {
     "lab/test_presets_simulated.py",  # every run on a simulated H100
     "lab/test_public_traces_runs.py",  # its presets run on a simulated H100
-    "cluster/test_simulated_cluster.py",
-    "cluster/test_disagg_presets.py",  # its presets run on simulated H100s
+    "lab/cluster/test_simulated_cluster.py",
+    "lab/cluster/test_disagg_presets.py",  # its presets run on simulated H100s
 }
 VIRTUAL_CLOCK_MARKS = ("simulated", "SIMULATED", "virtual", "FakeClock", "fake_clock")
 CONFIGURED = {"limit_s"}  # time budgets a config sets, not times measured

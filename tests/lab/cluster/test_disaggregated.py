@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from servelab.cluster import run_disaggregated as run_module
-from servelab.cluster.run import run_cluster
 from servelab.errors import ConfigError
+from servelab.lab.cluster import run_disaggregated as run_module
+from servelab.lab.cluster.run import run_cluster
 
 # the tiny model: 2 layers, 2 KV heads, head dim 16, float32 -> K and V of one token
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # = 512

@@ -7,7 +7,7 @@ fingerprints, bit for bit, every field of every `RequestRecord` (arrival, TTFT, 
 token's time and step, finish, preemptions) and of every `StepRecord` (start, simulated
 time, counts), with the summary's step count and the output digest. The expected values
 in `simulated_figures.json` were written by this module
-(`python -m tests.cluster.test_simulated_figures --write`) on the code before the
+(`python -m tests.lab.cluster.test_simulated_figures --write`) on the code before the
 simulated path was optimised; a change to them is a change of what is simulated and needs
 a reason.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from servelab.cluster.run import run_cluster
 from servelab.engine.metrics import RequestRecord, StepRecord
+from servelab.lab.cluster.run import run_cluster
 from servelab.lab.runner import run_config
 
 GOLDEN = Path(__file__).with_name("simulated_figures.json")

@@ -13,18 +13,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from servelab.cluster.disaggregated import DisaggregatedCluster
 from servelab.cluster.dispatch import Dispatcher, StateFeed
-from servelab.cluster.handoff import joined_record
 from servelab.cluster.links import link
-from servelab.cluster.replica_set import (
+from servelab.contracts.kinds import KINDS
+from servelab.engine.summary import percentiles, summarize
+from servelab.lab.cluster.disaggregated import DisaggregatedCluster
+from servelab.lab.cluster.handoff import joined_record
+from servelab.lab.cluster.replica_set import (
     ClusterResult,
     build_replicas,
     executor_provenance,
     workload_node,
 )
-from servelab.contracts.kinds import KINDS
-from servelab.engine.summary import percentiles, summarize
 from servelab.lab.runner import output_digest
 from servelab.lab.workload import make_workload
 from servelab.registry.construct import construct

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from servelab.cluster.pd_processes import run_pair
+from servelab.lab.cluster.pd_processes import run_pair
 from servelab.lab.request_builder import WorkloadRequest
 from servelab.testing.oracle import cached_case, combo_id, drive, engine_options
 
@@ -66,8 +66,8 @@ def test_two_processes_give_the_colocated_tokens(parts, transfer):
 
 
 def test_the_command_line_takes_real_executors_to_the_pair_and_refuses_more_instances(tmp_path):
-    from servelab.cluster.pd_cli import is_real_pair, run_pair_job
     from servelab.errors import ConfigError
+    from servelab.lab.cluster.pd_cli import is_real_pair, run_pair_job
 
     pair = {"prefill": 1, "decode": 1}
     assert is_real_pair({"cluster": pair})  # executor=model is the default
@@ -88,8 +88,8 @@ class _IdleEngine:
 
 
 def test_a_failed_receive_ends_the_decode_loop_with_the_cause(monkeypatch):
-    from servelab.cluster import pd_processes
     from servelab.errors import ServelabError
+    from servelab.lab.cluster import pd_processes
 
     def broken_wire(*args, **kwargs):
         raise RuntimeError("Connection closed by peer")
@@ -102,8 +102,8 @@ def test_a_failed_receive_ends_the_decode_loop_with_the_cause(monkeypatch):
 def test_a_silent_prefill_side_ends_the_decode_loop_at_its_timeout(monkeypatch):
     import threading
 
-    from servelab.cluster import pd_processes
     from servelab.errors import ServelabError
+    from servelab.lab.cluster import pd_processes
 
     never = threading.Event()
     monkeypatch.setattr(pd_processes, "recv_prefilled", lambda *a, **k: never.wait() and None)

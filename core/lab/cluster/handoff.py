@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from servelab.cluster.simulated import submit
 from servelab.engine.engine import Engine
 from servelab.engine.handover import PrefilledRequest
 from servelab.engine.metrics import RequestRecord
+from servelab.lab.cluster.simulated import submit
 from servelab.lab.request_builder import WorkloadRequest
 
 

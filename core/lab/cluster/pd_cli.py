@@ -1,5 +1,5 @@
 """`servelab cluster=disaggregated executor=model ...`: a real disaggregated run, one
-prefill process and one decode process on this machine (servelab.cluster.pd_processes).
+prefill process and one decode process on this machine (servelab.lab.cluster.pd_processes).
 
 The workload is served as for one engine; results.json, requests.csv and steps.csv go to
 the run's folder, each request's row naming the instance that finished it and each step's
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from servelab.cluster.options import cluster_options, is_disaggregated
-from servelab.cluster.pd_processes import PairResult, run_pair
 from servelab.engine.metrics import RequestRecord, StepRecord
 from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
+from servelab.lab.cluster.pd_processes import PairResult, run_pair
 from servelab.lab.provenance import provenance
 from servelab.lab.runner import RunResult, model_name, output_digest, print_summary, save_run
 

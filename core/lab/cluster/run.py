@@ -8,7 +8,7 @@ imbalance (most routed requests on one replica over the mean); `prefix_hit_rate`
 the cluster's (prefix-cached prompt tokens over those looked up, every replica together).
 
 `ClusterResult`, `engine_config` and the other pieces both kinds of run share live in
-cluster/replica_set.py (re-exported here).
+lab/cluster/replica_set.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from typing import Any
 
 from servelab.cluster.dispatch import Dispatcher, StateFeed
 from servelab.cluster.options import cluster_options, is_disaggregated
-from servelab.cluster.replica_set import (
+from servelab.contracts.kinds import KINDS
+from servelab.engine.summary import summarize
+from servelab.lab.cluster.replica_set import (
     ClusterResult,
     build_replicas,
     engine_config,
     executor_provenance,
     workload_node,
 )
-from servelab.cluster.simulated import SimulatedCluster
-from servelab.contracts.kinds import KINDS
-from servelab.engine.summary import summarize
+from servelab.lab.cluster.simulated import SimulatedCluster
 from servelab.lab.runner import output_digest
 from servelab.lab.workload import make_workload
 from servelab.registry.construct import construct
@@ -35,10 +35,10 @@ from servelab.registry.construct import construct
 
 def run_cluster(config: Mapping, feed: StateFeed | None = None) -> ClusterResult:
     """Builds and serves the cluster `config` describes (colocated, or prefill/decode:
-    servelab.cluster.run_disaggregated)."""
+    servelab.lab.cluster.run_disaggregated)."""
     options = cluster_options(config.get("cluster"))
     if is_disaggregated(options):
-        from servelab.cluster.run_disaggregated import run_disaggregated
+        from servelab.lab.cluster.run_disaggregated import run_disaggregated
 
         return run_disaggregated(config, options, feed)
     workload = workload_node(config)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from servelab.cluster.options import cluster_options
-from servelab.cluster.run import engine_config, run_cluster
 from servelab.errors import ConfigError
+from servelab.lab.cluster.run import engine_config, run_cluster
 from servelab.lab.runner import run_config
 
 WORKLOAD = {"name": "synthetic", "num_requests": 30, "prompt_len": {"dist": "uniform", "mean": 24,

@@ -1,5 +1,5 @@
-"""What a cluster run is made of, shared by the colocated run (cluster/run.py) and the
-prefill/decode one (cluster/run_disaggregated.py): the result, one replica's config
+"""What a cluster run is made of, shared by the colocated run (lab/cluster/run.py) and the
+prefill/decode one (lab/cluster/run_disaggregated.py): the result, one replica's config
 and engines, the workload node, the executor's provenance. Kept apart from both so
 neither imports the other (run.py picks one of them per config).
 """

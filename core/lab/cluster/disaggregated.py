@@ -1,6 +1,6 @@
 """`DisaggregatedCluster`: prefill instances and decode instances on one virtual clock.
 
-The simulated colocated cluster's discrete-event loop (servelab.cluster.simulated) with
+The simulated colocated cluster's discrete-event loop (servelab.lab.cluster.simulated) with
 three kinds of event: an arrival, routed by the router part to a prefill instance; the step
 of the instance (prefill or decode) whose clock is furthest behind; a KV transfer's arrival
 at its decode instance. A request finishing on a prefill instance has its first token; its
@@ -19,14 +19,14 @@ import heapq
 from collections.abc import Sequence
 
 from servelab.cluster.dispatch import Dispatcher
-from servelab.cluster.handoff import Handoff, admit, send
 from servelab.cluster.links import Link, kv_bytes_per_token
-from servelab.cluster.simulated import IDLE_SLEEP, catch_up, routed_request
 from servelab.contracts.router import RoutedRequest
 from servelab.engine.engine import Engine
 from servelab.engine.handover import PrefilledRequest
 from servelab.errors import ConfigError
 from servelab.lab.arrivals import ArrivalQueue
+from servelab.lab.cluster.handoff import Handoff, admit, send
+from servelab.lab.cluster.simulated import IDLE_SLEEP, catch_up, routed_request
 from servelab.lab.request_builder import WorkloadRequest
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from servelab.cluster.run import run_cluster
+from servelab.lab.cluster.run import run_cluster
 from servelab.lab.provenance import provenance
 from servelab.lab.runner import RunResult, model_name, print_summary, save_run
 

@@ -32,14 +32,12 @@ from servelab.plugins.attention.common import (
     packed_context_slots,
     store_kv,
 )
-from servelab.plugins.attention.sdpa_paths import (
+from servelab.plugins.attention.padded_decode import (
     DecodeBatchPlan,
-    PerSeqPlan,
     decode_attention,
-    per_seq_attention,
     plan_decode_batch,
-    plan_per_seq,
 )
+from servelab.plugins.attention.sdpa_paths import PerSeqPlan, per_seq_attention, plan_per_seq
 from servelab.plugins.attention.varlen_impls import (
     TorchVarlenCall,
     allocator_name,

@@ -71,15 +71,9 @@ def context_slots(
     return blocks.long() * block_size + positions % block_size
 
 
-def packed_context_slots(meta: AttentionMetadata) -> torch.Tensor:
-    """Slots of every sequence's whole context, packed like the keys of a varlen
-    kernel: sequence i owns entries `seq_start_loc[i]:seq_start_loc[i+1]`.
-    Built on the metadata's device without a host sync."""
-    return packed_slots_of(meta, list(range(meta.num_seqs)))
-
-
 def packed_slots_of(meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
-    """Slots of the whole contexts of batch rows `seqs`, packed in that order."""
+    """Slots of the whole contexts of batch rows `seqs`, packed in that order.
+    Built on the metadata's device without a host sync."""
     device = meta.seq_lens.device
     seq_lens_cpu = meta.seq_lens_cpu
     num_keys = sum(seq_lens_cpu[i] for i in seqs)
@@ -93,31 +87,12 @@ def packed_slots_of(meta: AttentionMetadata, seqs: list[int]) -> torch.Tensor:
     return context_slots(meta.block_tables, seq_ids, positions, meta.block_size)
 
 
-def gather_slots(
-    cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`cache` rows at `slots`: `[len(slots), num_kv_heads, head_dim]`. An
-    `index_select`, several times faster on the CPU than advanced indexing, into
-    `out` when given (a reused buffer spares the allocator a large block every layer)."""
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`cache` rows at `slots`, `[len(slots), num_kv_heads, head_dim]`, written into
+    `out` (a reused buffer spares the allocator a large block every layer). An
+    `index_select`: several times faster on the CPU than advanced indexing."""
     flat = flat_cache(cache)
-    if out is None:
-        return flat.index_select(0, slots)
     return torch.index_select(flat, 0, slots, out=out.view(len(slots), *flat.shape[1:]))
-
-
-def gather_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table_row: torch.Tensor,
-    seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first `seq_len` keys and values, contiguous
-    (`[seq_len, num_kv_heads, head_dim]` each), read through its block table row
-    (a 1-D int tensor on the cache's device)."""
-    block_size = k_cache.shape[1]
-    positions = torch.arange(seq_len, device=k_cache.device)
-    slots = context_slots(block_table_row.unsqueeze(0), 0, positions, block_size)
-    return gather_slots(k_cache, slots), gather_slots(v_cache, slots)
 
 
 # -- heads and masks

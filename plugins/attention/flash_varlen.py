@@ -29,7 +29,6 @@ from servelab.plugins.attention.common import (
     Workspace,
     expand_kv_heads,
     flat_cache,
-    packed_context_slots,
     store_kv,
 )
 from servelab.plugins.attention.padded_decode import (
@@ -43,6 +42,7 @@ from servelab.plugins.attention.varlen_impls import (
     allocator_name,
     first_usable,
     impl_problems,
+    packed_context_slots,
     per_token_tables,
     varlen_attention_reference,
 )

@@ -263,7 +263,14 @@ def test_cpu_impl_counts_one_kernel_call_per_layer():
     assert backend.stats()["cpu_kernel_calls"] == len(layers)
 
 
-# -- common helpers
+# -- the paged-cache helpers the backends share (common's, varlen_impls')
+
+
+def gather_kv(k_cache, v_cache, block_table_row, seq_len):
+    """One sequence's first `seq_len` keys and values, read through its block table row."""
+    positions = torch.arange(seq_len)
+    slots = common.context_slots(block_table_row.unsqueeze(0), 0, positions, k_cache.shape[1])
+    return common.flat_cache(k_cache)[slots], common.flat_cache(v_cache)[slots]
 
 
 def test_store_and_gather_round_trip():
@@ -271,10 +278,10 @@ def test_store_and_gather_round_trip():
     meta = case.meta()
     common.store_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, meta.slot_mapping)
     for i, seq_len in enumerate(case.seq_lens):
-        k, v = common.gather_kv(case.k_cache, case.v_cache, meta.block_tables[i], seq_len)
+        k, v = gather_kv(case.k_cache, case.v_cache, meta.block_tables[i], seq_len)
         torch.testing.assert_close(k, case.keys[i], rtol=0, atol=0)
         torch.testing.assert_close(v, case.values[i], rtol=0, atol=0)
-    packed = common.flat_cache(case.k_cache)[common.packed_context_slots(meta)]
+    packed = common.flat_cache(case.k_cache)[varlen_impls.packed_context_slots(meta)]
     torch.testing.assert_close(packed, torch.cat(case.keys), rtol=0, atol=0)
 
 

@@ -25,18 +25,20 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
 from servelab.kernels import cpu_paged
-from servelab.plugins.attention.common import (
-    Workspace,
-    expand_kv_heads,
-    flat_cache,
-    store_kv,
-)
 from servelab.plugins.attention.padded_decode import (
     DecodeBatchPlan,
     decode_attention,
     plan_decode_batch,
 )
-from servelab.plugins.attention.sdpa_paths import PerSeqPlan, per_seq_attention, plan_per_seq
+from servelab.plugins.attention.per_request import (
+    PerSeqPlan,
+    Workspace,
+    expand_kv_heads,
+    flat_cache,
+    per_seq_attention,
+    plan_per_seq,
+    store_kv,
+)
 from servelab.plugins.attention.varlen_impls import (
     TorchVarlenCall,
     allocator_name,

@@ -7,6 +7,7 @@ layer (`decode_attention`): one call instead of one per sequence.
 `padded_context_slots`, the cache slots of keys padded to a common length
 (a padding key repeats its sequence's last one, so it is finite even where
 unwritten cache memory is NaN), is the layout the `padded` backend reads too.
+`per_request`, the default, does not import this module.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from servelab.plugins.attention.common import Workspace, context_slots
+from servelab.plugins.attention.per_request import Workspace, context_slots
 from servelab.step.metadata import AttentionMetadata
 
 

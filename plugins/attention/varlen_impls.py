@@ -18,7 +18,7 @@ import torch
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.kernels import cpu_paged
-from servelab.plugins.attention.common import expand_kv_heads, packed_slots_of
+from servelab.plugins.attention.per_request import expand_kv_heads, packed_slots_of
 from servelab.step.metadata import AttentionMetadata
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)

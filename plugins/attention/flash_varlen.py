@@ -25,26 +25,26 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
 from servelab.kernels import cpu_paged
-from servelab.plugins.attention.common import (
+from servelab.plugins.attention.padded_decode import (
+    DecodeBatchPlan,
+    decode_attention,
+    plan_decode_batch,
+)
+from servelab.plugins.attention.per_request import (
+    PerSeqPlan,
     Workspace,
     expand_kv_heads,
     flat_cache,
-    packed_context_slots,
-    store_kv,
-)
-from servelab.plugins.attention.sdpa_paths import (
-    DecodeBatchPlan,
-    PerSeqPlan,
-    decode_attention,
     per_seq_attention,
-    plan_decode_batch,
     plan_per_seq,
+    store_kv,
 )
 from servelab.plugins.attention.varlen_impls import (
     TorchVarlenCall,
     allocator_name,
     first_usable,
     impl_problems,
+    packed_context_slots,
     per_token_tables,
     varlen_attention_reference,
 )

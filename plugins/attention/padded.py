@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.hookspecs import hookimpl
-from servelab.plugins.attention.common import Workspace, gather_slots, store_kv
-from servelab.plugins.attention.sdpa_paths import padded_context_slots
+from servelab.plugins.attention.padded_decode import padded_context_slots
+from servelab.plugins.attention.per_request import Workspace, gather_slots, store_kv
 from servelab.step.metadata import AttentionMetadata
 
 

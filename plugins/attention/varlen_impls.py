@@ -18,7 +18,7 @@ import torch
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.kernels import cpu_paged
-from servelab.plugins.attention.common import expand_kv_heads
+from servelab.plugins.attention.per_request import expand_kv_heads, packed_slots_of
 from servelab.step.metadata import AttentionMetadata
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -199,3 +199,9 @@ def per_token_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tenso
     )
     tables = meta.block_tables.index_select(0, owner).contiguous()
     return tables, (meta.positions + 1).to(torch.int32)
+
+
+def packed_context_slots(meta: AttentionMetadata) -> torch.Tensor:
+    """Slots of every sequence's whole context, packed like the keys of a varlen
+    kernel: sequence i owns entries `seq_start_loc[i]:seq_start_loc[i+1]`."""
+    return packed_slots_of(meta, list(range(meta.num_seqs)))

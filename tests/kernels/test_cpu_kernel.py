@@ -7,7 +7,7 @@ contexts ending on and around its 16-key (float32) / 8-key (float64) tiles,
 block sizes 1, 5 and 16 in shuffled physical order. NaN fills every unwritten
 cache slot, so a read past a sequence's end shows.
 
-The fused K/V store (`cpu_paged.store_kv`) against `common.store_kv`, exactly.
+The fused K/V store (`cpu_paged.store_kv`) against `per_request.store_kv`, exactly.
 
 Engine level: float32 greedy runs with impl=cpu and impl=reference produce
 the same tokens, and the kernel really ran (its call counter), one call per
@@ -21,7 +21,7 @@ import torch
 
 from servelab.kernels import cpu_matmul, cpu_paged
 from servelab.kernels.cpp_extension import CSRC, load_extension
-from servelab.plugins.attention import common
+from servelab.plugins.attention import per_request
 from servelab.plugins.attention.flash_varlen import FlashVarlenBackend
 from servelab.testing.oracle import cached_case, engine_options, restored_num_threads
 from tests.attention_reference import make_paged_case, naive_causal_attention
@@ -222,7 +222,7 @@ def test_rejects_inputs_it_cannot_read():
     "dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"]
 )
 def test_store_kv_writes_like_index_copy(dtype):
-    """The fused store against `common.store_kv`: exact, strided K/V views (as
+    """The fused store against `per_request.store_kv`: exact, strided K/V views (as
     the model passes them), every other slot untouched (NaN stays NaN)."""
     case = make_paged_case([1, 3, 1], [4, 0, 9], head_dim=32, block_size=4, dtype=dtype, seed=9)
     fused = torch.randn(case.k_new.shape[0], 4 + 2 * 2, 32, dtype=dtype)
@@ -231,7 +231,7 @@ def test_store_kv_writes_like_index_copy(dtype):
     assert not k_view.is_contiguous()
     slots = case.meta().slot_mapping
     want = (case.k_cache.clone(), case.v_cache.clone())
-    common.store_kv(case.k_new, case.v_new, *want, slots)
+    per_request.store_kv(case.k_new, case.v_new, *want, slots)
     cpu_paged.store_kv(k_view, v_view, case.k_cache, case.v_cache, slots)
     for got, expect in zip((case.k_cache, case.v_cache), want):
         torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True)

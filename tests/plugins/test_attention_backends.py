@@ -20,7 +20,7 @@ import torch
 from servelab.contracts.attention import AttentionBackend
 from servelab.errors import ConfigError
 from servelab.kernels import cpu_paged
-from servelab.plugins.attention import common, flash_varlen, padded, per_request, varlen_impls
+from servelab.plugins.attention import flash_varlen, padded, per_request, varlen_impls
 from servelab.plugins.attention.flash_varlen import FlashVarlenBackend, varlen_attention_reference
 from servelab.plugins.attention.padded import PaddedBackend
 from servelab.plugins.attention.per_request import PerRequestBackend
@@ -263,29 +263,36 @@ def test_cpu_impl_counts_one_kernel_call_per_layer():
     assert backend.stats()["cpu_kernel_calls"] == len(layers)
 
 
-# -- common helpers
+# -- the paged-cache helpers the backends share (per_request's, varlen_impls')
+
+
+def gather_kv(k_cache, v_cache, block_table_row, seq_len):
+    """One sequence's first `seq_len` keys and values, read through its block table row."""
+    positions = torch.arange(seq_len)
+    slots = per_request.context_slots(block_table_row.unsqueeze(0), 0, positions, k_cache.shape[1])
+    return per_request.flat_cache(k_cache)[slots], per_request.flat_cache(v_cache)[slots]
 
 
 def test_store_and_gather_round_trip():
     case = make_paged_case([3, 5], [6, 0], block_size=4, seed=11)
     meta = case.meta()
-    common.store_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, meta.slot_mapping)
+    per_request.store_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, meta.slot_mapping)
     for i, seq_len in enumerate(case.seq_lens):
-        k, v = common.gather_kv(case.k_cache, case.v_cache, meta.block_tables[i], seq_len)
+        k, v = gather_kv(case.k_cache, case.v_cache, meta.block_tables[i], seq_len)
         torch.testing.assert_close(k, case.keys[i], rtol=0, atol=0)
         torch.testing.assert_close(v, case.values[i], rtol=0, atol=0)
-    packed = common.flat_cache(case.k_cache)[common.packed_context_slots(meta)]
+    packed = per_request.flat_cache(case.k_cache)[varlen_impls.packed_context_slots(meta)]
     torch.testing.assert_close(packed, torch.cat(case.keys), rtol=0, atol=0)
 
 
 def test_expand_kv_heads_maps_query_head_to_its_group():
     kv = torch.arange(3).view(1, 3, 1).float()  # three KV heads, values 0, 1, 2
-    expanded = common.expand_kv_heads(kv, 2, dim=1)
+    expanded = per_request.expand_kv_heads(kv, 2, dim=1)
     assert expanded.flatten().tolist() == [h // 2 for h in range(6)]
 
 
 def test_causal_offset_mask_aligns_bottom_right():
-    mask = common.causal_offset_mask(context_len=3, query_len=2, device=torch.device("cpu"))
+    mask = per_request.causal_offset_mask(context_len=3, query_len=2, device=torch.device("cpu"))
     for j in range(2):
         for key in range(5):
             assert bool(mask[j, key]) == (key <= 3 + j)
@@ -297,7 +304,7 @@ def test_causal_offset_mask_aligns_bottom_right():
 def test_varlen_reference_takes_seqused_k_and_zeroes_keyless_rows():
     case = make_paged_case([2, 3], [4, 0], block_size=4, fill=0.0, seed=5)
     meta = case.meta()
-    common.store_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, meta.slot_mapping)
+    per_request.store_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, meta.slot_mapping)
     args = (case.q, case.k_cache, case.v_cache, meta.query_start_loc)
     via_cu = varlen_attention_reference(
         *args,

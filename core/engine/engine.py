@@ -90,23 +90,6 @@ class Engine:
         """Waits on the executor's clock (a virtual clock just moves on)."""
         self.executor.sleep(seconds)
 
-    # the model executor's tensors, for code that inspects the real path
-    @property
-    def runner(self):
-        return getattr(self.executor, "runner", None)
-
-    @property
-    def kv_cache(self):
-        return getattr(self.executor, "kv_cache", None)
-
-    @property
-    def model(self):
-        return getattr(self.executor, "model", None)
-
-    @property
-    def device(self):
-        return getattr(self.executor, "device", None)
-
     # -- requests
     def add_request(
         self,
@@ -129,9 +112,7 @@ class Engine:
         token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
         requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
         params = requests.checked_params(params, request_id, vocab)
-        if params.prompt_logprobs is not None and not getattr(
-            self.executor, "scores_prompts", True
-        ):
+        if params.prompt_logprobs is not None and not self.executor.scores_prompts:
             raise RequestError(f"request {request_id!r}: prompt_logprobs are not supported "
                                "with tensor parallelism (engine.tensor_parallel_size > 1)")  # fmt: skip
         priority = requests.check_priority(priority, request_id)

@@ -195,6 +195,20 @@ class ModelExecutor(Executor):
     def execute(self, plan):
         return self.runner.execute(plan)
 
+    @property
+    def graphs_status(self) -> str:
+        return self.runner.graphs_status if self.runner is not None else "off (not bound)"
+
+    # -- a request's K/V (the handover); tp > 1 is refused before these are called
+    def kv_layout(self, num_tokens: int):
+        return self.kv_cache.token_layout(num_tokens)
+
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        return self.kv_cache.read(block_table, num_tokens)
+
+    def write_kv(self, block_table: list[int], kv, start: int, end: int) -> None:
+        self.kv_cache.write(block_table, kv, start, end)
+
     def describe(self) -> dict:
         if self.group is None:
             return {}

@@ -181,7 +181,7 @@ def test_wrong_api_key_is_401_and_reaches_no_engine_code(model_folder, monkeypat
 
 def slow_steps(monkeypatch, server, seconds: float = 0.05) -> None:
     """Each step sleeps a little, so a long request is surely still running."""
-    runner = server.engine.runner
+    runner = server.engine.executor.runner
     real = runner.execute
 
     def slow(plan):
@@ -219,7 +219,7 @@ def test_disconnect_mid_stream_aborts_and_frees(server, client, monkeypatch):
 def held_steps(monkeypatch, server) -> threading.Event:
     """Steps after the first wait for the returned event, so a long request is
     surely still running, however slow or fast the machine is."""
-    runner = server.engine.runner
+    runner = server.engine.executor.runner
     real = runner.execute
     release = threading.Event()
     steps = []
@@ -257,7 +257,7 @@ def test_full_queue_is_429_then_serves_again(model_folder, monkeypatch):
 
 
 def test_engine_failure_is_500_for_the_touched_request_only(server, client, monkeypatch):
-    runner = server.engine.runner
+    runner = server.engine.executor.runner
     real = runner.execute
     calls = []
 

@@ -15,9 +15,8 @@ step included) or of `abort`. Threads, sinks and `generate` are the loop's
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from typing import Any
 
-import pluggy
 import torch
 
 from servelab.contracts.allocator import KVAllocator
@@ -40,6 +39,25 @@ from servelab.step.sequence import (
 )
 
 
+class Events:
+    """The engine's one event channel, over a plugin manager (None: no events).
+    `listened(hook)` reads pluggy's own list of a hook's implementations, so an event
+    no plugin implements costs the engine no call and no copy of its record;
+    `notify` calls each implementation in isolation (the plugin manager's)."""
+
+    def __init__(self, plugins: Any = None) -> None:
+        # a ServelabPluginManager (not imported: the registry's hook specs name the engine)
+        self.plugins = plugins
+
+    def listened(self, hook: str) -> bool:
+        """Whether a plugin implements the event hook `hook` now."""
+        return self.plugins is not None and bool(getattr(self.plugins.hook, hook).get_hookimpls())
+
+    def notify(self, hook: str, **kwargs: Any) -> None:
+        if self.plugins is not None:
+            self.plugins.notify(hook, **kwargs)
+
+
 class Engine:
     def __init__(
         self,
@@ -48,9 +66,8 @@ class Engine:
         allocator: KVAllocator,
         backend: AttentionBackend,
         max_model_len: int,
-        notify: Callable[..., None] | None = None,
+        events: Events | None = None,
         config: dict | None = None,
-        hooks: pluggy.HookRelay | None = None,
     ) -> None:
         self.executor = executor  # the step's tensor work (or its cost model) and the clock
         self.model_config = executor.model_config
@@ -60,10 +77,7 @@ class Engine:
         self.backend = backend
         self.max_model_len = max_model_len
         self.config = config or {}
-        self.notify = notify or (lambda hook, **kwargs: None)
-        # the hook relay of the plugin manager `notify` calls (None: every event is sent):
-        # an event no plugin implements costs no call and no copy of its record
-        self.hooks = hooks
+        self.events = events or Events()  # the event hooks: asked first, then called
         self.groups: dict[str, SequenceGroup] = {}
         self.metrics = MetricsCollector()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ())
@@ -302,8 +316,8 @@ class Engine:
         self.with_stops_or_logprobs.discard(group.request_id)
         if self._step_outputs is not None:
             self._step_outputs.append(output)
-        if self.listened("servelab_request_end"):
-            self.notify("servelab_request_end", engine=self, request=dict(row))
+        if self.events.listened("servelab_request_end"):
+            self.events.notify("servelab_request_end", engine=self, request=dict(row))
         return output
 
     def _detokenize(self, token_ids: list[int]) -> str | None:
@@ -329,12 +343,8 @@ class Engine:
             backend=self.backend,
         )
         self._step_index += 1
-        if self.listened("servelab_step_end"):
-            self.notify("servelab_step_end", engine=self, step=record.row())
-
-    def listened(self, hook: str) -> bool:
-        """Whether a plugin implements the event hook `hook` now (pluggy's own list)."""
-        return self.hooks is None or bool(getattr(self.hooks, hook).get_hookimpls())
+        if self.events.listened("servelab_step_end"):
+            self.events.notify("servelab_step_end", engine=self, step=record.row())
 
     # -- prefill/decode disaggregation (servelab.engine.handover)
     def add_prefill_request(

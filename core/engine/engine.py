@@ -10,6 +10,9 @@ The engine is a step machine for one caller at a time: every finished request
 comes back as the return value of `step` (a request a hook aborts during the
 step included) or of `abort`. Threads, sinks and `generate` are the loop's
 (`servelab.engine.loop.EngineLoop`), which wraps an engine; the engine knows no loop.
+Nothing invalid reaches a step: `new_sequence` checks every argument of a request
+before it exists, and a `RequestError` names the request, the argument and what is
+accepted (the checks are this module's, at its end).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
 import torch
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
 from servelab.contracts.scheduler import Scheduler
-from servelab.engine import handover, requests
+from servelab.engine import handover
 from servelab.engine.failures import fail_step
 from servelab.engine.metrics import MetricsCollector
 from servelab.engine.request_failures import fail_sampled
@@ -36,6 +40,8 @@ from servelab.step.sequence import (
     SamplingParams,
     Sequence,
     SequenceGroup,
+    finite_number,
+    is_integer,
 )
 
 
@@ -116,37 +122,83 @@ class Engine:
     ) -> str:
         """Validates and queues one request (`client`: who sent it, for fair
         schedulers; None is anonymous); a bad request raises RequestError and
-        leaves the engine untouched (`servelab.engine.requests` lists the checks)."""
+        leaves the engine untouched (`new_sequence` checks)."""
         if request_id is None:
             request_id = self.new_request_id()
-        request_id = requests.check_request_id(request_id)
-        if request_id in self.groups:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        vocab = self.model_config.vocab_size
-        token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
-        requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
-        params = requests.checked_params(params, request_id, vocab)
-        if params.prompt_logprobs is not None and not self.executor.scores_prompts:
-            raise RequestError(f"request {request_id!r}: prompt_logprobs are not supported "
-                               "with tensor parallelism (engine.tensor_parallel_size > 1)")  # fmt: skip
-        priority = requests.check_priority(priority, request_id)
-        arrival_time = requests.check_arrival_time(arrival_time, request_id)
-        client = requests.check_client(client, request_id)
-        seq = Sequence(
-            request_id,
-            token_ids,
-            params,
-            arrival_time=self.now() if arrival_time is None else arrival_time,
-            priority=priority,
-            eos_token_ids=self.eos_token_ids,
-            client=client,
-        )
+        seq = self.new_sequence(prompt, params, request_id, arrival_time, priority, client)
+        request_id, params = seq.request_id, seq.params
         group = SequenceGroup(request_id, seq)
         self.scheduler.add(group)
         self.groups[request_id] = group
         if params.stop or params.logprobs is not None:
             self.with_stops_or_logprobs.add(request_id)
         return request_id
+
+    def new_sequence(
+        self,
+        prompt: Any,
+        params: Any,
+        request_id: Any,
+        arrival_time: Any = None,
+        priority: Any = 0,
+        client: Any = None,
+        first_token: int | None = None,
+    ) -> Sequence:
+        """A request's `Sequence`, every argument checked, not yet queued (RequestError:
+        a bad one). `first_token`: one another instance sampled (the prompt is token ids)."""
+        request_id = _checked_request_id(request_id)
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        tokenizer = self.tokenizer if first_token is None else None
+        token_ids = _prompt_token_ids(prompt, tokenizer, request_id)
+        with_first = token_ids if first_token is None else [*token_ids, first_token]
+        _check_tokens(with_first, request_id, self.model_config.vocab_size, self.max_model_len)
+        params = self.checked_params(params, request_id)
+        if params.prompt_logprobs is not None and not self.executor.scores_prompts:
+            raise RequestError(f"request {request_id!r}: prompt_logprobs are not supported "
+                               "with tensor parallelism (engine.tensor_parallel_size > 1)")  # fmt: skip
+        if not is_integer(priority):
+            raise RequestError(f"request {request_id!r}: priority must be an integer (lower "
+                               f"runs first), got {priority!r}")  # fmt: skip
+        arrival = None if arrival_time is None else finite_number(arrival_time)
+        if arrival_time is not None and arrival is None:
+            raise RequestError(f"request {request_id!r}: arrival_time must be a finite number "
+                               f"of seconds, got {arrival_time!r}")  # fmt: skip
+        if client is not None and (not isinstance(client, str) or client == ""):
+            raise RequestError(f"request {request_id!r}: client must be a non-empty string or "
+                               f"None, got {client!r}")  # fmt: skip
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            arrival_time=self.now() if arrival is None else arrival,
+            priority=int(priority),
+            eos_token_ids=self.eos_token_ids,
+            client=client,
+        )
+        if first_token is not None:
+            seq.append_token(first_token)
+        return seq
+
+    def checked_params(self, params: Any, request_id: str) -> SamplingParams:
+        """A validated copy of `params` (None: the defaults); its token ids in the vocabulary."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"request {request_id!r}: params must be a SamplingParams, got "
+                               f"{type(params).__name__} (build one: SamplingParams(**options))")  # fmt: skip
+        try:
+            params = params.validated()
+        except RequestError as err:
+            raise RequestError(f"request {request_id!r}: {err}") from None
+        vocab = self.model_config.vocab_size
+        biased = params.logit_bias or ()
+        for what, ids in (("stop token", params.stop_token_ids), ("logit_bias token", biased)):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise RequestError(f"request {request_id!r}: {what} id {outside[0]} is outside "
+                                   f"the vocabulary [0, {vocab})")  # fmt: skip
+        return params
 
     def new_request_id(self, prefix: str = "") -> str:
         """An automatic request id (`prefix` and a counter) no request in the engine holds."""
@@ -346,31 +398,65 @@ class Engine:
         if self.events.listened("servelab_step_end"):
             self.events.notify("servelab_step_end", engine=self, step=record.row())
 
-    # -- prefill/decode disaggregation (servelab.engine.handover)
-    def add_prefill_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        client: str | None = None,
-    ) -> str:
-        """Queues a request that runs its prompt and samples its first token only;
-        after the step that does, `take_prefilled` hands it (and its prompt's K/V) over."""
-        return handover.add_prefill_request(
-            self, prompt, params, request_id, arrival_time, priority, client
+    # -- prefill/decode disaggregation: servelab.engine.handover's functions, as methods
+    add_prefill_request = handover.add_prefill_request
+    take_prefilled = handover.take_prefilled
+    add_prefilled_request = handover.add_prefilled_request
+
+
+# -- the checks of a request's prompt and id (`Engine.new_sequence` runs them)
+def _checked_request_id(request_id: Any) -> str:
+    if not (isinstance(request_id, str) or is_integer(request_id)):
+        raise RequestError(f"request_id must be a string, got {request_id!r}")
+    if request_id == "":
+        raise RequestError("request_id must not be empty")
+    return str(request_id)
+
+
+def _prompt_token_ids(prompt: Any, tokenizer: Any, request_id: str) -> list[int]:
+    """The prompt as plain ints: text (with a tokenizer), a list or tuple of token ids,
+    or a 1-D integer numpy array or torch tensor (a bool is not a token)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError(
+                f"request {request_id!r}: a text prompt needs a tokenizer, and this model has "
+                "none (no tokenizer.json in its folder); pass token ids instead"
+            )
+        return list(tokenizer.encode(prompt).ids)
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        integer = (
+            np.issubdtype(prompt.dtype, np.integer)
+            if isinstance(prompt, np.ndarray)
+            else not (prompt.dtype.is_floating_point or prompt.dtype.is_complex)
+            and prompt.dtype != torch.bool
         )
+        if prompt.ndim != 1 or not integer:
+            raise RequestError(
+                f"request {request_id!r}: a prompt array must be 1-D with an integer dtype, "
+                f"got shape {tuple(prompt.shape)} and dtype {prompt.dtype}"
+            )
+        return [int(t) for t in prompt.tolist()]
+    if not isinstance(prompt, (list, tuple)):
+        raise RequestError(
+            f"request {request_id!r}: a prompt is text or a list of token ids, "
+            f"got {type(prompt).__name__}: {prompt!r:.80}"
+        )
+    if all(type(t) is int for t in prompt):  # the common case, without a check per type
+        return list(prompt)
+    bad = [t for t in prompt if not is_integer(t)]
+    if bad:
+        raise RequestError(f"request {request_id!r}: token ids must be integers, got {bad[0]!r} "
+                           f"({type(bad[0]).__name__})")  # fmt: skip
+    return [int(t) for t in prompt]
 
-    def take_prefilled(self) -> list[handover.PrefilledRequest]:
-        """The prefill-only requests finished since the last call, each once."""
-        return handover.take_prefilled(self)
 
-    def add_prefilled_request(
-        self, request: handover.PrefilledRequest, transfer: str = "wait"
-    ) -> str:
-        """Queues a request whose prompt another instance prefilled: it is admitted
-        when the allocator has room (`transfer="wait"`), or, when it does not fit at
-        the next step, recomputes prompt + first token as an ordinary request
-        (`transfer="recompute"`); then it decodes."""
-        return handover.add_prefilled_request(self, request, transfer)
+def _check_tokens(token_ids: list[int], request_id: str, vocab_size: int, max_model_len: int):
+    if not token_ids:
+        raise RequestError(f"request {request_id!r}: the prompt is empty")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"request {request_id!r}: token id {bad[0]!r} is outside the "
+                           f"vocabulary [0, {vocab_size})")  # fmt: skip
+    if len(token_ids) > max_model_len:
+        raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens, "
+                           f"longer than max_model_len={max_model_len}")  # fmt: skip

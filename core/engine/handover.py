@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from servelab.engine import requests
 from servelab.errors import ConfigError, RequestError
 from servelab.step.sequence import FinishReason, SamplingParams, Sequence, SequenceGroup
 
 # The engine is passed in, never imported (not even for types): handover stays
-# below engine.py, which calls it, and the import graph has no cycle.
+# below engine.py, whose methods these functions are (`Engine.add_prefill_request`,
+# `take_prefilled`, `add_prefilled_request`), and the import graph has no cycle.
 Engine = Any
 
 if TYPE_CHECKING:
@@ -97,14 +97,16 @@ class KVExports:
 def add_prefill_request(
     engine: Engine,
     prompt: Any,
-    params: SamplingParams | None,
-    request_id: str | None,
-    arrival_time: float | None,
-    priority: int,
-    client: str | None,
+    params: SamplingParams | None = None,
+    request_id: str | None = None,
+    arrival_time: float | None = None,
+    priority: int = 0,
+    client: str | None = None,
 ) -> str:
+    """Queues a request that runs its prompt and samples its first token only;
+    after the step that does, `take_prefilled` hands it (and its prompt's K/V) over."""
     _check_whole_cache(engine)
-    checked = requests.checked_params(params, str(request_id), engine.model_config.vocab_size)
+    checked = engine.checked_params(params, str(request_id))
     if checked.n != 1:
         raise RequestError(
             f"request {request_id!r}: a disaggregated request has one sample (n=1), got n={checked.n}"
@@ -119,8 +121,8 @@ def add_prefill_request(
 
 
 def take_prefilled(engine: Engine) -> list[PrefilledRequest]:
-    """The prefill-only requests that finished since the last call (an aborted or
-    failed one is dropped: its own output says why)."""
+    """The prefill-only requests that finished since the last call, each once (an
+    aborted or failed one is dropped: its own output says why)."""
     exports = engine.kv_exports
     if not exports:
         return []
@@ -160,39 +162,36 @@ def take_prefilled(engine: Engine) -> list[PrefilledRequest]:
 
 
 # -- the decode instance
-def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: str) -> str:
+def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: str = "wait") -> str:
+    """Queues a request whose prompt another instance prefilled: it is admitted
+    when the allocator has room (`transfer="wait"`), or, when it does not fit at
+    the next step, recomputes prompt + first token as an ordinary request
+    (`transfer="recompute"`); then it decodes."""
     _check_whole_cache(engine)
-    request_id = requests.check_request_id(request.request_id)
-    if request_id in engine.groups:
-        raise RequestError(f"request id {request_id!r} is already in use")
     if request.done:
         raise RequestError(
-            f"request {request_id!r} already finished on its prefill instance "
+            f"request {request.request_id!r} already finished on its prefill instance "
             f"({request.finish_reason}): there is nothing to decode"
         )
-    vocab = engine.model_config.vocab_size
-    prompt = requests.prompt_token_ids(request.prompt_token_ids, None, request_id)
-    requests.check_tokens(prompt + [request.first_token], request_id, vocab, engine.max_model_len)
-    params = requests.checked_params(request.params, request_id, vocab)
+    now = engine.now()
+    seq = engine.new_sequence(
+        request.prompt_token_ids,
+        request.params,
+        request.request_id,
+        now if request.arrival_time is None else request.arrival_time,
+        request.priority,
+        request.client,
+        first_token=request.first_token,
+    )
+    request_id, params, num_prompt = seq.request_id, seq.params, seq.num_prompt_tokens
     write_kv = None
     executor = engine.executor
-    if executor.kv_layout(len(prompt)) is not None:
-        kv = _check_kv(request.kv, executor, len(prompt), request_id)
+    if executor.kv_layout(num_prompt) is not None:
+        kv = _check_kv(request.kv, executor, num_prompt, request_id)
 
         def write_kv(seq: Sequence, start: int) -> None:
-            executor.write_kv(engine.allocator.block_table(seq), kv, start, len(prompt))
+            executor.write_kv(engine.allocator.block_table(seq), kv, start, num_prompt)
 
-    now = engine.now()
-    seq = Sequence(
-        request_id,
-        prompt,
-        params,
-        arrival_time=now if request.arrival_time is None else request.arrival_time,
-        priority=requests.check_priority(request.priority, request_id),
-        eos_token_ids=engine.eos_token_ids,
-        client=requests.check_client(request.client, request_id),
-    )
-    seq.append_token(request.first_token)
     seq.token_times.append(now if request.first_token_time is None else request.first_token_time)
     # the first token came from another instance: its step is the admitting engine's next one,
     # so the record's token_steps stay in token order

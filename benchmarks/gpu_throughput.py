@@ -130,7 +130,7 @@ def timed_run(
         outputs = engine.step()
         done += len(outputs)
         errors += [o.error for o in outputs if o.error]
-    if engine.device.type == "cuda":
+    if engine.executor.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - begin
     failed = {
@@ -186,8 +186,10 @@ def run_one(
             result.notes.append(
                 f"{dynamo_graphs() - dynamo_before} dynamo graphs compiled while timed"
             )
-        weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-        result.kv_cache_bytes = llm.engine.kv_cache.device_pool.nbytes
+        weight_bytes = sum(
+            p.numel() * p.element_size() for p in llm.engine.executor.model.parameters()
+        )
+        result.kv_cache_bytes = llm.engine.executor.kv_cache.device_pool.nbytes
         figures(result, paired, weight_bytes, config.kv_bytes_per_token(args.dtype))
         result.requests_done, result.wall_s = done, wall
         result.output_tok_s = result.output_tokens / wall if wall > 0 else 0.0
@@ -196,7 +198,7 @@ def run_one(
             stop = "the phase deadline" if time.monotonic() >= phase.deadline else "--max-seconds"
             result.status = f"partial: {done} of {len(workload.prompts)} requests by {stop}"
         if graphs:
-            result.notes += graph_notes(llm.engine.runner)
+            result.notes += graph_notes(llm.engine.executor.runner)
     except PhaseTimeout as err:
         result.status = str(err)
         phase.write(result)  # at once: SIGKILL follows SIGTERM within seconds

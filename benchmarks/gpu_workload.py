@@ -109,5 +109,5 @@ def check_outputs(outputs, where: str) -> None:
 
 def captured_buckets(llm: LLM) -> tuple[int, ...]:
     """The decode batch sizes the engine captured graphs for (none when eager)."""
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.executor.runner.graphs
     return tuple(graphs.buckets) if graphs is not None and graphs.enabled else ()

@@ -53,7 +53,7 @@ class Timed:
 
 def run(model: str, tp: int, batch: int, steps: int, prompt_len: int, **engine) -> dict:
     llm = LLM(model=model, tensor_parallel_size=tp, num_threads=1, max_num_seqs=batch, **engine)
-    cuda = llm.engine.runner.device.type == "cuda"
+    cuda = llm.engine.executor.runner.device.type == "cuda"
     engine = llm.engine
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     llm.generate([[5] * prompt_len], SamplingParams(max_tokens=2))  # warm-up
@@ -63,7 +63,7 @@ def run(model: str, tp: int, batch: int, steps: int, prompt_len: int, **engine) 
     group = current_group() if tp > 1 else None
     if group is not None:  # the model and runner hold these bound methods: wrap them there
         reduce = Timed(group.all_reduce, cuda)
-        engine.model.set_all_reduce(reduce)
+        engine.executor.model.set_all_reduce(reduce)
         send = Timed(group.send, cuda)
         group.send = send
         gather = Timed(group.gather_columns, cuda)

@@ -68,8 +68,7 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
             return None  # the sweep goes on; servelab-report lists the failed job
         raise SystemExit(2) from None
     # what the engine made of the device options (graphs captured, or why not)
-    runner = result.engine.runner
-    meta["cuda_graphs"] = runner.graphs_status if runner is not None else "off (simulated)"
+    meta["cuda_graphs"] = result.engine.executor.graphs_status
     save_run(folder, result, config, meta)
     title = ", ".join(f"{k}={_part_name(config[k])}" for k in KINDS if k in config)
     print_summary(result.summary, title=title)

@@ -82,7 +82,9 @@ def check(case, combo, spy, **engine):
     kernels_expected = (
         engine.get("cpu_kernels", "auto") != "off" and cpu_linear.kernel() is not None
     )
-    assert spy.engine.runner.cpu_kernels == kernels_expected, f"[{combo_id(combo)}] cpu_kernels"
+    assert spy.engine.executor.runner.cpu_kernels == kernels_expected, (
+        f"[{combo_id(combo)}] cpu_kernels"
+    )
     attention = combo["attention"]
     if attention["name"] == "flash_varlen":
         calls = spy.engine.backend.stats()["cpu_kernel_calls"]

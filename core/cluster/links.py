@@ -39,10 +39,3 @@ def link(name: str) -> Link:
     if name not in LINKS:
         raise ConfigError(f"unknown cluster.link {name!r}; links: {', '.join(LINKS)}")
     return LINKS[name]
-
-
-def kv_bytes_per_token(engine) -> int:
-    """K and V of one token over every layer, at the engine's KV element size."""
-    c = engine.model_config
-    element_size = engine.executor.element_size  # the simulated executor's dtype size
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_size

@@ -38,6 +38,10 @@ class Executor(abc.ABC):
 
     Engine-supplied context: `model` (the model node), `hardware` (a profile
     node or None), `engine_options` (the checked engine options).
+
+    The engine and the code above it (the handover, the CLI, the cluster) reach an
+    executor only through what this class declares; the defaults are an executor's
+    without tensors (a simulated one): no device, no K/V to read or write.
     """
 
     description: ClassVar[str] = ""
@@ -47,6 +51,11 @@ class Executor(abc.ABC):
     tokenizer: Any = None  # None: prompts must be token ids
     bytes_swapped_out: int = 0
     bytes_swapped_in: int = 0
+    device: Any = None  # the torch.device its tensors live on; None: it keeps none
+    tp: int = 1  # tensor-parallel ranks; over 1, each holds a share of every token's K/V
+    scores_prompts: bool = True  # whether it computes prompt_logprobs (False: refused)
+    # what became of engine.cuda_graphs: "captured: ...", "eager: <why>" or "off (<why>)"
+    graphs_status: str = "off (no model forward)"
 
     @abc.abstractmethod
     def kv_bytes_per_token(self) -> int:
@@ -82,6 +91,25 @@ class Executor(abc.ABC):
         """The shape the attention backend is built for: the heads one device
         attends over (a tensor-parallel rank's share), `model_config` otherwise."""
         return self.model_config
+
+    # -- a request's K/V, for prefill/decode disaggregation (servelab.engine.handover).
+    # Layout: [2 (k, v), num_layers, num_tokens, num_kv_heads, head_dim], token i of a
+    # sequence at block_table[i // block_size], offset i % block_size.
+    def kv_layout(self, num_tokens: int) -> tuple[tuple[int, ...], Any] | None:
+        """`(shape, dtype)` of `num_tokens` tokens' K/V as `read_kv` returns them and
+        `write_kv` takes them; None: no K/V tensors (only blocks and time are modelled)."""
+        return None
+
+    def read_kv(self, block_table: list[int], num_tokens: int) -> Any:
+        """A copy of a sequence's first `num_tokens` K/V (`kv_layout`); None without tensors."""
+        return None
+
+    def write_kv(self, block_table: list[int], kv: Any, start: int, end: int) -> None:
+        """Writes tokens [start, end) of `kv` (`kv_layout(len)`) into the sequence's slots."""
+        raise NotImplementedError(
+            f"executor {type(self).__name__} keeps no K/V tensors (kv_layout is None): "
+            "there is no K/V to write"
+        )
 
     def describe(self) -> dict[str, Any]:
         """What a run's provenance records about this executor (e.g. its hardware profile)."""

@@ -13,14 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from servelab.contracts.kinds import ENGINE_KINDS, KINDS
-from servelab.engine.engine import Engine
+from servelab.engine.engine import Engine, Events
 from servelab.errors import ConfigError
 from servelab.executor.device_memory import check_utilization
 from servelab.executor.forward import CPU_KERNEL_CHOICES
 from servelab.executor.parallel.common import check_backend_name
 from servelab.executor.sizing import kv_cache_bytes, parse_bytes  # noqa: F401 (re-exported)
 from servelab.registry.construct import attention_backend, construct  # noqa: F401 (re-exported)
-from servelab.registry.plugin_manager import get_plugin_manager, notify
+from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.registry.typed import check_value
 
 log = logging.getLogger(__name__)
@@ -181,16 +181,14 @@ def build_engine(config: Mapping) -> Engine:
     described = {"model": config.get("model", "tiny"), "engine": opts, **parts}
     if config.get("hardware") is not None:
         described["hardware"] = config["hardware"]
-    plugins = get_plugin_manager()
     engine = Engine(
         executor,
         scheduler,
         allocator,
         backend,
         max_model_len,
-        notify=plugins.notify,
+        events=Events(get_plugin_manager()),
         config=described,
-        hooks=plugins.hook,
     )
-    notify("servelab_engine_ready", engine=engine)
+    engine.events.notify("servelab_engine_ready", engine=engine)
     return engine

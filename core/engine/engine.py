@@ -10,21 +10,24 @@ The engine is a step machine for one caller at a time: every finished request
 comes back as the return value of `step` (a request a hook aborts during the
 step included) or of `abort`. Threads, sinks and `generate` are the loop's
 (`servelab.engine.loop.EngineLoop`), which wraps an engine; the engine knows no loop.
+Nothing invalid reaches a step: `new_sequence` checks every argument of a request
+before it exists, and a `RequestError` names the request, the argument and what is
+accepted (the checks are this module's, at its end).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from typing import Any
 
-import pluggy
+import numpy as np
 import torch
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
 from servelab.contracts.scheduler import Scheduler
-from servelab.engine import handover, requests
+from servelab.engine import handover
 from servelab.engine.failures import fail_step
 from servelab.engine.metrics import MetricsCollector
 from servelab.engine.request_failures import fail_sampled
@@ -37,7 +40,28 @@ from servelab.step.sequence import (
     SamplingParams,
     Sequence,
     SequenceGroup,
+    finite_number,
+    is_integer,
 )
+
+
+class Events:
+    """The engine's one event channel, over a plugin manager (None: no events).
+    `listened(hook)` reads pluggy's own list of a hook's implementations, so an event
+    no plugin implements costs the engine no call and no copy of its record;
+    `notify` calls each implementation in isolation (the plugin manager's)."""
+
+    def __init__(self, plugins: Any = None) -> None:
+        # a ServelabPluginManager (not imported: the registry's hook specs name the engine)
+        self.plugins = plugins
+
+    def listened(self, hook: str) -> bool:
+        """Whether a plugin implements the event hook `hook` now."""
+        return self.plugins is not None and bool(getattr(self.plugins.hook, hook).get_hookimpls())
+
+    def notify(self, hook: str, **kwargs: Any) -> None:
+        if self.plugins is not None:
+            self.plugins.notify(hook, **kwargs)
 
 
 class Engine:
@@ -48,9 +72,8 @@ class Engine:
         allocator: KVAllocator,
         backend: AttentionBackend,
         max_model_len: int,
-        notify: Callable[..., None] | None = None,
+        events: Events | None = None,
         config: dict | None = None,
-        hooks: pluggy.HookRelay | None = None,
     ) -> None:
         self.executor = executor  # the step's tensor work (or its cost model) and the clock
         self.model_config = executor.model_config
@@ -60,10 +83,7 @@ class Engine:
         self.backend = backend
         self.max_model_len = max_model_len
         self.config = config or {}
-        self.notify = notify or (lambda hook, **kwargs: None)
-        # the hook relay of the plugin manager `notify` calls (None: every event is sent):
-        # an event no plugin implements costs no call and no copy of its record
-        self.hooks = hooks
+        self.events = events or Events()  # the event hooks: asked first, then called
         self.groups: dict[str, SequenceGroup] = {}
         self.metrics = MetricsCollector()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ())
@@ -90,23 +110,6 @@ class Engine:
         """Waits on the executor's clock (a virtual clock just moves on)."""
         self.executor.sleep(seconds)
 
-    # the model executor's tensors, for code that inspects the real path
-    @property
-    def runner(self):
-        return getattr(self.executor, "runner", None)
-
-    @property
-    def kv_cache(self):
-        return getattr(self.executor, "kv_cache", None)
-
-    @property
-    def model(self):
-        return getattr(self.executor, "model", None)
-
-    @property
-    def device(self):
-        return getattr(self.executor, "device", None)
-
     # -- requests
     def add_request(
         self,
@@ -119,39 +122,83 @@ class Engine:
     ) -> str:
         """Validates and queues one request (`client`: who sent it, for fair
         schedulers; None is anonymous); a bad request raises RequestError and
-        leaves the engine untouched (`servelab.engine.requests` lists the checks)."""
+        leaves the engine untouched (`new_sequence` checks)."""
         if request_id is None:
             request_id = self.new_request_id()
-        request_id = requests.check_request_id(request_id)
-        if request_id in self.groups:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        vocab = self.model_config.vocab_size
-        token_ids = requests.prompt_token_ids(prompt, self.tokenizer, request_id)
-        requests.check_tokens(token_ids, request_id, vocab, self.max_model_len)
-        params = requests.checked_params(params, request_id, vocab)
-        if params.prompt_logprobs is not None and not getattr(
-            self.executor, "scores_prompts", True
-        ):
-            raise RequestError(f"request {request_id!r}: prompt_logprobs are not supported "
-                               "with tensor parallelism (engine.tensor_parallel_size > 1)")  # fmt: skip
-        priority = requests.check_priority(priority, request_id)
-        arrival_time = requests.check_arrival_time(arrival_time, request_id)
-        client = requests.check_client(client, request_id)
-        seq = Sequence(
-            request_id,
-            token_ids,
-            params,
-            arrival_time=self.now() if arrival_time is None else arrival_time,
-            priority=priority,
-            eos_token_ids=self.eos_token_ids,
-            client=client,
-        )
+        seq = self.new_sequence(prompt, params, request_id, arrival_time, priority, client)
+        request_id, params = seq.request_id, seq.params
         group = SequenceGroup(request_id, seq)
         self.scheduler.add(group)
         self.groups[request_id] = group
         if params.stop or params.logprobs is not None:
             self.with_stops_or_logprobs.add(request_id)
         return request_id
+
+    def new_sequence(
+        self,
+        prompt: Any,
+        params: Any,
+        request_id: Any,
+        arrival_time: Any = None,
+        priority: Any = 0,
+        client: Any = None,
+        first_token: int | None = None,
+    ) -> Sequence:
+        """A request's `Sequence`, every argument checked, not yet queued (RequestError:
+        a bad one). `first_token`: one another instance sampled (the prompt is token ids)."""
+        request_id = _checked_request_id(request_id)
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        tokenizer = self.tokenizer if first_token is None else None
+        token_ids = _prompt_token_ids(prompt, tokenizer, request_id)
+        with_first = token_ids if first_token is None else [*token_ids, first_token]
+        _check_tokens(with_first, request_id, self.model_config.vocab_size, self.max_model_len)
+        params = self.checked_params(params, request_id)
+        if params.prompt_logprobs is not None and not self.executor.scores_prompts:
+            raise RequestError(f"request {request_id!r}: prompt_logprobs are not supported "
+                               "with tensor parallelism (engine.tensor_parallel_size > 1)")  # fmt: skip
+        if not is_integer(priority):
+            raise RequestError(f"request {request_id!r}: priority must be an integer (lower "
+                               f"runs first), got {priority!r}")  # fmt: skip
+        arrival = None if arrival_time is None else finite_number(arrival_time)
+        if arrival_time is not None and arrival is None:
+            raise RequestError(f"request {request_id!r}: arrival_time must be a finite number "
+                               f"of seconds, got {arrival_time!r}")  # fmt: skip
+        if client is not None and (not isinstance(client, str) or client == ""):
+            raise RequestError(f"request {request_id!r}: client must be a non-empty string or "
+                               f"None, got {client!r}")  # fmt: skip
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            arrival_time=self.now() if arrival is None else arrival,
+            priority=int(priority),
+            eos_token_ids=self.eos_token_ids,
+            client=client,
+        )
+        if first_token is not None:
+            seq.append_token(first_token)
+        return seq
+
+    def checked_params(self, params: Any, request_id: str) -> SamplingParams:
+        """A validated copy of `params` (None: the defaults); its token ids in the vocabulary."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"request {request_id!r}: params must be a SamplingParams, got "
+                               f"{type(params).__name__} (build one: SamplingParams(**options))")  # fmt: skip
+        try:
+            params = params.validated()
+        except RequestError as err:
+            raise RequestError(f"request {request_id!r}: {err}") from None
+        vocab = self.model_config.vocab_size
+        biased = params.logit_bias or ()
+        for what, ids in (("stop token", params.stop_token_ids), ("logit_bias token", biased)):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise RequestError(f"request {request_id!r}: {what} id {outside[0]} is outside "
+                                   f"the vocabulary [0, {vocab})")  # fmt: skip
+        return params
 
     def new_request_id(self, prefix: str = "") -> str:
         """An automatic request id (`prefix` and a counter) no request in the engine holds."""
@@ -321,8 +368,8 @@ class Engine:
         self.with_stops_or_logprobs.discard(group.request_id)
         if self._step_outputs is not None:
             self._step_outputs.append(output)
-        if self.listened("servelab_request_end"):
-            self.notify("servelab_request_end", engine=self, request=dict(row))
+        if self.events.listened("servelab_request_end"):
+            self.events.notify("servelab_request_end", engine=self, request=dict(row))
         return output
 
     def _detokenize(self, token_ids: list[int]) -> str | None:
@@ -348,38 +395,68 @@ class Engine:
             backend=self.backend,
         )
         self._step_index += 1
-        if self.listened("servelab_step_end"):
-            self.notify("servelab_step_end", engine=self, step=record.row())
+        if self.events.listened("servelab_step_end"):
+            self.events.notify("servelab_step_end", engine=self, step=record.row())
 
-    def listened(self, hook: str) -> bool:
-        """Whether a plugin implements the event hook `hook` now (pluggy's own list)."""
-        return self.hooks is None or bool(getattr(self.hooks, hook).get_hookimpls())
+    # -- prefill/decode disaggregation: servelab.engine.handover's functions, as methods
+    add_prefill_request = handover.add_prefill_request
+    take_prefilled = handover.take_prefilled
+    add_prefilled_request = handover.add_prefilled_request
 
-    # -- prefill/decode disaggregation (servelab.engine.handover)
-    def add_prefill_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        client: str | None = None,
-    ) -> str:
-        """Queues a request that runs its prompt and samples its first token only;
-        after the step that does, `take_prefilled` hands it (and its prompt's K/V) over."""
-        return handover.add_prefill_request(
-            self, prompt, params, request_id, arrival_time, priority, client
+
+# -- the checks of a request's prompt and id (`Engine.new_sequence` runs them)
+def _checked_request_id(request_id: Any) -> str:
+    if not (isinstance(request_id, str) or is_integer(request_id)):
+        raise RequestError(f"request_id must be a string, got {request_id!r}")
+    if request_id == "":
+        raise RequestError("request_id must not be empty")
+    return str(request_id)
+
+
+def _prompt_token_ids(prompt: Any, tokenizer: Any, request_id: str) -> list[int]:
+    """The prompt as plain ints: text (with a tokenizer), a list or tuple of token ids,
+    or a 1-D integer numpy array or torch tensor (a bool is not a token)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError(
+                f"request {request_id!r}: a text prompt needs a tokenizer, and this model has "
+                "none (no tokenizer.json in its folder); pass token ids instead"
+            )
+        return list(tokenizer.encode(prompt).ids)
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        integer = (
+            np.issubdtype(prompt.dtype, np.integer)
+            if isinstance(prompt, np.ndarray)
+            else not (prompt.dtype.is_floating_point or prompt.dtype.is_complex)
+            and prompt.dtype != torch.bool
         )
+        if prompt.ndim != 1 or not integer:
+            raise RequestError(
+                f"request {request_id!r}: a prompt array must be 1-D with an integer dtype, "
+                f"got shape {tuple(prompt.shape)} and dtype {prompt.dtype}"
+            )
+        return [int(t) for t in prompt.tolist()]
+    if not isinstance(prompt, (list, tuple)):
+        raise RequestError(
+            f"request {request_id!r}: a prompt is text or a list of token ids, "
+            f"got {type(prompt).__name__}: {prompt!r:.80}"
+        )
+    if all(type(t) is int for t in prompt):  # the common case, without a check per type
+        return list(prompt)
+    bad = [t for t in prompt if not is_integer(t)]
+    if bad:
+        raise RequestError(f"request {request_id!r}: token ids must be integers, got {bad[0]!r} "
+                           f"({type(bad[0]).__name__})")  # fmt: skip
+    return [int(t) for t in prompt]
 
-    def take_prefilled(self) -> list[handover.PrefilledRequest]:
-        """The prefill-only requests finished since the last call, each once."""
-        return handover.take_prefilled(self)
 
-    def add_prefilled_request(
-        self, request: handover.PrefilledRequest, transfer: str = "wait"
-    ) -> str:
-        """Queues a request whose prompt another instance prefilled: it is admitted
-        when the allocator has room (`transfer="wait"`), or, when it does not fit at
-        the next step, recomputes prompt + first token as an ordinary request
-        (`transfer="recompute"`); then it decodes."""
-        return handover.add_prefilled_request(self, request, transfer)
+def _check_tokens(token_ids: list[int], request_id: str, vocab_size: int, max_model_len: int):
+    if not token_ids:
+        raise RequestError(f"request {request_id!r}: the prompt is empty")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"request {request_id!r}: token id {bad[0]!r} is outside the "
+                           f"vocabulary [0, {vocab_size})")  # fmt: skip
+    if len(token_ids) > max_model_len:
+        raise RequestError(f"request {request_id!r}: prompt has {len(token_ids)} tokens, "
+                           f"longer than max_model_len={max_model_len}")  # fmt: skip

@@ -3,8 +3,8 @@ request whose prompt K/V arrives from another instance.
 
 Prefill instance: `Engine.add_prefill_request` queues a request that runs its prompt
 and samples its first token only (`max_tokens=1`, as DistServe and vLLM's disaggregated
-prefill do). In the step that samples it, before the scheduler frees its blocks, its
-prompt's K and V are read from the KV tensors through the allocator's block table:
+prefill do). In the step that samples it, before the scheduler frees its blocks, the
+executor reads its prompt's K and V through the allocator's block table (`read_kv`):
 `[2 (k, v), num_layers, prompt tokens, num_kv_heads, head_dim]`. After the step,
 `Engine.take_prefilled` returns a `PrefilledRequest` per finished prefill: prompt,
 first token, the request's own parameters, the K/V, and `done` when the first token
@@ -13,8 +13,9 @@ limit), so there is nothing to hand over.
 
 Decode instance: `Engine.add_prefilled_request` queues it as prompt + first token; the
 scheduler core (`servelab.scheduling.prefilled`) admits it when its allocator has room,
-the K/V is written into the blocks it got, and only decoding remains. A simulated
-executor has no K/V tensors: `kv` is None and only blocks and time are modelled.
+the executor writes the K/V into the blocks it got (`write_kv`), and only decoding
+remains. A simulated executor has no K/V tensors (`kv_layout` is None): `kv` is None
+and only blocks and time are modelled.
 Same K/V, same greedy decode: the tokens equal a colocated run's.
 """
 
@@ -26,16 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from servelab.engine import requests
 from servelab.errors import ConfigError, RequestError
 from servelab.step.sequence import FinishReason, SamplingParams, Sequence, SequenceGroup
 
 # The engine is passed in, never imported (not even for types): handover stays
-# below engine.py, which calls it, and the import graph has no cycle.
+# below engine.py, whose methods these functions are (`Engine.add_prefill_request`,
+# `take_prefilled`, `add_prefilled_request`), and the import graph has no cycle.
 Engine = Any
 
 if TYPE_CHECKING:
-    from servelab.executor.kv_cache import KVCache
+    from servelab.contracts.executor import Executor
     from servelab.step.plan import StepPlan
 
 
@@ -79,7 +80,7 @@ class KVExports:
     def capture(self, engine: Engine, plan: StepPlan, sampled: Any) -> None:
         """After a step's forward, before its update frees anything: the K/V of each
         prefill-only request whose prompt this step completed."""
-        cache = engine.kv_cache
+        executor = engine.executor
         for item in plan.items:
             seq = item.seq
             export = self.pending.get(seq.request_id)
@@ -88,8 +89,7 @@ class KVExports:
                 continue
             assert export is not None
             end = seq.num_computed_tokens + item.num_query_tokens
-            if cache is not None:
-                export.kv = read_kv(cache, engine.allocator.block_table(seq), end)
+            export.kv = executor.read_kv(engine.allocator.block_table(seq), end)
             export.seq, export.first_token = seq, int(tokens[0])
 
 
@@ -97,14 +97,16 @@ class KVExports:
 def add_prefill_request(
     engine: Engine,
     prompt: Any,
-    params: SamplingParams | None,
-    request_id: str | None,
-    arrival_time: float | None,
-    priority: int,
-    client: str | None,
+    params: SamplingParams | None = None,
+    request_id: str | None = None,
+    arrival_time: float | None = None,
+    priority: int = 0,
+    client: str | None = None,
 ) -> str:
+    """Queues a request that runs its prompt and samples its first token only;
+    after the step that does, `take_prefilled` hands it (and its prompt's K/V) over."""
     _check_whole_cache(engine)
-    checked = requests.checked_params(params, str(request_id), engine.model_config.vocab_size)
+    checked = engine.checked_params(params, str(request_id))
     if checked.n != 1:
         raise RequestError(
             f"request {request_id!r}: a disaggregated request has one sample (n=1), got n={checked.n}"
@@ -119,8 +121,8 @@ def add_prefill_request(
 
 
 def take_prefilled(engine: Engine) -> list[PrefilledRequest]:
-    """The prefill-only requests that finished since the last call (an aborted or
-    failed one is dropped: its own output says why)."""
+    """The prefill-only requests that finished since the last call, each once (an
+    aborted or failed one is dropped: its own output says why)."""
     exports = engine.kv_exports
     if not exports:
         return []
@@ -160,39 +162,36 @@ def take_prefilled(engine: Engine) -> list[PrefilledRequest]:
 
 
 # -- the decode instance
-def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: str) -> str:
+def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: str = "wait") -> str:
+    """Queues a request whose prompt another instance prefilled: it is admitted
+    when the allocator has room (`transfer="wait"`), or, when it does not fit at
+    the next step, recomputes prompt + first token as an ordinary request
+    (`transfer="recompute"`); then it decodes."""
     _check_whole_cache(engine)
-    request_id = requests.check_request_id(request.request_id)
-    if request_id in engine.groups:
-        raise RequestError(f"request id {request_id!r} is already in use")
     if request.done:
         raise RequestError(
-            f"request {request_id!r} already finished on its prefill instance "
+            f"request {request.request_id!r} already finished on its prefill instance "
             f"({request.finish_reason}): there is nothing to decode"
         )
-    vocab = engine.model_config.vocab_size
-    prompt = requests.prompt_token_ids(request.prompt_token_ids, None, request_id)
-    requests.check_tokens(prompt + [request.first_token], request_id, vocab, engine.max_model_len)
-    params = requests.checked_params(request.params, request_id, vocab)
+    now = engine.now()
+    seq = engine.new_sequence(
+        request.prompt_token_ids,
+        request.params,
+        request.request_id,
+        now if request.arrival_time is None else request.arrival_time,
+        request.priority,
+        request.client,
+        first_token=request.first_token,
+    )
+    request_id, params, num_prompt = seq.request_id, seq.params, seq.num_prompt_tokens
     write_kv = None
-    cache = engine.kv_cache
-    if cache is not None:
-        kv = _check_kv(request.kv, cache, len(prompt), request_id)
+    executor = engine.executor
+    if executor.kv_layout(num_prompt) is not None:
+        kv = _check_kv(request.kv, executor, num_prompt, request_id)
 
         def write_kv(seq: Sequence, start: int) -> None:
-            write_kv_slots(cache, engine.allocator.block_table(seq), kv, start, len(prompt))
+            executor.write_kv(engine.allocator.block_table(seq), kv, start, num_prompt)
 
-    now = engine.now()
-    seq = Sequence(
-        request_id,
-        prompt,
-        params,
-        arrival_time=now if request.arrival_time is None else request.arrival_time,
-        priority=requests.check_priority(request.priority, request_id),
-        eos_token_ids=engine.eos_token_ids,
-        client=requests.check_client(request.client, request_id),
-    )
-    seq.append_token(request.first_token)
     seq.token_times.append(now if request.first_token_time is None else request.first_token_time)
     # the first token came from another instance: its step is the admitting engine's next one,
     # so the record's token_steps stay in token order
@@ -213,54 +212,27 @@ def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: s
 
 
 def _check_whole_cache(engine: Engine) -> None:
-    if getattr(engine.executor, "tp", 1) > 1:
+    if engine.executor.tp > 1:
         raise ConfigError(
             "prefill/decode disaggregation moves a request's whole K/V, and under tensor "
             "parallelism each rank holds a share of it: use tensor_parallel_size=1"
         )
 
 
-def _check_kv(kv: Any, cache: KVCache, num_tokens: int, request_id: str) -> torch.Tensor:
-    """`kv`, checked to be the K/V this cache holds for `num_tokens` prompt tokens."""
-    two, layers, _, _, heads, head_dim = cache.device_pool.shape
-    want = (two, layers, num_tokens, heads, head_dim)
+def _check_kv(kv: Any, executor: Executor, num_tokens: int, request_id: str) -> torch.Tensor:
+    """`kv`, checked to be the K/V the executor holds for `num_tokens` prompt tokens."""
+    layout = executor.kv_layout(num_tokens)
+    assert layout is not None
+    want, dtype = layout
     if not isinstance(kv, torch.Tensor):
         raise RequestError(
             f"request {request_id!r}: this engine keeps K/V tensors, so a prefilled request "
             f"must carry its prompt's K/V as a tensor of shape {want}, got {type(kv).__name__}"
         )
-    if tuple(kv.shape) != want or kv.dtype != cache.device_pool.dtype:
+    if tuple(kv.shape) != tuple(want) or kv.dtype != dtype:
         raise RequestError(
             f"request {request_id!r}: its K/V has shape {tuple(kv.shape)} and dtype {kv.dtype}; "
-            f"this engine needs shape {want} and dtype {cache.device_pool.dtype} (the same "
+            f"this engine needs shape {tuple(want)} and dtype {dtype} (the same "
             "model and dtype on both instances)"
         )
     return kv
-
-
-# -- K/V slots: token i of a sequence lives at block_table[i // block_size], offset i % block_size
-def _slots(table: list[int], block_size: int, start: int, end: int, device) -> torch.Tensor:
-    positions = torch.arange(start, end, dtype=torch.long)
-    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
-    return (blocks * block_size + positions % block_size).to(device)
-
-
-def _flat_pool(cache: KVCache) -> torch.Tensor:
-    two, layers, blocks, block_size, heads, head_dim = cache.device_pool.shape
-    return cache.device_pool.view(two, layers, blocks * block_size, heads, head_dim)
-
-
-def read_kv(cache: KVCache, table: list[int], num_tokens: int) -> torch.Tensor:
-    """A sequence's first `num_tokens` K/V: [2, num_layers, num_tokens, num_kv_heads, head_dim]."""
-    slots = _slots(table, cache.device_pool.shape[3], 0, num_tokens, cache.device)
-    return _flat_pool(cache)[:, :, slots]  # advanced indexing: a copy
-
-
-def write_kv_slots(
-    cache: KVCache, table: list[int], kv: torch.Tensor, start: int, end: int
-) -> None:
-    """Writes tokens [start, end) of `kv` into the sequence's slots."""
-    if start >= end:
-        return
-    slots = _slots(table, cache.device_pool.shape[3], start, end, cache.device)
-    _flat_pool(cache)[:, :, slots] = kv[:, :, start:end].to(cache.device)

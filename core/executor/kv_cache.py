@@ -2,7 +2,8 @@
 host pool swapped blocks live in, and `apply`, the one place block copies run.
 
 Layout: one tensor `[2 (k, v), num_layers, num_blocks, block_size,
-num_kv_heads, head_dim]`, so one indexed copy moves a block of every layer.
+num_kv_heads, head_dim]`, so one indexed copy moves a block of every layer. `read` and `write` move one
+sequence's tokens through its block table (prefill/decode disaggregation).
 """
 
 from __future__ import annotations
@@ -64,6 +65,32 @@ class KVCache:
             src, dst = self._index(copies.copy, self.device, self.device)
             self.device_pool[:, :, dst] = self.device_pool[:, :, src]
             self.bytes_copied += len(copies.copy) * self.block_bytes
+
+    # -- one sequence's tokens: token i at block_table[i // block_size], offset i % block_size
+    def token_layout(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of `num_tokens` tokens' K/V: [2, num_layers, num_tokens, heads, head_dim]."""
+        two, layers, _, _, heads, head_dim = self.device_pool.shape
+        return (two, layers, num_tokens, heads, head_dim), self.device_pool.dtype
+
+    def read(self, table: list[int], num_tokens: int) -> torch.Tensor:
+        """A copy of a sequence's first `num_tokens` K/V (`token_layout`)."""
+        return self._flat_pool()[:, :, self._slots(table, 0, num_tokens)]  # indexing copies
+
+    def write(self, table: list[int], kv: torch.Tensor, start: int, end: int) -> None:
+        """Writes tokens [start, end) of `kv` into the sequence's slots."""
+        if start < end:
+            slots = self._slots(table, start, end)
+            self._flat_pool()[:, :, slots] = kv[:, :, start:end].to(self.device)
+
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        block_size = self.device_pool.shape[3]
+        positions = torch.arange(start, end, dtype=torch.long)
+        blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
+        return (blocks * block_size + positions % block_size).to(self.device)
+
+    def _flat_pool(self) -> torch.Tensor:
+        two, layers, blocks, block_size, heads, head_dim = self.device_pool.shape
+        return self.device_pool.view(two, layers, blocks * block_size, heads, head_dim)
 
     def _download(self, blocks: torch.Tensor) -> torch.Tensor:
         """`blocks` copied into host memory (pinned on CUDA), asynchronously there."""

@@ -154,7 +154,7 @@ def serve(
     summary = summarize(engine.metrics.requests, engine.metrics.steps)
     summary["output_digest"] = output_digest(tokens)
     summary.update(client_figures(engine))
-    engine.notify("servelab_run_end", engine=engine, summary=summary)
+    engine.events.notify("servelab_run_end", engine=engine, summary=summary)
     return summary
 
 

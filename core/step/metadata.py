@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from servelab.executor.staging import StepStaging
+from servelab.step.staging import StepStaging
 
 
 @dataclass

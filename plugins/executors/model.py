@@ -1,6 +1,7 @@
 """`executor=model`: the real forward. It loads the weights, allocates the KV
-tensors and runs each step through the `ModelRunner` (inputs, forward, sampling);
-its clock is the wall clock. The default: every token is the model's own.
+tensors and runs each step through the `ModelRunner` (inputs, forward, sampling):
+`bind` makes the runner's `execute` this executor's own, so a step never enters this
+module. Its clock is the wall clock. The default: every token is the model's own.
 
 With `engine.tensor_parallel_size=N > 1` this process is rank 0 of N: it holds
 rank 0's shard (`servelab.executor.parallel`), sends every step's copies and
@@ -171,6 +172,8 @@ class ModelExecutor(Executor):
                 lease=self.lease,
                 vocab_size=self.model_config.vocab_size,
             )
+        # a step goes straight to the runner: this part is no hop on the request path
+        self.execute = self.runner.execute  # type: ignore[method-assign]
         if self.opts["cuda_graphs"]:
             # captured before the first step (and before engine_ready): the capture runs
             # every bucket once, so Triton compiles outside any measured step
@@ -179,21 +182,32 @@ class ModelExecutor(Executor):
                 max_model_len=int(self.opts["max_model_len"]),
             )
 
-    @property
-    def bytes_swapped_out(self) -> int:
-        return self.kv_cache.bytes_swapped_out
-
-    @property
-    def bytes_swapped_in(self) -> int:
-        return self.kv_cache.bytes_swapped_in
-
     def apply(self, copies) -> None:
-        self.kv_cache.apply(copies)
+        cache = self.kv_cache
+        cache.apply(copies)
+        # plain attributes, read every step without a call into this module
+        self.bytes_swapped_out = cache.bytes_swapped_out
+        self.bytes_swapped_in = cache.bytes_swapped_in
         if self.group is not None and copies:
             self.runner.pending_copies.append(copies)  # the workers run them before the next step
 
     def execute(self, plan):
-        return self.runner.execute(plan)
+        """Replaced at `bind` by the runner's own `execute` (see there)."""
+        raise RuntimeError("ModelExecutor.execute before bind(): there is no model runner yet")
+
+    @property
+    def graphs_status(self) -> str:
+        return self.runner.graphs_status if self.runner is not None else "off (not bound)"
+
+    # -- a request's K/V (the handover); tp > 1 is refused before these are called
+    def kv_layout(self, num_tokens: int):
+        return self.kv_cache.token_layout(num_tokens)
+
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        return self.kv_cache.read(block_table, num_tokens)
+
+    def write_kv(self, block_table: list[int], kv, start: int, end: int) -> None:
+        self.kv_cache.write(block_table, kv, start, end)
 
     def describe(self) -> dict:
         if self.group is None:

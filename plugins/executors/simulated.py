@@ -68,6 +68,7 @@ def stand_in_tokens(keys: np.ndarray, positions: np.ndarray, vocab: int) -> np.n
 class SimulatedExecutor(Executor):
     description = "a cost model of the hardware profile; stand-in tokens, a virtual clock"
     virtual_clock = True
+    graphs_status = "off (simulated)"
 
     def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
         self.opts = engine_options

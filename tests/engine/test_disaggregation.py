@@ -94,7 +94,7 @@ def _handover(case, prefill, prompt=4) -> PrefilledRequest:
 def test_a_handover_carries_the_prompts_kv(case, pair):
     prefill, _ = pair
     handover = _handover(case, prefill)
-    cache = prefill.kv_cache.device_pool
+    cache = prefill.executor.kv_cache.device_pool
     assert handover.kv.shape == (2, cache.shape[1], len(case.prompts[4]), *cache.shape[4:])
     assert handover.first_token == case.expected[4][0]
     assert handover.kv.abs().sum() > 0

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from servelab import LLM, SamplingParams, hookimpl
+from servelab.engine.engine import Events
 from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.serve.async_engine import AsyncEngine
 from tests.engine.engine_checks import assert_engine_clean
@@ -123,15 +124,28 @@ def test_streams_and_generate_share_the_steps_and_keep_their_tokens(llm, plain):
 
 def test_an_event_is_sent_only_while_a_plugin_implements_it(llm, monkeypatch):
     sent: list[str] = []
-    notify = llm.engine.notify
+    notify = llm.engine.events.notify
     monkeypatch.setattr(
-        llm.engine, "notify", lambda hook, **kw: (sent.append(hook), notify(hook, **kw))
+        llm.engine.events, "notify", lambda hook, **kw: (sent.append(hook), notify(hook, **kw))
     )
     llm.generate(PROMPTS[:1], GREEDY)
     assert "servelab_step_end" not in sent  # no plugin implements it: no call, no record copy
     with on_step_end(lambda: None):
         llm.generate(PROMPTS[:1], GREEDY)
     assert sent.count("servelab_step_end") == GREEDY.max_tokens  # one per step
+
+
+def test_the_engines_one_event_channel_asks_before_it_calls():
+    calls: list[int] = []
+    quiet = Events()  # no plugin manager: nothing is listened to, notify does nothing
+    assert not quiet.listened("servelab_step_end")
+    quiet.notify("servelab_step_end", engine=None, step={})
+    events = Events(get_plugin_manager())
+    assert not events.listened("servelab_step_end")
+    with on_step_end(lambda: calls.append(1)):
+        assert events.listened("servelab_step_end")
+        events.notify("servelab_step_end", engine=None, step={})
+    assert calls == [1] and not events.listened("servelab_step_end")
 
 
 def test_a_request_aborted_by_a_hook_comes_back_as_aborted(llm, plain):

@@ -165,14 +165,14 @@ def test_swap_really_swaps_and_recompute_really_recomputes():
         assert eng.scheduler.stats()[key] > 0
         for i, (prompt, params, _) in enumerate(reqs):
             assert finished[f"r{i}"].token_ids == alone(tuple(prompt), params)[0]
-    assert eng.kv_cache.bytes_swapped_out == 0
+    assert eng.executor.bytes_swapped_out == 0
     swap_llm = tiny(
         preemption="swap", kv_cache_memory=96 * KIB, allocator={"name": "paged", "block_size": 4}
     )
     _, _, eng = run_checked(swap_llm, reqs)
     assert (
-        eng.kv_cache.bytes_swapped_out > 0
-        and eng.kv_cache.bytes_swapped_in == eng.kv_cache.bytes_swapped_out
+        eng.executor.bytes_swapped_out > 0
+        and eng.executor.bytes_swapped_in == eng.executor.bytes_swapped_out
     )
 
 

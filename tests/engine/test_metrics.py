@@ -218,8 +218,8 @@ def test_per_step_counters_add_up_to_the_parts_own_totals():
     steps = engine.metrics.steps
     usage, stats, attn = engine.allocator.usage(), engine.scheduler.stats(), engine.backend.stats()
     assert sum(s.prefix_hit_tokens for s in steps) == usage["prefix_hit_tokens"] > 0
-    assert sum(s.swapped_out_bytes for s in steps) == engine.kv_cache.bytes_swapped_out > 0
-    assert sum(s.swapped_in_bytes for s in steps) == engine.kv_cache.bytes_swapped_in
+    assert sum(s.swapped_out_bytes for s in steps) == engine.executor.bytes_swapped_out > 0
+    assert sum(s.swapped_in_bytes for s in steps) == engine.executor.bytes_swapped_in
     assert sum(s.preemptions_swap + s.preemptions_recompute for s in steps) == (
         stats["preemptions_swap"] + stats["preemptions_recompute"]
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from servelab.contracts.executor import Executor
 from servelab.step.plan import StepPlan
 
 CORE = Path(__file__).resolve().parents[2] / "core"
@@ -72,6 +73,43 @@ def test_the_engine_reads_nothing_of_the_decode_batch():
     assert (CORE / "step" / "decode_batch.py").exists()
     read = [f"{p.name}:{hit}" for p in ENGINE_FILES for hit in decode_batch_reads(p.read_text())]
     assert read == []
+
+
+def executor_reaches(source: str, allowed: set[str]) -> list[str]:
+    """`line .name` for each `<x>.executor.name` outside `allowed`, and `line getattr`
+    for each `getattr(<x>.executor, ...)` (a reach the contract cannot check)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "executor"
+            and node.attr not in allowed
+        ):
+            found.append(f"{node.lineno} .{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and isinstance(node.args[0], ast.Attribute)
+            and node.args[0].attr == "executor"
+        ):
+            found.append(f"{node.lineno} {node.func.id}")
+    return found
+
+
+def test_core_reaches_an_executor_only_through_its_contract():
+    """The engine, the handover, the CLI, serving, the lab and the cluster read an
+    executor only through `Executor`: no runner, KV tensors or model behind its back."""
+    allowed = set(dir(Executor)) | set(Executor.__annotations__)
+    files = [CORE / "cli.py"] + [
+        p for folder in ("engine", "serve", "lab", "cluster") for p in (CORE / folder).glob("*.py")
+    ]
+    reached = [f"{p.name}:{hit}" for p in files for hit in executor_reaches(p.read_text(), allowed)]
+    assert reached == []
+    reaches = "engine.executor.runner\ngetattr(self.executor, 'tp', 1)"
+    assert executor_reaches(reaches, allowed) == ["1 .runner", "2 getattr"]
 
 
 def test_both_checks_can_fail():

@@ -25,9 +25,9 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 def test_compile_keeps_attention_eager_and_the_tokens():
     compiled = LLM(model="tiny", dtype="float64", compile=True, max_model_len=64)
-    forward = compiled.engine.runner.model_forward
+    forward = compiled.engine.executor.runner.model_forward
     assert isinstance(forward, TorchForward) and forward.compiled is not None
-    assert not compiled.engine.runner.cpu_kernels  # compile keeps the C++ kernels off
+    assert not compiled.engine.executor.runner.cpu_kernels  # compile keeps the C++ kernels off
     traced = []
     backend = compiled.engine.backend
     attend = backend.forward

@@ -116,7 +116,7 @@ def test_engine_with_compile_and_graphs_gives_the_reference_tokens(monkeypatch):
 
     monkeypatch.setattr(TritonPagedBackend, "forward", spy)
     case, llm = oracle_llm("triton_paged", compile=True, cuda_graphs=True)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert isinstance(runner.model_forward, TorchForward) and runner.model_forward.compiled
     assert runner.graphs_status.startswith("captured"), runner.graphs_status
     assert sorted(runner.graphs.graphs) == list(graph_buckets(8))
@@ -134,8 +134,8 @@ def test_engine_with_compile_and_graphs_gives_the_reference_tokens(monkeypatch):
 
     assert got == case.expected[:count]  # transformers, float64
     _, eager = oracle_llm("triton_paged")
-    assert eager.engine.runner.graphs is None
-    assert not getattr(eager.engine.runner.model_forward, "compiled", None)
+    assert eager.engine.executor.runner.graphs is None
+    assert not getattr(eager.engine.executor.runner.model_forward, "compiled", None)
     assert got == oracle_tokens(eager, case, count)
 
 
@@ -162,7 +162,7 @@ def test_compile_and_graphs_on_cuda_equal_eager(monkeypatch):
     )
     during_capture = count_compiles_in_capture(monkeypatch, DecodeGraphRunner)
     llm = LLM(**options, compile=True, cuda_graphs=True)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert isinstance(runner.model_forward, TorchForward) and runner.model_forward.compiled
     assert runner.graphs_status.startswith("captured"), runner.graphs_status
     assert during_capture == [0] * len(graph_buckets(8))

@@ -25,7 +25,7 @@ from servelab.executor.device_memory import (
     estimate_activation_bytes,
     model_weight_bytes,
 )
-from servelab.executor.staging import StepStaging
+from servelab.step.staging import StepStaging
 from servelab.model.config import named_config
 from servelab.step.metadata import AttentionMetadata
 from tests.executor.decode_scenes import (
@@ -180,7 +180,7 @@ def test_engine_replays_decode_graphs_on_cuda():
         max_num_seqs=8,
         cuda_graphs=True,
     )
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.graphs_status.startswith("captured"), runner.graphs_status
     on_cuda = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert runner.graphs.num_replays > 0
@@ -198,6 +198,6 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_on_cuda():
     # engine defaults: max_num_batched_tokens = max(2048, max_model_len), max_num_seqs 64
     activations = estimate_activation_bytes(config, 2048, 64, torch.float32)
     budget = int(total * utilization) - model_weight_bytes(config, torch.float32) - activations
-    kv = llm.engine.kv_cache.device_pool.nbytes
+    kv = llm.engine.executor.kv_cache.device_pool.nbytes
     # below: whole blocks only, and buffers loaded with the weights (RoPE tables) count as weights
     assert budget - 64 * 1024**2 < kv <= budget

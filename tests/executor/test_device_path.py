@@ -3,7 +3,7 @@ eager fallback (`servelab.executor.cuda_graphs`), the padded decode a graph
 replays (run eagerly through the same static buffers with the real graph-safe
 backend, `triton_paged`, interpreted) against the plain eager step, KV sizing
 with made-up device figures (`servelab.executor.device_memory`), staging round
-trips (`servelab.executor.staging`), the engine options `cuda_graphs` and
+trips (`servelab.step.staging`), the engine options `cuda_graphs` and
 `gpu_memory_utilization`, every engine run against transformers' greedy tokens,
 and a smoke run of `benchmarks/gpu_throughput.py --tiny`. The CUDA-only half is
 `test_cuda_only.py`.
@@ -42,7 +42,7 @@ from servelab.executor.device_memory import (
     kv_cache_budget,
     model_weight_bytes,
 )
-from servelab.executor.staging import StepStaging
+from servelab.step.staging import StepStaging
 from servelab.model.config import NAMED_SHAPES, named_config
 from servelab.model.transformer import Transformer
 from servelab.step.metadata import AttentionMetadata
@@ -248,7 +248,7 @@ def test_engine_steps_through_a_staging_buffer():
     """prepare's CUDA path (ids and metadata staged, one upload per step),
     driven on the CPU: the tokens stay transformers' greedy tokens."""
     case, llm = oracle_llm()
-    staging = llm.engine.runner.staging = StepStaging("cpu", capacity_bytes=64)
+    staging = llm.engine.executor.runner.staging = StepStaging("cpu", capacity_bytes=64)
     assert oracle_tokens(llm, case) == case.expected
     assert staging.capacity_bytes > 64  # steps really went through it
 
@@ -347,7 +347,10 @@ def test_kv_cache_is_sized_from_the_device_budget(monkeypatch, graphs, free_limi
     expected_blocks = expected_kv // kv_per_token // block_size
     assert expected_kv < 4 * MiB  # not the 64 MiB kv_cache_memory default
     assert llm.engine.allocator.num_blocks == expected_blocks
-    assert llm.engine.kv_cache.device_pool.nbytes == expected_blocks * block_size * kv_per_token
+    assert (
+        llm.engine.executor.kv_cache.device_pool.nbytes
+        == expected_blocks * block_size * kv_per_token
+    )
 
 
 # ---------------------------------------------------------------- the engine's decode path
@@ -383,7 +386,7 @@ def forward_steps(llm) -> tuple[int, int]:
 
 def test_cuda_graphs_off_leaves_the_cpu_path_as_it_was():
     case, llm = oracle_llm()
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.graphs is None and runner.staging is None
     assert runner.graphs_status.startswith("off")
     assert oracle_tokens(llm, case) == case.expected
@@ -392,8 +395,8 @@ def test_cuda_graphs_off_leaves_the_cpu_path_as_it_was():
 def test_cuda_graphs_on_a_cpu_fall_back_to_eager_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="servelab.executor.model_runner"):
         case, llm = oracle_llm(cuda_graphs=True)
-    graphs = llm.engine.runner.graphs
-    status = llm.engine.runner.graphs_status
+    graphs = llm.engine.executor.runner.graphs
+    status = llm.engine.executor.runner.graphs_status
     assert status.startswith("eager:") and "CUDA device" in status
     assert any("decode runs eagerly" in r.getMessage() for r in caplog.records)
     assert not graphs.graphs
@@ -410,7 +413,7 @@ def test_decode_steps_replay_through_the_model_runner(monkeypatch):
     skip_unless_triton_interpreted()  # the CUDA twin: test_engine_replays_decode_graphs_on_cuda
     monkeypatch.setattr(servelab.executor.model_runner, "DecodeGraphRunner", CpuReplayRunner)
     case, llm = oracle_llm("triton_paged", cuda_graphs=True)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.graphs_status.startswith("captured"), runner.graphs_status
     assert sorted(runner.graphs.graphs) == list(graph_buckets(8))
     backend, plans = llm.engine.backend, []
@@ -428,7 +431,7 @@ def test_a_graph_unsafe_backend_stays_eager_where_graphs_could_run(monkeypatch, 
     monkeypatch.setattr(servelab.executor.model_runner, "DecodeGraphRunner", CpuReplayRunner)
     with caplog.at_level(logging.WARNING, logger="servelab.executor.model_runner"):
         case, llm = oracle_llm("per_request", cuda_graphs=True)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.graphs_status.startswith("eager:") and "per_request" in runner.graphs_status
     assert any("not graph-safe" in r.getMessage() for r in caplog.records)
     count = 4
@@ -497,7 +500,7 @@ def test_throughput_run_frees_its_engine_before_the_next(tmp_path, monkeypatch):
     monkeypatch.setattr(
         bench,
         "build_llm",
-        lambda *a: built.append(weakref.ref((llm := build(*a)).engine.kv_cache)) or llm,
+        lambda *a: built.append(weakref.ref((llm := build(*a)).engine.executor.kv_cache)) or llm,
     )
     free = bench.free_device_memory
     monkeypatch.setattr(

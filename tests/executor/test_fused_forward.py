@@ -42,7 +42,7 @@ def test_fused_decode_equals_the_torch_forward(dtype, tol):
 def test_fused_forward_tokens_equal_transformers():
     skip_unless_triton_interpreted()  # a CPU engine with triton_paged
     case, llm = oracle_llm("triton_paged")
-    llm.engine.runner.model_forward = FusedForward(llm.engine.model)
+    llm.engine.executor.runner.model_forward = FusedForward(llm.engine.executor.model)
     count = 4
     assert oracle_tokens(llm, case, count) == case.expected[:count]
 

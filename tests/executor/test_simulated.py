@@ -27,8 +27,10 @@ def simulated(**options):
 
 
 def test_nothing_is_allocated():
-    engine = simulated()
-    assert engine.model is None and engine.kv_cache is None and engine.runner is None
+    executor = simulated().executor
+    assert executor.device is None and executor.kv_layout(4) is None
+    assert executor.read_kv([0], 4) is None
+    assert not any(hasattr(executor, name) for name in ("model", "kv_cache", "runner"))
 
 
 def llama8b_params() -> int:

@@ -56,7 +56,7 @@ class LogitsSpy:
     @hookimpl
     def servelab_engine_ready(self, engine) -> None:
         self.engine, self.logits = engine, []
-        runner = engine.runner
+        runner = engine.executor.runner
         logits = runner.logits
 
         def recorded(hidden):
@@ -130,7 +130,7 @@ def test_cpu_kernels_and_torch_path(cases, cpu_kernels, spy):
     """The C++ kernels' forward (all-reduce between its matmuls) and torch's own."""
     combo = {**ONE_SAP, "attention": {"name": ONE_BACKEND}}
     check_tokens(cases("qwen3"), combo, cpu_kernels=cpu_kernels)
-    assert spy.engine.runner.cpu_kernels == (cpu_kernels == "on")
+    assert spy.engine.executor.runner.cpu_kernels == (cpu_kernels == "on")
 
 
 # -- logits: within 1e-9 of the single-process run (same decisions, same steps)
@@ -167,7 +167,7 @@ def test_cuda_graphs_on_the_cpu_leave_every_rank_eager():
     eagerly (test_tensor_parallel_graphs.py replays them, with a stand-in)."""
     options = dict(model="tiny", dtype="float64", num_threads=1)
     llm = LLM(**options, cuda_graphs=True, **TP)
-    status = llm.engine.runner.graphs_status
+    status = llm.engine.executor.runner.graphs_status
     assert status.startswith("eager:") and "CUDA device" in status, status
     params = SamplingParams(max_tokens=5)
     tokens = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids

@@ -53,7 +53,7 @@ def test_decode_graphs_per_rank_over_nccl():
         **OPTIONS, attention="triton_paged", device="cuda", tensor_parallel_size=2,
         cuda_graphs=True,
     )  # fmt: skip
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.graphs_status.startswith("captured"), runner.graphs_status
     on_cuda = tokens(llm, batch)
     assert runner.graphs.num_replays > 0

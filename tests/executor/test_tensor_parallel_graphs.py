@@ -68,7 +68,7 @@ if serve_worker(device="cpu"):
 with open(os.path.join(sys.argv[2], "job.pkl"), "rb") as f:
     job = pickle.load(f)
 llm = LLM(model=job["folder"], **job["parts"], **job["engine"])
-print("status", llm.engine.runner.graphs_status, flush=True)
+print("status", llm.engine.executor.runner.graphs_status, flush=True)
 outputs = llm.generate(job["prompts"], job["params"])
 print("tokens", json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
 """

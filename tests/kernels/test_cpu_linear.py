@@ -105,23 +105,23 @@ def tiny_engine(**engine):
 
 
 def test_engine_option_turns_the_kernels_on_and_off():
-    assert tiny_engine().runner.cpu_kernels
-    assert tiny_engine(cpu_kernels="on").runner.cpu_kernels
-    assert not tiny_engine(cpu_kernels="off").runner.cpu_kernels
+    assert tiny_engine().executor.runner.cpu_kernels
+    assert tiny_engine(cpu_kernels="on").executor.runner.cpu_kernels
+    assert not tiny_engine(cpu_kernels="off").executor.runner.cpu_kernels
 
 
 def test_engine_option_errors_name_choices_and_reasons():
     with pytest.raises(ConfigError, match="auto, on, off"):
         tiny_engine(cpu_kernels="fast")
     # bfloat16 weights run the kernel path too, with float32 activations (cpu_matmul)
-    assert tiny_engine(cpu_kernels="on", dtype="bfloat16").runner.cpu_kernels
+    assert tiny_engine(cpu_kernels="on", dtype="bfloat16").executor.runner.cpu_kernels
 
 
 def test_switched_off_kernels_leave_torch_matmuls(monkeypatch):
     monkeypatch.setenv("SERVELAB_CPU_KERNEL", "0")
     cpu_linear.kernel.cache_clear()
     try:
-        assert not tiny_engine().runner.cpu_kernels
+        assert not tiny_engine().executor.runner.cpu_kernels
         with pytest.raises(ConfigError, match="SERVELAB_CPU_KERNEL=0"):
             tiny_engine(cpu_kernels="on")
     finally:

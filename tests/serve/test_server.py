@@ -181,14 +181,14 @@ def test_wrong_api_key_is_401_and_reaches_no_engine_code(model_folder, monkeypat
 
 def slow_steps(monkeypatch, server, seconds: float = 0.05) -> None:
     """Each step sleeps a little, so a long request is surely still running."""
-    runner = server.engine.runner
-    real = runner.execute
+    executor = server.engine.executor  # a step goes through its execute
+    real = executor.execute
 
     def slow(plan):
         time.sleep(seconds)
         return real(plan)
 
-    monkeypatch.setattr(runner, "execute", slow)
+    monkeypatch.setattr(executor, "execute", slow)
 
 
 def test_a_response_that_does_not_stream_outlasts_slow_steps(server, client, offline,
@@ -219,8 +219,8 @@ def test_disconnect_mid_stream_aborts_and_frees(server, client, monkeypatch):
 def held_steps(monkeypatch, server) -> threading.Event:
     """Steps after the first wait for the returned event, so a long request is
     surely still running, however slow or fast the machine is."""
-    runner = server.engine.runner
-    real = runner.execute
+    executor = server.engine.executor  # a step goes through its execute
+    real = executor.execute
     release = threading.Event()
     steps = []
 
@@ -230,7 +230,7 @@ def held_steps(monkeypatch, server) -> threading.Event:
             assert release.wait(60), "the test never released the held steps"
         return real(plan)
 
-    monkeypatch.setattr(runner, "execute", held)
+    monkeypatch.setattr(executor, "execute", held)
     return release
 
 
@@ -257,8 +257,8 @@ def test_full_queue_is_429_then_serves_again(model_folder, monkeypatch):
 
 
 def test_engine_failure_is_500_for_the_touched_request_only(server, client, monkeypatch):
-    runner = server.engine.runner
-    real = runner.execute
+    executor = server.engine.executor  # a step goes through its execute
+    real = executor.execute
     calls = []
 
     def fail_once(plan):
@@ -267,7 +267,7 @@ def test_engine_failure_is_500_for_the_touched_request_only(server, client, monk
             raise RuntimeError("kernel exploded")
         return real(plan)
 
-    monkeypatch.setattr(runner, "execute", fail_once)
+    monkeypatch.setattr(executor, "execute", fail_once)
     with pytest.raises(openai.InternalServerError, match="the request failed in the engine") as e:
         client.completions.create(model=server.model_name, prompt="hi", max_tokens=3)
     assert "kernel exploded" not in str(e.value)  # internals go to the server's log only

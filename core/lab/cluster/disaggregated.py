@@ -19,7 +19,7 @@ import heapq
 from collections.abc import Sequence
 
 from servelab.cluster.dispatch import Dispatcher
-from servelab.cluster.links import Link, kv_bytes_per_token
+from servelab.cluster.links import Link
 from servelab.contracts.router import RoutedRequest
 from servelab.engine.engine import Engine
 from servelab.engine.handover import PrefilledRequest
@@ -52,7 +52,7 @@ class DisaggregatedCluster:
         self.prefill_dispatcher = prefill_dispatcher
         self.decode_dispatcher = decode_dispatcher
         self.link = link
-        self.kv_bytes_per_token = kv_bytes_per_token(prefill[0])
+        self.kv_bytes_per_token = prefill[0].executor.kv_bytes_per_token()
         self.transfer = transfer
         self.handoffs: dict[str, Handoff] = {}
         self.tokens: dict[str, list[list[int]]] = {}  # request id -> its tokens (one sample)

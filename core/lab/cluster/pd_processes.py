@@ -194,7 +194,7 @@ def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, resul
         if rank == PREFILL and requests is None:  # the workload node, sized to the model
             requests = make_workload(config["workload"], engine.model_config.vocab_size,
                                      engine.max_model_len)  # fmt: skip
-        device = engine.device or torch.device("cpu")
+        device = engine.executor.device or torch.device("cpu")
         requested = (config.get("engine") or {}).get("distributed_backend", "auto")
         backend = data_backend(device.type, requested)
         wire = device if backend == "nccl" else torch.device("cpu")

@@ -148,7 +148,7 @@ def test_devices(device):
         with pytest.raises(ConfigError, match="no CUDA device"):
             build_engine(config)
         return
-    assert build_engine(config).device.type == device
+    assert build_engine(config).executor.device.type == device
 
 
 # a small file in each file-reading workload's published format (two requests each)

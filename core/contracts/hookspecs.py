@@ -30,7 +30,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def servelab_register_schedulers() -> dict[str, type]:
-    """Schedulers this plugin provides: `{name: subclass of servelab.contracts.scheduler.Scheduler}`."""
+    """Scheduling policies this plugin provides: `{name: subclass of
+    servelab.contracts.scheduler.SchedulingPolicy}` (the engine runs each in a `SchedulerCore`)."""
 
 
 @hookspec

@@ -15,7 +15,7 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.router import Router
-from servelab.contracts.scheduler import Scheduler
+from servelab.contracts.scheduler import SchedulingPolicy
 from servelab.errors import ConfigError
 
 
@@ -34,17 +34,10 @@ KINDS: dict[str, Kind] = {
     for kind in (
         Kind(
             "scheduler",
-            Scheduler,
+            SchedulingPolicy,
             "servelab_register_schedulers",
-            frozenset(
-                {
-                    "allocator",
-                    "preemption",
-                    "max_num_seqs",
-                    "max_num_batched_tokens",
-                    "max_model_len",
-                }
-            ),
+            # the engine's SchedulerCore is built around the policy (engine.build)
+            frozenset(),
             "continuous",
         ),
         # capacities in tokens, not blocks: the engine sizes every allocator from one

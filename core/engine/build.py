@@ -22,6 +22,7 @@ from servelab.executor.sizing import kv_cache_bytes, parse_bytes  # noqa: F401 (
 from servelab.registry.construct import attention_backend, construct  # noqa: F401 (re-exported)
 from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.registry.typed import check_value
+from servelab.scheduling.core import SchedulerCore
 
 log = logging.getLogger(__name__)
 
@@ -164,18 +165,17 @@ def build_engine(config: Mapping) -> Engine:
         max_model_len=max_model_len,
     )
     preemption = construct("preemption", parts["preemption"])
-    scheduler = construct(
-        "scheduler",
-        parts["scheduler"],
+    scheduler = SchedulerCore(
+        construct("scheduler", parts["scheduler"]),
         allocator=allocator,
         preemption=preemption,
         max_num_seqs=int(opts["max_num_seqs"]),
         max_num_batched_tokens=int(batched),
         max_model_len=max_model_len,
     )
-    if executor.virtual_clock and hasattr(scheduler, "clock"):
-        # a scheduler that reads time (static's batch timeout) reads the executor's
-        scheduler.clock = executor.now
+    if executor.virtual_clock and hasattr(scheduler.policy, "clock"):
+        # a policy that reads time (static's batch timeout) reads the executor's
+        scheduler.policy.clock = executor.now
     backend = attention_backend(parts["attention"], executor.attention_config)
     executor.bind(allocator, backend)
     described = {"model": config.get("model", "tiny"), "engine": opts, **parts}

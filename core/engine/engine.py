@@ -26,13 +26,13 @@ import torch
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
-from servelab.contracts.scheduler import Scheduler
 from servelab.engine import handover
 from servelab.engine.failures import fail_step
 from servelab.engine.metrics import MetricsCollector
 from servelab.engine.request_failures import fail_sampled
 from servelab.engine.stops_and_logprobs import apply_stops_and_logprobs
 from servelab.errors import RequestError, WorkerError
+from servelab.scheduling.core import SchedulerCore
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.sequence import (
     CompletionOutput,
@@ -68,7 +68,7 @@ class Engine:
     def __init__(
         self,
         executor: Executor,
-        scheduler: Scheduler,
+        scheduler: SchedulerCore,
         allocator: KVAllocator,
         backend: AttentionBackend,
         max_model_len: int,

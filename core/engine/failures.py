@@ -20,7 +20,7 @@ from servelab.step.sequence import FinishReason, SequenceGroup, SequenceStatus
 if TYPE_CHECKING:
     from servelab.contracts.allocator import KVAllocator
     from servelab.contracts.attention import AttentionBackend
-    from servelab.contracts.scheduler import Scheduler
+    from servelab.scheduling.core import SchedulerCore
     from servelab.step.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def fail_step(
     exc: Exception,
     *,
     groups: Mapping[str, SequenceGroup],
-    scheduler: Scheduler,
+    scheduler: SchedulerCore,
     allocator: KVAllocator,
     backend: AttentionBackend,
     counts: dict[tuple[str, str], int],
@@ -59,16 +59,19 @@ def fail_step(
     return message, touched
 
 
-def _part_of(stage: str, scheduler: Scheduler, backend: AttentionBackend) -> str:
+def _part_of(stage: str, scheduler: SchedulerCore, backend: AttentionBackend) -> str:
     """` (scheduler 'chunked')`: the part a stage belongs to, by its registered name."""
     if stage.startswith("scheduler"):
-        return f" (scheduler {getattr(scheduler, 'name', type(scheduler).__name__)!r})"
+        policy = scheduler.policy
+        return f" (scheduler {getattr(policy, 'name', type(policy).__name__)!r})"
     if stage.startswith("the model forward"):
         return f" (attention {getattr(backend, 'name', type(backend).__name__)!r})"
     return ""
 
 
-def _remove_and_free(scheduler: Scheduler, allocator: KVAllocator, group: SequenceGroup) -> None:
+def _remove_and_free(
+    scheduler: SchedulerCore, allocator: KVAllocator, group: SequenceGroup
+) -> None:
     """Takes a group out of the scheduler (its `abort`) and frees its blocks. When
     the scheduler's own `abort` is what is broken, its queues cannot be trusted:
     the blocks are freed through the allocator all the same, so none leaks."""

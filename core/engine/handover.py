@@ -198,13 +198,7 @@ def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: s
     engine.metrics.note_transferred_token(seq.seq_id, engine.step_index)
     if seq.logprobs is not None and request.first_logprobs:
         seq.logprobs = list(request.first_logprobs)
-    admit = getattr(engine.scheduler, "add_prefilled", None)
-    if admit is None:
-        raise ConfigError(
-            f"scheduler {type(engine.scheduler).__name__} cannot admit a prefilled request: "
-            "disaggregated decoding needs a scheduler built on servelab.scheduling.SchedulerCore"
-        )
-    admit(SequenceGroup(request_id, seq), write_kv, transfer)
+    engine.scheduler.add_prefilled(SequenceGroup(request_id, seq), write_kv, transfer)
     engine.groups[request_id] = seq.group
     if params.stop or params.logprobs is not None:
         engine.with_stops_or_logprobs.add(request_id)

@@ -23,7 +23,7 @@ from servelab.step.sequence import FinishReason, SequenceStatus
 if TYPE_CHECKING:
     from servelab.contracts.allocator import KVAllocator
     from servelab.contracts.executor import Executor
-    from servelab.contracts.scheduler import Scheduler
+    from servelab.scheduling.core import SchedulerCore
     from servelab.step.plan import SampledTokens, StepPlan
     from servelab.step.sequence import SequenceGroup
 
@@ -168,7 +168,7 @@ class MetricsCollector:
         now: Callable[[], float],
         *,
         allocator: KVAllocator,
-        scheduler: Scheduler,
+        scheduler: SchedulerCore,
         executor: Executor,
         backend: AttentionBackend,
     ) -> StepRecord:

@@ -22,7 +22,7 @@ from servelab.step.plan import SampledTokens
 from servelab.step.sequence import FinishReason, SequenceGroup
 
 if TYPE_CHECKING:
-    from servelab.contracts.scheduler import Scheduler
+    from servelab.scheduling.core import SchedulerCore
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def fail_sampled(
     groups: Mapping[str, SequenceGroup],
     sampled: SampledTokens | Mapping,
     finished: list[SequenceGroup],
-    scheduler: Scheduler,
+    scheduler: SchedulerCore,
     failures: dict,
 ) -> list[Failed]:
     """After `scheduler.update`: the requests whose sampling raised, their stand-in

@@ -24,14 +24,14 @@ from servelab.step.plan import SampledTokens
 from servelab.step.sequence import SequenceGroup
 
 if TYPE_CHECKING:
-    from servelab.contracts.scheduler import Scheduler
+    from servelab.scheduling.core import SchedulerCore
 
 
 def apply_stops_and_logprobs(
     groups: list[SequenceGroup],
     sampled: SampledTokens | Mapping,
     tokenizer,
-    scheduler: Scheduler,
+    scheduler: SchedulerCore,
     failures: dict,
 ) -> tuple[list[SequenceGroup], list[Failed]]:
     """Records the step's logprobs and applies stop strings for `groups` (the live
@@ -77,7 +77,7 @@ def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[
                 target.logprobs.append(row)
 
 
-def _apply_stops(group: SequenceGroup, tokenizer, scheduler: Scheduler) -> bool:
+def _apply_stops(group: SequenceGroup, tokenizer, scheduler: SchedulerCore) -> bool:
     """Finishes each sample whose text now holds a stop string; True when the
     whole group is finished."""
     for seq in group.unfinished():

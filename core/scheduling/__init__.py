@@ -1,9 +1,9 @@
 """Scheduling: `SchedulerCore` (queues, admission, block accounting, decode
-batches, preemption, finishing) and the `SchedulingPolicy` hooks a scheduler
-plugin overrides. See `servelab.scheduling.policy` for the hooks."""
+batches, preemption, finishing), driven by a `SchedulingPolicy`, the hooks a
+scheduler plugin overrides (`servelab.contracts.scheduler`)."""
 
+from servelab.contracts.scheduler import HOOKS, SchedulingPolicy, SchedulingPolicyError
 from servelab.scheduling.core import SchedulerCore, cdiv, queue_key
-from servelab.scheduling.policy import HOOKS, SchedulingPolicy, SchedulingPolicyError
 
 __all__ = [
     "HOOKS",

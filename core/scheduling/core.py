@@ -2,7 +2,7 @@
 
 Queues hold `SequenceGroup`s (a request and, after its prompt, its n samples).
 `schedule()` runs three phases (running, swapped, waiting); a policy
-(`servelab.scheduling.policy`) answers the questions it asks: who to admit and
+(`servelab.contracts.scheduler.SchedulingPolicy`) answers the questions it asks: who to admit and
 in what order, how many tokens a sequence runs, whom to preempt. Admission,
 block accounting, the decode batch, preemption and finishing stay here, and
 every answer is checked before it is acted on.
@@ -17,95 +17,61 @@ allocator already caches, arrival), SGLang's cache-aware order.
 from __future__ import annotations
 
 import bisect
-import warnings
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.preemption import PreemptionPolicy
-from servelab.contracts.scheduler import Scheduler
+from servelab.contracts.scheduler import (
+    SchedulingPolicy,
+    SchedulingPolicyError,
+    prefills_whole_prompts,
+)
 from servelab.errors import ConfigError, RequestError
-from servelab.scheduling.policy import HOOKS, SchedulingPolicy, SchedulingPolicyError
 from servelab.scheduling.prefilled import PendingPrefilled, PrefilledAdmission
 from servelab.scheduling.transitions import QueueTransitions, queue_key
 from servelab.step.decode_batch import DecodeBatch
 from servelab.step.plan import ScheduledSeq, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
-ADMISSION_MODES = ("reserve", "on_demand")
-ORDERS = ("fcfs", "lpm")
-# methods a scheduler overrode before the hooks existed -> the hooks that replace them
-OLD_OVERRIDES = {
-    "add": "on_add",
-    "admit": "admission_order",
-    "schedule": "admission_order or pick_victims",
-    "update": "on_step_end",
-    "forget": "on_request_end",
-    "abort": "on_request_end",
-    "group_done": "keeps_slot",
-    "release_group": "on_request_end",
-    "stats": "policy_stats",
-}
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Scheduler):
-    """Queues, the running and swapped phases and preemption (`schedule`); from
-    `QueueTransitions`, admission and what happens after the forward (`update`).
-    Subclass it and override the policy hooks only."""
+class SchedulerCore(QueueTransitions, PrefilledAdmission):
+    """The engine's scheduler: queues, the running and swapped phases and
+    preemption (`schedule`); from `QueueTransitions`, admission and what happens
+    after the forward (`update`). It asks `policy` its questions (the hooks of
+    `servelab.contracts.scheduler.SchedulingPolicy`) and checks every answer."""
 
-    needs_whole_prompt_budget = True  # max_num_batched_tokens must hold a whole prompt
     # steady decode phases run as a DecodeBatch (same plans, array bookkeeping);
     # False makes every step take the general path (tests compare the two)
     decode_fast_path = True
 
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        old = sorted(name for name in OLD_OVERRIDES if name in vars(cls))
-        if old and cls.__module__.split(".")[0] != "servelab":
-            hooks = ", ".join(OLD_OVERRIDES[name] for name in old)
-            warnings.warn(
-                f"{cls.__qualname__} overrides {', '.join(old)}: overriding them is deprecated "
-                f"and stops working in the next release; override the policy hooks instead "
-                f"({hooks}; all hooks: {', '.join(HOOKS)})",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-
     def __init__(
         self,
+        policy: SchedulingPolicy,
         allocator: KVAllocator,
         preemption: PreemptionPolicy,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        admission: str = "on_demand",
-        order: str = "fcfs",
     ) -> None:
-        name = type(self).__name__
-        if order not in ORDERS:
-            raise ConfigError(
-                f"unknown order {order!r} for scheduler {name}; accepted: {', '.join(ORDERS)}"
-            )
-        if admission not in ADMISSION_MODES:
-            raise ConfigError(
-                f"unknown admission {admission!r} for scheduler {name}; "
-                f"accepted: {', '.join(ADMISSION_MODES)}"
-            )
-        if self.needs_whole_prompt_budget and max_num_batched_tokens < max_model_len:
+        name = type(policy).__name__
+        if prefills_whole_prompts(type(policy)) and max_num_batched_tokens < max_model_len:
             raise ConfigError(
                 f"{name} prefills whole prompts, so max_num_batched_tokens "
                 f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len}); "
                 "raise it or use scheduler=chunked"
             )
+        self.policy = policy
+        policy.core = self
+        self.admission = policy.admission
+        self.order = policy.order
         self.allocator = allocator
         self.preemption = preemption
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.admission = admission
-        self.order = order
         self.waiting: list[SequenceGroup] = []  # sorted by queue_key
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -117,7 +83,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
         # the running sequences while they all decode (see servelab.step.decode_batch);
         # None whenever a step must take the general path
         self.decode_batch: DecodeBatch | None = None
-        self._holds_slots = type(self).keeps_slot is not SchedulingPolicy.keeps_slot
+        self._holds_slots = type(policy).keeps_slot is not SchedulingPolicy.keeps_slot
         # requests prefilled elsewhere, waiting for admission (`add_prefilled`)
         self.prefilled: list[PendingPrefilled] = []
         self.num_prefilled = {"admitted": 0, "recomputed": 0, "prefix_hit_tokens": 0}
@@ -139,7 +105,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
                     f"{self.allocator.block_size} tokens, the cache has {self.allocator.num_blocks}"
                 )
         bisect.insort(self.waiting, group, key=queue_key)
-        self.on_add(group)
+        self.policy.on_add(group)
 
     def abort(self, request_id: str) -> list[Sequence]:
         self.decode_batch = None
@@ -153,7 +119,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
                     for seq in aborted:
                         self._finish(seq, FinishReason.ABORT)
                     self._release_group(group)
-                    self.on_request_end(group)
+                    self.policy.on_request_end(group)
                     return aborted
         return []
 
@@ -181,8 +147,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
         self.step_count += 1
         if self.prefilled:  # handed-over requests (disaggregation) waiting to be admitted
             self._admit_prefilled()
-        swapped_at_start = bool(self.swapped)
-        victims = self.pick_victims()
+        victims = self.policy.pick_victims()
         plan = self._preempt_victims(victims) if victims else None
         if plan is None and self.decode_batch is not None and not self.swapped:
             plan = self._schedule_decode_batch(self.decode_batch)
@@ -194,14 +159,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
         self.decode_batch = None  # the general path may change anything the batch mirrors
         plan = plan or StepPlan()
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
-        if self.swapped_in_admission_order and (victims or swapped_at_start):
-            self._admit(plan, budget)
-        else:
-            if not plan.preempted:
-                self._resume_swapped(plan, budget)
-                budget = self.max_num_batched_tokens - plan.num_tokens
-            if not self.swapped:
-                self._admit(plan, budget)
+        self._admit(plan, budget)
         plan.sort_decodes_first()
         return self._finish_plan(plan)
 
@@ -212,7 +170,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
                 1
                 for queue in (self.running, self.waiting, self.swapped)
                 for g in queue
-                if self.keeps_slot(g)
+                if self.policy.keeps_slot(g)
                 for s in g.seqs
                 if s.is_finished
             )
@@ -224,7 +182,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
         for group in victims:
             if group not in self.running or group.is_finished:
                 raise SchedulingPolicyError(
-                    f"{type(self).__name__}.pick_victims chose request {group.request_id!r}, "
+                    f"{type(self.policy).__name__}.pick_victims chose request {group.request_id!r}, "
                     "which is not a running, unfinished group (or was chosen twice)"
                 )
             self.running.remove(group)
@@ -280,14 +238,6 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
                 kept.append(group)
         self.running = kept
         return budget
-
-    def _resume_swapped(self, plan: StepPlan, budget: int) -> None:
-        self.swapped.sort(key=queue_key)
-        while self.swapped:
-            used = self._resume_one(self.swapped[0], plan, budget)
-            if used is None:
-                return
-            budget -= used
 
     def _resume_one(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
         """Brings one swapped group back and plans its tokens; None when it cannot."""
@@ -370,9 +320,12 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission, SchedulingPolicy, Sche
             "preemptions_swap": self.num_preemptions["swap"],
             "recomputed_tokens": self.num_recomputed_tokens,
             # a decode instance's figures (disaggregation): none until one arrived
-            **(self._prefilled_stats() if self.prefilled or any(self.num_prefilled.values())
-               else {}),  # fmt: skip
-            **self.policy_stats(),
+            **(
+                self._prefilled_stats()
+                if self.prefilled or any(self.num_prefilled.values())
+                else {}
+            ),  # fmt: skip
+            **self.policy.policy_stats(),
         }
 
 

@@ -41,7 +41,6 @@ class PrefilledAdmission(CoreState):
 
     prefilled: list[PendingPrefilled]
     num_prefilled: dict[str, int]
-    on_add: Callable[[SequenceGroup], None]
     _finish: Callable[[Sequence, FinishReason], None]
 
     def add_prefilled(
@@ -75,7 +74,7 @@ class PrefilledAdmission(CoreState):
                 f"{self._worst_case_blocks(group)} KV blocks, the cache has {self.allocator.num_blocks}"
             )
         self.prefilled.append(PendingPrefilled(group, write_kv, transfer))
-        self.on_add(group)
+        self.policy.on_add(group)
 
     def _admit_prefilled(self) -> None:
         """At the start of a step: admits the prefilled requests that fit, in arrival
@@ -129,7 +128,7 @@ class PrefilledAdmission(CoreState):
                 aborted = group.unfinished()
                 for seq in aborted:
                     self._finish(seq, FinishReason.ABORT)
-                self.on_request_end(group)
+                self.policy.on_request_end(group)
                 return aborted
         return None
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from servelab.scheduling.policy import SchedulingPolicyError
+from servelab.contracts.scheduler import SchedulingPolicy, SchedulingPolicyError
 from servelab.step.decode_batch import DecodeBatch
 from servelab.step.plan import SampledTokens, ScheduledSeq, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -54,7 +54,7 @@ class CoreState:
     admission: str
     max_num_seqs: int
     max_model_len: int
-    on_request_end: Callable[[SequenceGroup], None]
+    policy: SchedulingPolicy
     _worst_case_blocks: Callable[[SequenceGroup], int]
 
 
@@ -65,28 +65,25 @@ class QueueTransitions(CoreState):
     decode_fast_path: bool
     order: str
     max_num_batched_tokens: int
-    swapped_in_admission_order: bool
     _holds_slots: bool
     order_key: Callable[[SequenceGroup], tuple]
-    admission_order: Callable[[list[SequenceGroup], StepPlan], Iterable[SequenceGroup]]
-    tokens_for: Callable[[Sequence, int, int], int]
-    keeps_slot: Callable[[SequenceGroup], bool]
-    on_step_end: Callable[[StepPlan, list[SequenceGroup]], None]
     _resume_one: Callable[[SequenceGroup, StepPlan, int], int | None]
     _release_group: Callable[[SequenceGroup], None]
 
     # -- admission: waiting -> running
     def _admit(self, plan: StepPlan, budget: int) -> int:
         """Admits the policy's `admission_order` one group at a time until one does not fit."""
-        candidates: list[SequenceGroup] = self.waiting
-        if self.swapped_in_admission_order:  # see SchedulingPolicy.swapped_in_admission_order
-            just_preempted = {s.group for s in plan.preempted}
-            candidates = [g for g in self.waiting + self.swapped if g not in just_preempted]
-            candidates.sort(key=self.order_key)
-        elif self.order != "fcfs":
-            candidates = sorted(candidates, key=self.order_key)
+        # swapped groups first (by arrival), then the waiting ones in the base order;
+        # a group swapped out in this step is no candidate
+        self.swapped.sort(key=queue_key)
+        just_preempted = {s.group for s in plan.preempted} if plan.preempted else set()
+        candidates = [g for g in self.swapped if g not in just_preempted]
+        if self.order == "fcfs":
+            candidates += self.waiting
+        else:
+            candidates += sorted(self.waiting, key=self.order_key)
         allowed = set(candidates)
-        for group in self._checked(self.admission_order(list(candidates), plan), allowed):
+        for group in self._checked(self.policy.admission_order(list(candidates), plan), allowed):
             if group in self.swapped:
                 used = self._resume_one(group, plan, budget)
             else:
@@ -103,7 +100,7 @@ class QueueTransitions(CoreState):
         for group in order:
             if group not in allowed:
                 raise SchedulingPolicyError(
-                    f"{type(self).__name__}.admission_order returned request "
+                    f"{type(self.policy).__name__}.admission_order returned request "
                     f"{group.request_id!r}, which is not a candidate to admit now (it is "
                     "already admitted, returned twice, or was never queued)"
                 )
@@ -151,10 +148,10 @@ class QueueTransitions(CoreState):
         return sum(counts)
 
     def _tokens(self, seq: Sequence, start: int, budget: int) -> int:
-        count = self.tokens_for(seq, start, budget)
+        count = self.policy.tokens_for(seq, start, budget)
         if not isinstance(count, int) or not 0 <= count <= min(seq.num_tokens - start, budget):
             raise SchedulingPolicyError(
-                f"{type(self).__name__}.tokens_for returned {count!r} for request "
+                f"{type(self.policy).__name__}.tokens_for returned {count!r} for request "
                 f"{seq.request_id!r}; it must be an integer from 0 to "
                 f"min(tokens left {seq.num_tokens - start}, budget {budget})"
             )
@@ -208,15 +205,15 @@ class QueueTransitions(CoreState):
             for group in list(self.running):  # in queue order
                 if not group.is_finished or (group not in stopped and not self._holds_slots):
                     continue
-                if self._holds_slots and self.keeps_slot(group):
+                if self._holds_slots and self.policy.keeps_slot(group):
                     continue
                 self.running.remove(group)
                 self._release_group(group)
                 finished.append(group)
         self._refresh_decode_batch(plan, forked)
-        self.on_step_end(plan, finished)
+        self.policy.on_step_end(plan, finished)
         for group in finished:
-            self.on_request_end(group)
+            self.policy.on_request_end(group)
         return finished
 
     def _update_decode_batch(

@@ -56,7 +56,9 @@ class SamplingParams:
     # None: none; k >= 0: each prompt token's logprob and the top k (vLLM's prompt_logprobs)
     prompt_logprobs: int | None = None
     # logits processing before temperature (vLLM's and OpenAI's meanings; 1.0 / 0 / None: off)
-    repetition_penalty: float = 1.0  # > 0: a seen token's (prompt or output) logit / p if > 0, * p else
+    repetition_penalty: float = (
+        1.0  # > 0: a seen token's (prompt or output) logit / p if > 0, * p else
+    )
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
     presence_penalty: float = 0.0  # in [-2, 2]: minus this once the token is in the output
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
@@ -93,7 +95,10 @@ class SamplingParams:
             prompt_logprobs=None
             if self.prompt_logprobs is None
             else _integer(
-                "prompt_logprobs", self.prompt_logprobs, "in [0, 20] or None", lambda x: 0 <= x <= 20
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                "in [0, 20] or None",
+                lambda x: 0 <= x <= 20,
             ),
             repetition_penalty=_real(
                 "repetition_penalty", self.repetition_penalty, "> 0 (1 is off)", lambda x: x > 0
@@ -187,7 +192,9 @@ def _bias(name: str, value) -> dict[int, float] | None:
         token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
         if not is_integer(token) or token < 0:
             raise RequestError(f"{name} keys must be token ids (integers >= 0), got {key!r:.40}")
-        out[int(token)] = _real(f"{name}[{key}]", bias, "in [-100, 100]", lambda x: -100 <= x <= 100)
+        out[int(token)] = _real(
+            f"{name}[{key}]", bias, "in [-100, 100]", lambda x: -100 <= x <= 100
+        )
     return out or None
 
 
@@ -343,6 +350,11 @@ class SequenceGroup:
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_swapped(self) -> bool:
+        """Swapped out (its unfinished samples' K/V in host memory), waiting to resume."""
+        return any(s.status is SequenceStatus.SWAPPED for s in self.seqs)
 
     @property
     def num_unfinished(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from servelab.contracts.scheduler import prefills_whole_prompts
 from servelab.registry.plugin_manager import lookup, registered
 from servelab.step.sequence import SamplingParams
 from servelab.testing.hf_reference import build_tiny_hf, hf_greedy
@@ -232,7 +233,7 @@ def engine_options(combo: dict, **overrides: Any) -> dict[str, Any]:
     scheduler = combo.get("scheduler")
     if scheduler is not None:
         name = scheduler if isinstance(scheduler, str) else scheduler["name"]
-        if not getattr(lookup("scheduler", name), "needs_whole_prompt_budget", True):
+        if not prefills_whole_prompts(lookup("scheduler", name)):
             options["max_num_batched_tokens"] = CHUNKED_TOKEN_BUDGET
     options.update(overrides)
     return options

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.scheduling import SchedulerCore
+from servelab.scheduling import SchedulingPolicy
 from servelab.step.sequence import Sequence
 
 
-class ChunkedScheduler(SchedulerCore):
+class ChunkedScheduler(SchedulingPolicy):
     description = "decodes first, then prefill chunks within a per-step token budget (Sarathi)"
-    needs_whole_prompt_budget = False
 
-    def __init__(self, *args, chunk_size: int = 512, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, chunk_size: int = 512, **kwargs) -> None:
+        super().__init__(**kwargs)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ConfigError(
                 f"chunked scheduler: chunk_size must be an integer >= 1, got {chunk_size!r}"

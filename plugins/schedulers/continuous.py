@@ -3,10 +3,10 @@ and admits waiting requests while `max_num_seqs`, the token budget and KV room
 allow; prompts are prefilled whole."""
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.scheduling import SchedulerCore
+from servelab.scheduling import SchedulingPolicy
 
 
-class ContinuousScheduler(SchedulerCore):
+class ContinuousScheduler(SchedulingPolicy):
     description = "iteration-level batching: admit and retire requests every step (Orca)"
 
 

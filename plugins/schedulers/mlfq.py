@@ -18,24 +18,22 @@ from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.scheduling import SchedulerCore, cdiv, queue_key
+from servelab.scheduling import SchedulingPolicy, cdiv, queue_key
 from servelab.step.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-class MultiLevelFeedbackQueue(SchedulerCore):
+class MultiLevelFeedbackQueue(SchedulingPolicy):
     description = "skip-join multi-level feedback queue, preempting lower queues (FastServe)"
-    swapped_in_admission_order = True  # a swapped request resumes in queue order, not first
 
     def __init__(
         self,
-        *args,
         num_queues: int = 4,
         base_quantum: int = 4,
         prompt_tokens_per_step: int = 64,
         starvation_steps: int | None = 256,
         **kwargs,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
         for name, value in (
             ("num_queues", num_queues),
             ("base_quantum", base_quantum),
@@ -51,6 +49,8 @@ class MultiLevelFeedbackQueue(SchedulerCore):
         self.level: dict[str, int] = {}  # request id -> its queue
         self.level_start: dict[str, int] = {}  # request id -> output tokens when it entered it
         self.wait_since: dict[str, int] = {}  # request id -> step it began waiting
+        # this step preempts or starts with swapped groups: see admission_order
+        self.preempting = False
 
     def quantum(self, level: int) -> int:
         return self.base_quantum * 2**level
@@ -62,22 +62,39 @@ class MultiLevelFeedbackQueue(SchedulerCore):
         self.level_start[group.request_id] = 0
 
     def rank(self, group: SequenceGroup) -> tuple:
-        return (self.level[group.request_id], queue_key(group))
+        return (self.queue_of(group), queue_key(group))
 
-    def admission_order(self, candidates, plan):  # queue order, then the base order (stable)
-        return sorted(candidates, key=lambda g: self.level[g.request_id])
+    def admission_order(self, candidates, plan):
+        """Queue order, then the base order; a group preempted in this step is no
+        candidate. In a step that preempts or starts with swapped groups, swapped
+        and waiting groups compete in that order (a swapped request resumes in its
+        queue's turn, not first); otherwise the default rule holds first."""
+        if not self.preempting and not super().admission_order(candidates, plan):
+            return []
+        just_preempted = {s.group for s in plan.preempted}
+        rest = [g for g in candidates if g not in just_preempted]
+        return sorted(rest, key=lambda g: (self.queue_of(g), self.core.order_key(g)))
+
+    def queue_of(self, group: SequenceGroup) -> int:
+        return self.level[group.request_id]
 
     def pick_victims(self):
         """Promotes the starved; then running groups of lower queues to preempt so that
         waiting and swapped groups of higher queues get a slot and KV room."""
         self.promote_starved()
-        running = sorted((g for g in self.running if not g.is_finished), key=self.rank)
+        swapped_at_start = bool(self.core.swapped)
+        victims = self.victims()
+        self.preempting = bool(victims) or swapped_at_start
+        return victims
+
+    def victims(self) -> list[SequenceGroup]:
+        running = sorted((g for g in self.core.running if not g.is_finished), key=self.rank)
         if not running:
             return []
-        free_slots = self.max_num_seqs - self.num_running_seqs
-        free_blocks = self.allocator.num_free_blocks
+        free_slots = self.core.max_num_seqs - self.core.num_running_seqs
+        free_blocks = self.core.allocator.num_free_blocks
         victims: list[SequenceGroup] = []
-        for group in sorted(self.waiting + self.swapped, key=self.rank):
+        for group in sorted(self.core.waiting + self.core.swapped, key=self.rank):
             seqs, level = group.unfinished(), self.level[group.request_id]
             blocks = self.blocks_to_start(seqs)
             while (len(seqs) > free_slots or blocks > free_blocks) and running:
@@ -88,7 +105,7 @@ class MultiLevelFeedbackQueue(SchedulerCore):
                 free_slots += victim.num_unfinished
                 # an estimate: blocks shared with another group (a cached prefix) stay held
                 free_blocks += len(
-                    {b for s in victim.unfinished() for b in self.allocator.block_table(s)}
+                    {b for s in victim.unfinished() for b in self.core.allocator.block_table(s)}
                 )
             if len(seqs) > free_slots or blocks > free_blocks:
                 break
@@ -97,25 +114,30 @@ class MultiLevelFeedbackQueue(SchedulerCore):
         return victims
 
     def promote_starved(self) -> None:
-        waiting = self.waiting + self.swapped
+        waiting = self.core.waiting + self.core.swapped
         since = self.wait_since
-        self.wait_since = {g.request_id: since.get(g.request_id, self.step_count) for g in waiting}
+        self.wait_since = {
+            g.request_id: since.get(g.request_id, self.core.step_count) for g in waiting
+        }
         if self.starvation_steps is None:
             return
         for group in waiting:
             rid = group.request_id
-            if self.level[rid] and self.step_count - self.wait_since[rid] >= self.starvation_steps:
+            if (
+                self.level[rid]
+                and self.core.step_count - self.wait_since[rid] >= self.starvation_steps
+            ):
                 self.level[rid] = 0
                 self.level_start[rid] = max(s.num_output_tokens for s in group.seqs)
-                self.wait_since[rid] = self.step_count
+                self.wait_since[rid] = self.core.step_count
 
     def blocks_to_start(self, seqs: list[Sequence]) -> int:
         if seqs[0].status is SequenceStatus.SWAPPED:
-            return sum(cdiv(s.num_tokens, self.allocator.block_size) for s in seqs)
-        return sum(self.allocator.blocks_needed(s, s.num_tokens) for s in seqs)
+            return sum(cdiv(s.num_tokens, self.core.allocator.block_size) for s in seqs)
+        return sum(self.core.allocator.blocks_needed(s, s.num_tokens) for s in seqs)
 
     def on_step_end(self, plan, finished):  # demotion: one queue per quantum spent
-        for group in self.running:
+        for group in self.core.running:
             rid = group.request_id
             produced = max(s.num_output_tokens for s in group.seqs)
             while self.level[rid] < self.num_queues - 1 and produced - self.level_start[

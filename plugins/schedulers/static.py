@@ -15,11 +15,11 @@ import time
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.scheduling import SchedulerCore
+from servelab.scheduling import SchedulingPolicy
 from servelab.step.sequence import SequenceGroup, finite_number
 
 
-class StaticScheduler(SchedulerCore):
+class StaticScheduler(SchedulingPolicy):
     description = "request-level batching: a new batch only when the whole previous one is done"
 
     clock = staticmethod(time.perf_counter)
@@ -27,7 +27,7 @@ class StaticScheduler(SchedulerCore):
     def __init__(
         self, *args, batch_size: int | None = None, batch_timeout: float = 0.0, **kwargs
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
         if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
             raise ConfigError(
                 f"static scheduler: batch_size must be null or an integer >= 1, got {batch_size!r}"
@@ -38,30 +38,34 @@ class StaticScheduler(SchedulerCore):
                 "static scheduler: batch_timeout must be a finite number >= 0 seconds "
                 f"(an infinite one would wait forever), got {batch_timeout!r}"
             )
-        self.batch_size = batch_size or self.max_num_seqs
+        self.batch_size = batch_size  # None: max_num_seqs
         self.batch_timeout = float(batch_timeout)
         self.batch: list[SequenceGroup] = []  # the current batch, finished members included
         self.added_at: dict[str, float] = {}  # request id -> clock() when it was added
+
+    @property
+    def size(self) -> int:
+        return self.batch_size or self.core.max_num_seqs
 
     def on_add(self, group):
         self.added_at[group.request_id] = self.clock()
 
     def batch_ready(self) -> bool:
         """Enough requests wait, or the oldest of them has waited long enough."""
-        if len(self.waiting) >= self.batch_size:
+        if len(self.core.waiting) >= self.size:
             return True
-        oldest = min(self.added_at.get(g.request_id, 0.0) for g in self.waiting)
+        oldest = min(self.added_at.get(g.request_id, 0.0) for g in self.core.waiting)
         return self.clock() - oldest >= self.batch_timeout
 
     def admission_order(self, candidates, plan):
         if self.batch:  # a running batch admits nobody new, only its own preempted members
-            yield from [g for g in self.waiting if g in self.batch]
+            yield from [g for g in super().admission_order(candidates, plan) if g in self.batch]
             return
         if not candidates or not self.batch_ready():
             return
-        for group in candidates[: self.batch_size - len(self.running)]:
+        for group in candidates[: self.size - len(self.core.running)]:
             yield group  # resumed only once it was admitted (or dropped: the cache is too small)
-            if group in self.running:
+            if group in self.core.running:
                 self.batch.append(group)
                 self.added_at.pop(group.request_id, None)
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.scheduling import SchedulerCore
+from servelab.scheduling import SchedulingPolicy
 from servelab.step.sequence import SequenceGroup, finite_number
 
 
-class VirtualTokenCounter(SchedulerCore):
+class VirtualTokenCounter(SchedulingPolicy):
     description = "fair share: admit the backlogged client with the least weighted service (VTC)"
 
-    def __init__(self, *args, w_prompt: float = 1.0, w_output: float = 2.0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, w_prompt: float = 1.0, w_output: float = 2.0, **kwargs) -> None:
+        super().__init__(**kwargs)
         for name, value in (("w_prompt", w_prompt), ("w_output", w_output)):
             number = finite_number(value)
             if number is None or number < 0:
@@ -50,18 +50,23 @@ class VirtualTokenCounter(SchedulerCore):
         self.served[client] = self.served.get(client, 0.0) + amount
 
     def on_add(self, group):  # the counter lift of a client that was not backlogged
-        backlogged = {g.client for g in self.waiting if g is not group}
+        backlogged = {g.client for g in self.core.waiting if g is not group}
         if group.client not in backlogged:
             floor = min((self.counter(c) for c in backlogged), default=self.last_left)
             self.counters[group.client] = max(self.counter(group.client), floor)
 
     def admission_order(self, candidates, plan):
-        """The least-served backlogged client's first request, again after each admission."""
+        """Swapped requests first (they were admitted and charged already), then the
+        least-served backlogged client's first request, again after each admission."""
+        allowed = list(super().admission_order(candidates, plan))
+        swapped = [g for g in allowed if g.is_swapped]  # read before resuming changes it
         queues: dict[str | None, list[SequenceGroup]] = {}
-        for group in candidates:  # each client's queue in base order
-            queues.setdefault(group.client, []).append(group)
+        for group in allowed:  # each client's queue in base order
+            if not group.is_swapped:
+                queues.setdefault(group.client, []).append(group)
+        yield from swapped
         while queues:
-            client = min(queues, key=lambda c: (self.counter(c), self.order_key(queues[c][0])))
+            client = min(queues, key=lambda c: (self.counter(c), self.core.order_key(queues[c][0])))
             group = queues[client].pop(0)
             yield group  # resumed only once it was admitted
             if not group.is_finished and group.request_id not in self.charged_prompt:
@@ -73,7 +78,7 @@ class VirtualTokenCounter(SchedulerCore):
                 self.last_left = self.counter(client)
 
     def on_step_end(self, plan, finished):  # output tokens, charged as they are generated
-        for group in self.running + finished:
+        for group in self.core.running + finished:
             produced = sum(s.num_output_tokens for s in group.seqs)
             new = produced - self.charged_output.get(group.request_id, 0)
             if new:

@@ -326,7 +326,7 @@ class FakeClock:
 def test_static_batcher_waits_for_batch_size_or_timeout():
     engine = tiny_engine(name="static", batch_size=3, batch_timeout=0.5)
     clock = FakeClock()
-    engine.scheduler.clock = clock
+    engine.scheduler.policy.clock = clock
     params = dict(max_tokens=2, temperature=0.0, ignore_eos=True)
     from servelab.step.sequence import SamplingParams
 

@@ -19,7 +19,7 @@ def test_skip_join_puts_a_request_in_the_first_queue_whose_quantum_covers_its_fi
     # first steps 1, 2.25, 5 and 15 decode steps against quanta 2, 4, 8
     for rid, length in [("p4", 4), ("p9", 9), ("p20", 20), ("p60", 60)]:
         eng.add_request(list(range(2, 2 + length)), greedy(1), request_id=rid)
-    assert {r: eng.scheduler.level[r] for r in ("p4", "p9", "p20", "p60")} == {
+    assert {r: eng.scheduler.policy.level[r] for r in ("p4", "p9", "p20", "p60")} == {
         "p4": 0,
         "p9": 1,
         "p20": 2,
@@ -33,7 +33,7 @@ def test_demotion_after_each_quantum_of_output_tokens():
     levels = []
     for _ in range(12):
         eng.step()
-        levels.append(eng.scheduler.level.get("long"))
+        levels.append(eng.scheduler.policy.level.get("long"))
     # 1 token per step: queue 0 for 2 tokens, queue 1 for 4 more, then queue 2 (the last)
     assert levels[:11] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]
     assert levels[11] is None  # finished and forgotten

@@ -1,10 +1,8 @@
-"""The policy hooks (`servelab.scheduling.policy`): a new scheduler in about
+"""The policy hooks (`servelab.contracts.scheduler`): a new scheduler in about
 thirty lines passes the conformance kit, and the core refuses any answer that
 would corrupt its block accounting."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 
@@ -15,7 +13,7 @@ from servelab.testing.conformance import temporarily_registered
 
 
 # -- a whole scheduler, written against the hooks only (it is the example in docs/plugins.md)
-class ClientPriority(SchedulerCore):
+class ClientPriority(SchedulingPolicy):
     """Admits by client rank, then shortest prompt first.
 
     `clients`: comma-separated client names, highest rank first; any other
@@ -27,8 +25,8 @@ class ClientPriority(SchedulerCore):
 
     description = "priority by client, then shortest prompt"
 
-    def __init__(self, *args, clients: str = "", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, clients: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
         names = [c.strip() for c in clients.split(",") if c.strip()]
         self.rank = {name: i for i, name in enumerate(names)}
 
@@ -84,17 +82,17 @@ def test_client_priority_admits_by_rank_then_shortest_prompt():
     assert done == ["c", "d", "b", "a"]
 
 
-class AdmitsTwice(SchedulerCore):
+class AdmitsTwice(SchedulingPolicy):
     def admission_order(self, candidates, plan):
         return candidates[:1] * 2
 
 
-class PicksAWaitingVictim(SchedulerCore):
+class PicksAWaitingVictim(SchedulingPolicy):
     def pick_victims(self):
-        return list(self.waiting)
+        return list(self.core.waiting)
 
 
-class TooManyTokens(SchedulerCore):
+class TooManyTokens(SchedulingPolicy):
     def tokens_for(self, seq, start, budget):
         return seq.num_tokens - start + 1
 
@@ -137,14 +135,15 @@ def test_there_are_eight_hooks_and_each_has_a_default():
     assert all(callable(getattr(SchedulingPolicy, h)) for h in HOOKS)
 
 
-def test_overriding_an_old_method_warns_and_names_the_hooks():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-
-        class OldStyle(SchedulerCore):
-            def admit(self, plan, budget):
-                return budget
-
-        OldStyle.__module__ = "someone_elses_plugin"
-    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
-    assert any("admit" in m and "admission_order" in m for m in messages), messages
+def test_a_policy_shows_the_hooks_alone():
+    """What a policy author subclasses has no public method but the hooks; the
+    engine-facing methods (`add`, `schedule`, `update`, ...) are the core's."""
+    public = {
+        name
+        for name, value in vars(SchedulingPolicy).items()
+        if callable(value) and not name.startswith("_")
+    }
+    assert public == set(HOOKS)
+    engine_facing = {"add", "abort", "schedule", "update", "stats", "stop", "has_unfinished"}
+    assert engine_facing <= {n for n in dir(SchedulerCore) if not n.startswith("_")}
+    assert not engine_facing & set(dir(SchedulingPolicy))

@@ -25,7 +25,7 @@ import pytest
 from servelab import SamplingParams, build_engine
 from servelab.registry import listing as plugins_cli
 from servelab.registry import plugin_manager
-from servelab.scheduling import SchedulerCore
+from servelab.scheduling import SchedulingPolicy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "servelab-sjf"
 DIST_NAME = "servelab-sjf"
@@ -131,7 +131,7 @@ def test_plugins_cli_lists_sjf_options_and_observer(installed, version, sjf_regi
     (sjf,) = [p for p in listing["parts"]["scheduler"] if p["name"] == "sjf"]
     assert sjf["origin"] == f"{DIST_NAME} {version}"
     own = inspect.signature(ShortestJobFirst.__init__).parameters
-    base = inspect.signature(SchedulerCore.__init__).parameters
+    base = inspect.signature(SchedulingPolicy.__init__).parameters
     assert sjf["options"] == {
         "predictor": own["predictor"].default,
         "ageing": own["ageing"].default,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import email.parser
 import importlib
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -18,10 +19,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from servelab import hookimpl
+from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.kinds import KINDS
 from servelab.contracts.preemption import PreemptionPolicy
-from servelab.contracts.scheduler import Scheduler
+from servelab.contracts.scheduler import SchedulingPolicy
 from servelab.errors import ConfigError
 from servelab.registry import plugin_manager
 from servelab.registry.construct import construct
@@ -102,11 +104,21 @@ def test_part_options_exclude_engine_context(monkeypatch):
     plugin = importlib.import_module("servelab_fake_sjf.plugin")
     # The fakes take their context as keyword-only parameters without defaults
     # (or through **context), so their user options are exactly the kwdefaults.
-    for kind, name, cls in [
-        ("scheduler", "fake_sjf", plugin.ShortestJobFirst),
-        ("attention", "fake_window", plugin.SlidingWindowAttention),
-    ]:
-        assert plugin_manager.registered(kind)[name].options == cls.__init__.__kwdefaults__
+    window = plugin.SlidingWindowAttention
+    assert plugin_manager.registered("attention")["fake_window"].options == (
+        window.__init__.__kwdefaults__
+    )
+    # a scheduling policy has no engine context; its options include the base's
+    base = {
+        name: p.default
+        for name, p in inspect.signature(SchedulingPolicy.__init__).parameters.items()
+        if name != "self"
+    }
+    sjf = plugin.ShortestJobFirst
+    assert plugin_manager.registered("scheduler")["fake_sjf"].options == {
+        **sjf.__init__.__kwdefaults__,
+        **base,
+    }
 
 
 @pytest.mark.parametrize("by", ["entry point", "module"])
@@ -248,19 +260,19 @@ def test_same_name_in_two_kinds_is_allowed():
 def test_class_missing_abstract_methods_is_left_out_with_a_warning(monkeypatch, caplog):
     install(monkeypatch, "incomplete", "sjf")
     caplog.set_level(logging.WARNING, logger=plugin_manager.__name__)
-    schedulers = plugin_manager.registered("scheduler")
-    assert "fake_half" not in schedulers and "fake_sjf" in schedulers
-    half = importlib.import_module("servelab_fake_incomplete.plugin").HalfScheduler
+    assert "fake_half" not in plugin_manager.registered("allocator")
+    assert "fake_sjf" in plugin_manager.registered("scheduler")
+    half = importlib.import_module("servelab_fake_incomplete.plugin").HalfAllocator
     implemented = set(vars(half))
-    missing = sorted(m for m in Scheduler.__abstractmethods__ if m not in implemented)
+    missing = sorted(m for m in KVAllocator.__abstractmethods__ if m not in implemented)
     assert missing  # the fixture really leaves some out
-    (record,) = records_mentioning(caplog, "HalfScheduler")
+    (record,) = records_mentioning(caplog, "HalfAllocator")
     message = record.getMessage()
     assert dist_label("incomplete") in message and ", ".join(missing) in message
     with pytest.raises(
-        ConfigError, match="unknown scheduler 'fake_half'.*failed to load.*HalfScheduler"
+        ConfigError, match="unknown allocator 'fake_half'.*failed to load.*HalfAllocator"
     ):
-        plugin_manager.lookup("scheduler", "fake_half")
+        plugin_manager.lookup("allocator", "fake_half")
 
 
 def test_class_outside_the_contract_is_left_out_with_a_warning(caplog):

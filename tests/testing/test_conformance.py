@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from servelab.contracts.scheduler import Scheduler
+from servelab.contracts.scheduler import SchedulingPolicy
 from servelab.plugins.allocators.paged import PagedAllocator
 from servelab.plugins.attention.per_request import PerRequestBackend
 from servelab.plugins.preemption.recompute import RecomputePolicy
-from servelab.plugins.schedulers.continuous import ContinuousScheduler
 from servelab.registry.plugin_manager import get_plugin_manager, registered
 from servelab.testing import (
     check_allocator,
@@ -59,7 +58,7 @@ def test_kit_passes_builtin(kind, name, options):
 def test_part_is_unregistered_after_a_check_even_when_it_fails():
     before = set(registered("scheduler"))
     with pytest.raises(AssertionError):
-        check_scheduler(DropsARequest)
+        check_scheduler(StarvesARequest)
     assert set(registered("scheduler")) == before
     assert not [n for n in get_plugin_manager().list_name_plugin() if "servelab.testing" in n[0]]
 
@@ -67,17 +66,19 @@ def test_part_is_unregistered_after_a_check_even_when_it_fails():
 # -- deliberately broken parts
 
 
-class DropsARequest(ContinuousScheduler):
-    """Forgets the third request it is given: it never runs, never finishes."""
+class StarvesARequest(SchedulingPolicy):
+    """Never offers the third request it hears of for admission: it waits for ever."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.num_added = 0
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.added: list[str] = []
 
-    def add(self, group) -> None:
-        self.num_added += 1
-        if self.num_added != 3:
-            super().add(group)
+    def on_add(self, group) -> None:
+        self.added.append(group.request_id)
+
+    def admission_order(self, candidates, plan):
+        starved = self.added[2:3]
+        return [g for g in super().admission_order(candidates, plan) if g.request_id not in starved]
 
 
 class LeaksABlock(PagedAllocator):
@@ -108,16 +109,14 @@ class PicksAStranger(RecomputePolicy):
         return list(running[0])
 
 
-class MissesSchedule(Scheduler):
-    def add(self, group): ...
-    def abort(self, request_id): ...
-    def update(self, plan, sampled, now): ...
-    def has_unfinished(self): ...
+class NotAPolicy:  # answers a hook, but is no SchedulingPolicy
+    def admission_order(self, candidates, plan):
+        return candidates
 
 
-def test_kit_catches_a_scheduler_that_drops_a_request():
-    with pytest.raises(AssertionError, match=r"never finished.*dropped"):
-        check_scheduler(DropsARequest)
+def test_kit_catches_a_scheduler_that_starves_a_request():
+    with pytest.raises(AssertionError, match=r"no end after \d+ steps; unfinished requests"):
+        check_scheduler(StarvesARequest)
 
 
 def test_kit_catches_an_allocator_that_leaks_a_block():
@@ -138,9 +137,9 @@ def test_kit_catches_a_victim_that_is_not_a_candidate():
         check_preemption(PicksAStranger)
 
 
-def test_kit_names_the_missing_methods_of_an_incomplete_part():
-    with pytest.raises(AssertionError, match=r"not a valid scheduler.*schedule"):
-        check_scheduler(MissesSchedule)
+def test_kit_names_the_contract_a_part_does_not_subclass():
+    with pytest.raises(AssertionError, match=r"not a valid scheduler.*SchedulingPolicy"):
+        check_scheduler(NotAPolicy)
 
 
 def test_registration_is_temporary():

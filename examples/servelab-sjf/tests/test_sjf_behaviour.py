@@ -9,7 +9,7 @@ import json
 import pytest
 from servelab import LLM, SamplingParams, build_engine
 from servelab.registry.plugin_manager import get_plugin_manager
-from servelab.scheduling import SchedulerCore
+from servelab.scheduling import SchedulingPolicy
 
 from servelab_sjf import TRACE_ENV, ShortestJobFirst
 
@@ -76,7 +76,7 @@ def test_scheduler_sjf_is_a_hydra_config_option(sjf_plugin):
     with initialize_config_module("servelab.conf", version_base="1.3"):
         cfg = compose("config", overrides=["scheduler=sjf", "scheduler.ageing=0.25"])
     own = inspect.signature(ShortestJobFirst.__init__).parameters
-    base = inspect.signature(SchedulerCore.__init__).parameters
+    base = inspect.signature(SchedulingPolicy.__init__).parameters
     assert dict(cfg.scheduler) == {
         "name": "sjf",
         "predictor": own["predictor"].default,

@@ -6,20 +6,20 @@ end-to-end latency drops. Ageing keeps that from starving a long request: each
 scheduler step a request waits counts as `ageing` tokens of work already done.
 
 Everything else — queues, KV admission, preemption, finishing — is
-`SchedulerCore`'s; this policy overrides three hooks: `on_add`,
+`SchedulerCore`'s; this policy overrides four hooks: `on_add`,
 `admission_order` and `on_request_end` (plus `policy_stats` for the trace).
 """
 
 from __future__ import annotations
 
 from servelab.errors import ConfigError
-from servelab.scheduling import SchedulerCore
+from servelab.scheduling import SchedulingPolicy
 from servelab.step.sequence import SequenceGroup
 
 PREDICTORS = ("max_tokens", "total")
 
 
-class ShortestJobFirst(SchedulerCore):
+class ShortestJobFirst(SchedulingPolicy):
     """Admits the waiting request with the least predicted work first; ageing prevents starvation.
 
     Options:
@@ -42,8 +42,8 @@ class ShortestJobFirst(SchedulerCore):
 
     description = "shortest job first by predicted output length, with ageing (servelab-sjf)"
 
-    def __init__(self, *args, predictor: str = "max_tokens", ageing: float = 1.0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, predictor: str = "max_tokens", ageing: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
         if predictor not in PREDICTORS:
             raise ConfigError(
                 f"sjf scheduler: unknown predictor {predictor!r}; accepted: {', '.join(PREDICTORS)}"
@@ -55,7 +55,7 @@ class ShortestJobFirst(SchedulerCore):
         self.enqueued_at: dict[str, int] = {}  # request -> step it first entered the queue
 
     def on_add(self, group):
-        self.enqueued_at.setdefault(group.request_id, self.step_count)
+        self.enqueued_at.setdefault(group.request_id, self.core.step_count)
 
     def on_request_end(self, group):
         self.enqueued_at.pop(group.request_id, None)
@@ -70,12 +70,15 @@ class ShortestJobFirst(SchedulerCore):
         return max(s.num_uncomputed_tokens for s in seqs) + outputs_left * samples
 
     def sjf_key(self, group: SequenceGroup) -> tuple:
-        enqueued = self.enqueued_at.get(group.request_id, self.step_count)
+        enqueued = self.enqueued_at.get(group.request_id, self.core.step_count)
         aged = self.predicted_work(group) + self.ageing * enqueued
         return (group.priority, aged, group.arrival_time, group.seqs[0].seq_id)
 
     def admission_order(self, candidates, plan):
-        return sorted(candidates, key=self.sjf_key)
+        # swapped requests resume first, as they come; the waiting ones shortest first
+        candidates = list(super().admission_order(candidates, plan))
+        swapped = [g for g in candidates if g.is_swapped]
+        return swapped + sorted((g for g in candidates if not g.is_swapped), key=self.sjf_key)
 
     def policy_stats(self):
-        return {"sjf_steps": self.step_count}
+        return {"sjf_steps": self.core.step_count}

@@ -1,19 +1,19 @@
-"""A plugin whose scheduler implements only part of the Scheduler contract."""
+"""A plugin whose allocator implements only part of the KVAllocator contract."""
 
 from servelab import hookimpl
-from servelab.contracts.scheduler import Scheduler
+from servelab.contracts.allocator import KVAllocator
 
 
-class HalfScheduler(Scheduler):
-    """Implements `add` and `abort`; the other abstract methods are missing."""
+class HalfAllocator(KVAllocator):
+    """Implements `blocks_needed` and `allocate`; the other abstract methods are missing."""
 
-    def add(self, seq):
-        pass
+    def blocks_needed(self, seq, num_tokens):
+        return 0
 
-    def abort(self, request_id):
-        return []
+    def allocate(self, seq, num_tokens):
+        return 0
 
 
 @hookimpl
-def servelab_register_schedulers():
-    return {"fake_half": HalfScheduler}
+def servelab_register_allocators():
+    return {"fake_half": HalfAllocator}

@@ -3,40 +3,17 @@ options, and an observer that takes fewer arguments than its hook spec."""
 
 from servelab import hookimpl
 from servelab.contracts.attention import AttentionBackend
-from servelab.contracts.scheduler import Scheduler
+from servelab.contracts.scheduler import SchedulingPolicy
 
 STEPS_SEEN: list[dict] = []
 
 
-class ShortestJobFirst(Scheduler):
-    """Serves the shortest prompt first (a fake: it never schedules anything)."""
+class ShortestJobFirst(SchedulingPolicy):
+    """Serves the shortest prompt first (a fake: it keeps the default hooks)."""
 
-    def __init__(
-        self,
-        *,
-        allocator,
-        preemption,
-        max_num_seqs,
-        max_num_batched_tokens,
-        max_model_len,
-        aging: float = 0.5,
-    ):
+    def __init__(self, *, aging: float = 0.5, **kwargs):
+        super().__init__(**kwargs)
         self.aging = aging
-
-    def add(self, seq):
-        pass
-
-    def abort(self, request_id):
-        return []
-
-    def schedule(self):
-        raise NotImplementedError
-
-    def update(self, plan, sampled, now):
-        return []
-
-    def has_unfinished(self):
-        return False
 
 
 class SlidingWindowAttention(AttentionBackend):

@@ -12,7 +12,7 @@ already ended the request (a stop token, EOS, a stop string, max_tokens=1, the l
 limit), so there is nothing to hand over.
 
 Decode instance: `Engine.add_prefilled_request` queues it as prompt + first token; the
-scheduler core (`servelab.scheduling.prefilled`) admits it when its allocator has room,
+scheduler core (`servelab.scheduling.admission`) admits it when its allocator has room,
 the executor writes the K/V into the blocks it got (`write_kv`), and only decoding
 remains. A simulated executor has no K/V tensors (`kv_layout` is None): `kv` is None
 and only blocks and time are modelled.

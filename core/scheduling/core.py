@@ -1,22 +1,17 @@
-"""`SchedulerCore`: the part of every scheduler that owns correctness.
+"""`SchedulerCore`: the engine's scheduler, the part that owns correctness.
 
-Queues hold `SequenceGroup`s (a request and, after its prompt, its n samples).
-`schedule()` runs three phases (running, swapped, waiting); a policy
-(`servelab.contracts.scheduler.SchedulingPolicy`) answers the questions it asks: who to admit and
-in what order, how many tokens a sequence runs, whom to preempt. Admission,
-block accounting, the decode batch, preemption and finishing stay here, and
-every answer is checked before it is acted on.
-
-Admission modes: `reserve` admits a group only when its worst case (prompt + max_tokens for
-each of its n samples) fits next to every admitted group's, so it never preempts; `on_demand`
-needs room for what runs now, and when blocks run out the preemption policy frees a victim.
-Base order (`order`): `fcfs` by (priority, arrival); `lpm` by (priority, longest prefix the
-allocator already caches, arrival), SGLang's cache-aware order.
+It composes small parts, each owning its state: `Queues` (waiting, running,
+swapped; the seat check), `Admission` (the reserve budget, requests prefilled
+elsewhere, and every way into running), `DecodePhase` (the steady decode phase
+as arrays). Itself it runs a step: `schedule()` (preempt the policy's victims,
+the running phase, then admission and resumption) and, after the forward,
+`update()` (advance, append sampled tokens, fork, stop, free). A policy
+(`servelab.contracts.scheduler.SchedulingPolicy`) answers the questions it asks
+(who to admit, in what order, how many tokens a sequence runs, whom to
+preempt), and every answer is checked before it is acted on.
 """
 
 from __future__ import annotations
-
-import bisect
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.preemption import PreemptionPolicy
@@ -25,27 +20,18 @@ from servelab.contracts.scheduler import (
     SchedulingPolicyError,
     prefills_whole_prompts,
 )
-from servelab.errors import ConfigError, RequestError
-from servelab.scheduling.prefilled import PendingPrefilled, PrefilledAdmission
-from servelab.scheduling.transitions import QueueTransitions, queue_key
-from servelab.step.decode_batch import DecodeBatch
-from servelab.step.plan import ScheduledSeq, StepPlan
+from servelab.errors import ConfigError
+from servelab.scheduling.admission import Admission, KVWriter, Queues, checked_tokens, queue_key
+from servelab.scheduling.decode_phase import DecodePhase
+from servelab.step.plan import SampledTokens, ScheduledSeq, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class SchedulerCore(QueueTransitions, PrefilledAdmission):
-    """The engine's scheduler: queues, the running and swapped phases and
-    preemption (`schedule`); from `QueueTransitions`, admission and what happens
-    after the forward (`update`). It asks `policy` its questions (the hooks of
-    `servelab.contracts.scheduler.SchedulingPolicy`) and checks every answer."""
-
-    # steady decode phases run as a DecodeBatch (same plans, array bookkeeping);
-    # False makes every step take the general path (tests compare the two)
-    decode_fast_path = True
+class SchedulerCore:
+    """What the engine calls (`add`, `add_prefilled`, `abort`, `stop`,
+    `schedule`, `update`, `has_unfinished`, `stats`); what a policy reads
+    (`waiting`, `running`, `swapped`, `num_running_seqs`, `allocator`,
+    `max_num_seqs`, `step_count`, `order_key`)."""
 
     def __init__(
         self,
@@ -56,119 +42,121 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission):
         max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
-        name = type(policy).__name__
         if prefills_whole_prompts(type(policy)) and max_num_batched_tokens < max_model_len:
             raise ConfigError(
-                f"{name} prefills whole prompts, so max_num_batched_tokens "
+                f"{type(policy).__name__} prefills whole prompts, so max_num_batched_tokens "
                 f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len}); "
                 "raise it or use scheduler=chunked"
             )
         self.policy = policy
         policy.core = self
-        self.admission = policy.admission
-        self.order = policy.order
         self.allocator = allocator
         self.preemption = preemption
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: list[SequenceGroup] = []  # sorted by queue_key
-        self.running: list[SequenceGroup] = []
-        self.swapped: list[SequenceGroup] = []
-        self.reserved_blocks: dict[str, int] = {}  # reserve mode: request -> worst-case blocks
+        self.queues = Queues(max_num_seqs)
+        self.admission = Admission(self.queues, allocator, policy, max_model_len)
+        self.decode_phase = DecodePhase(
+            self.queues, allocator, max_num_batched_tokens, max_model_len
+        )
+        self.order_key = self.admission.order_key
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_recomputed_tokens = 0
         self.step_count = 0  # schedule() calls so far
-        self.cache_full: list[SequenceGroup] = []  # finished by schedule() itself (cache full)
-        # the running sequences while they all decode (see servelab.step.decode_batch);
-        # None whenever a step must take the general path
-        self.decode_batch: DecodeBatch | None = None
         self._holds_slots = type(policy).keeps_slot is not SchedulingPolicy.keeps_slot
-        # requests prefilled elsewhere, waiting for admission (`add_prefilled`)
-        self.prefilled: list[PendingPrefilled] = []
-        self.num_prefilled = {"admitted": 0, "recomputed": 0, "prefix_hit_tokens": 0}
 
-    # -- the contract: queues
-    def add(self, group: SequenceGroup) -> None:
-        if group.params.n > self.max_num_seqs:
-            raise RequestError(
-                f"request {group.request_id!r} asks for n={group.params.n} samples but "
-                f"max_num_seqs={self.max_num_seqs} sequences can run at once"
-            )
-        if self.admission == "reserve":
-            need = self._worst_case_blocks(group)
-            if need > self.allocator.num_blocks:
-                raise RequestError(
-                    f"request {group.request_id!r} can never fit: prompt {group.seqs[0].num_prompt_tokens}"
-                    f" + max_tokens {group.params.max_tokens} (capped at max_model_len "
-                    f"{self.max_model_len}) x n={group.params.n} needs {need} KV blocks of "
-                    f"{self.allocator.block_size} tokens, the cache has {self.allocator.num_blocks}"
-                )
-        bisect.insort(self.waiting, group, key=queue_key)
-        self.policy.on_add(group)
+    # -- what a policy reads
+    @property
+    def waiting(self) -> list[SequenceGroup]:
+        return self.queues.waiting
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        self.decode_batch = None
-        if self.prefilled and (aborted := self._abort_prefilled(request_id)) is not None:
-            return aborted
-        for queue in (self.waiting, self.running, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    queue.remove(group)
-                    aborted = group.unfinished()
-                    for seq in aborted:
-                        self._finish(seq, FinishReason.ABORT)
-                    self._release_group(group)
-                    self.policy.on_request_end(group)
-                    return aborted
-        return []
+    @property
+    def running(self) -> list[SequenceGroup]:
+        return self.queues.running
 
-    def stop(self, seq: Sequence) -> None:
-        """Finishes `seq` from outside the step (a stop string matched its text)."""
-        self.decode_batch = None  # it may hold the row; rebuilt next step
-        self._finish(seq, FinishReason.STOP)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.prefilled)
+    @property
+    def swapped(self) -> list[SequenceGroup]:
+        return self.queues.swapped
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(g.num_unfinished for g in self.running)
+        return self.queues.num_running_seqs
 
-    def order_key(self, group: SequenceGroup) -> tuple:
-        """A group's place in the base order (`order`): lower first."""
-        if self.order == "lpm":
-            cached = self.allocator.match_prefix(group.seqs[0])
-            return (group.priority, -cached, group.arrival_time, group.seqs[0].seq_id)
-        return queue_key(group)
+    # -- requests in and out
+    def add(self, group: SequenceGroup) -> None:
+        self.admission.check_request(group)
+        self.queues.queue(group)
+        self.policy.on_add(group)
 
-    # -- the contract: one step
+    def add_prefilled(
+        self, group: SequenceGroup, write_kv: KVWriter | None, transfer: str = "wait"
+    ) -> None:
+        """Queues a request prefilled elsewhere (see `servelab.scheduling.admission`)."""
+        self.admission.add_prefilled(group, write_kv, transfer)
+        self.policy.on_add(group)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        self.decode_phase.drop()
+        prefilled = self.admission.abort_prefilled(request_id) if self.admission.prefilled else None
+        group = prefilled or self._take_queued(request_id)
+        if group is None:
+            return []
+        aborted = group.unfinished()
+        for seq in aborted:
+            seq.finish(FinishReason.ABORT)
+            self.allocator.free(seq)
+        if prefilled is None:  # a prefilled request holds no blocks until it is admitted
+            self.admission.release(group)
+        self.policy.on_request_end(group)
+        return aborted
+
+    def _take_queued(self, request_id: str) -> SequenceGroup | None:
+        for queue in (self.queues.waiting, self.queues.running, self.queues.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    return group
+        return None
+
+    def stop(self, seq: Sequence) -> None:
+        """Finishes `seq` from outside the step (a stop string matched its text)."""
+        self.decode_phase.drop()  # the batch may hold the row; rebuilt next step
+        seq.finish(FinishReason.STOP)
+        self.allocator.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.queues.has_groups() or bool(self.admission.prefilled)
+
+    # -- one step
     def schedule(self) -> StepPlan:
         self.step_count += 1
-        if self.prefilled:  # handed-over requests (disaggregation) waiting to be admitted
-            self._admit_prefilled()
+        if self.admission.prefilled and self.admission.admit_prefilled():
+            self.decode_phase.drop()  # a new running sequence: the general path rebuilds it
         victims = self.policy.pick_victims()
         plan = self._preempt_victims(victims) if victims else None
-        if plan is None and self.decode_batch is not None and not self.swapped:
-            plan = self._schedule_decode_batch(self.decode_batch)
+        if plan is None and not self.queues.swapped:
+            plan = self.decode_phase.schedule()
             if plan is not None:
-                if self.waiting:
-                    self._admit(plan, self.max_num_batched_tokens - plan.num_batch_decodes)
+                if self.queues.waiting:
+                    budget = self.max_num_batched_tokens - plan.num_batch_decodes
+                    self.admission.admit(plan, budget, self._resume)
                     plan.sort_decodes_first()
                 return self._finish_plan(plan)
-        self.decode_batch = None  # the general path may change anything the batch mirrors
+        self.decode_phase.drop()  # the general path may change anything the batch mirrors
         plan = plan or StepPlan()
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
-        self._admit(plan, budget)
+        self.admission.admit(plan, budget, self._resume)
         plan.sort_decodes_first()
         return self._finish_plan(plan)
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
         plan.copies = self.allocator.take_copies()
         if self._holds_slots:  # finished sequences of groups that keep their slots
+            queues = self.queues
             plan.idle_slots = sum(
                 1
-                for queue in (self.running, self.waiting, self.swapped)
+                for queue in (queues.running, queues.waiting, queues.swapped)
                 for g in queue
                 if self.policy.keeps_slot(g)
                 for s in g.seqs
@@ -178,31 +166,20 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission):
 
     def _preempt_victims(self, victims: list[SequenceGroup]) -> StepPlan:
         plan = StepPlan()
-        self.decode_batch = None
         for group in victims:
-            if group not in self.running or group.is_finished:
+            if group not in self.queues.running or group.is_finished:
                 raise SchedulingPolicyError(
-                    f"{type(self.policy).__name__}.pick_victims chose request {group.request_id!r}, "
-                    "which is not a running, unfinished group (or was chosen twice)"
+                    f"{type(self.policy).__name__}.pick_victims chose request "
+                    f"{group.request_id!r}, which is not a running, unfinished group "
+                    "(or was chosen twice)"
                 )
-            self.running.remove(group)
+            self.queues.running.remove(group)
             self._preempt(group, plan)
         return plan
 
-    # -- the running and swapped phases
-    def _schedule_decode_batch(self, batch: DecodeBatch) -> StepPlan | None:
-        """Every running sequence decodes one token: the running phase in array
-        operations. None when a row needs what only the general path does."""
-        rows = batch.rows_needing_block().tolist()
-        blocks = self.allocator.extend_decodes(batch.seqs, rows)
-        if blocks is None:
-            return None
-        batch.add_blocks(rows, blocks)
-        return StepPlan(decodes=batch, decode_starts=batch.starts.copy())
-
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         # decodes first, then unfinished prefills; each part best-first
-        queue = sorted(self.running, key=lambda g: (not _is_decoding(g), queue_key(g)))
+        queue = sorted(self.queues.running, key=lambda g: (not _is_decoding(g), queue_key(g)))
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.pop(0)
@@ -210,7 +187,7 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission):
             if not seqs:  # a finished group keeping its slot
                 kept.append(group)
                 continue
-            counts = [self._tokens(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
+            counts = self._counts(seqs, budget)
             if sum(counts) == 0:
                 kept.append(group)
                 continue
@@ -221,61 +198,65 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission):
                 if victim_group is group and not queue and all(g.is_finished for g in kept):
                     # alone in the cache and still no room: it can never finish
                     for seq in seqs:
-                        self._finish(seq, FinishReason.CACHE_FULL)
-                    self._release_group(group)
-                    self.cache_full.append(group)
+                        seq.finish(FinishReason.CACHE_FULL)
+                        self.allocator.free(seq)
+                    self.admission.release(group)
+                    self.queues.cache_full.append(group)
                     break
                 self._preempt(victim_group, plan)
                 if victim_group is group:
                     break
                 queue.remove(victim_group)
             else:
-                for seq, count in zip(seqs, counts):
-                    if count:
-                        self.allocator.allocate(seq, seq.num_computed_tokens + count)
-                        plan.items.append(ScheduledSeq(seq, count))
-                budget -= sum(counts)
+                budget -= self._run(seqs, counts, plan)
                 kept.append(group)
-        self.running = kept
+        self.queues.running[:] = kept
         return budget
 
-    def _resume_one(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
+    def _resume(self, group: SequenceGroup, plan: StepPlan, budget: int) -> int | None:
         """Brings one swapped group back and plans its tokens; None when it cannot."""
         seqs = group.unfinished()
-        if self.num_running_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
+        if budget < len(seqs) or not self.admission.fits(group, len(seqs)):
             return None
         if not self.preemption.resume(seqs, self.allocator):
             return None
-        self.swapped.remove(group)
-        for seq in seqs:
-            seq.status = SequenceStatus.RUNNING
-        self.running.append(group)
-        counts = [self._tokens(s, s.num_computed_tokens, budget // len(seqs)) for s in seqs]
+        self.queues.swapped.remove(group)
+        self.admission.start_running(group, seqs)
+        counts = self._counts(seqs, budget)
         if sum(counts) and self._can_allocate_all(seqs, counts):
-            for seq, count in zip(seqs, counts):
-                if count:
-                    self.allocator.allocate(seq, seq.num_computed_tokens + count)
-                    plan.items.append(ScheduledSeq(seq, count))
-            return sum(counts)
+            return self._run(seqs, counts, plan)
         return 0
+
+    def _counts(self, seqs: list[Sequence], budget: int) -> list[int]:
+        """The policy's tokens for each running sequence, the budget shared evenly."""
+        share = budget // len(seqs)
+        return [checked_tokens(self.policy, s, s.num_computed_tokens, share) for s in seqs]
 
     def _can_allocate_all(self, seqs: list[Sequence], counts: list[int]) -> bool:
         """Room for every sequence's tokens this step, counted together."""
         pairs = [(s, s.num_computed_tokens + c) for s, c in zip(seqs, counts) if c]
         return self.allocator.blocks_needed_together(pairs) <= self.allocator.num_free_blocks
 
+    def _run(self, seqs: list[Sequence], counts: list[int], plan: StepPlan) -> int:
+        """Allocates and plans each sequence's tokens; returns how many."""
+        for seq, count in zip(seqs, counts):
+            if count:
+                self.allocator.allocate(seq, seq.num_computed_tokens + count)
+                plan.items.append(ScheduledSeq(seq, count))
+        return sum(counts)
+
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
-        self.decode_batch = None
+        self.decode_phase.drop()
         seqs = group.unfinished()
         kind = self.preemption.preempt(seqs, self.allocator)
-        self.reserved_blocks.pop(group.request_id, None)
+        self.admission.reserved_blocks.pop(group.request_id, None)
         for seq in seqs:
             seq.num_preemptions += 1
         if kind == "swapped":
             self.num_preemptions["swap"] += 1
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
+            self.queues.swapped.append(group)
         else:
             self.num_preemptions["recompute"] += 1
             for seq in seqs:
@@ -283,48 +264,87 @@ class SchedulerCore(QueueTransitions, PrefilledAdmission):
                 self.num_recomputed_tokens += seq.num_computed_tokens
                 seq.num_recomputed_tokens += seq.num_computed_tokens
                 seq.num_computed_tokens = 0
-            bisect.insort(self.waiting, group, key=queue_key)
+            self.queues.queue(group)
         plan.preempted.extend(seqs)
 
-    def _release_group(self, group: SequenceGroup) -> None:
-        """Frees what a group that left the queues still holds."""
-        self.reserved_blocks.pop(group.request_id, None)
-        for seq in group.seqs:
-            self.allocator.free(seq)
+    # -- after the forward
+    def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[SequenceGroup]:
+        """Advances every scheduled sequence, appends sampled tokens (forking a
+        group whose prompt just finished), applies stop rules and frees the
+        finished (unless the policy's `keeps_slot` holds them); then the
+        policy's `on_step_end` and `on_request_end`. Returns the groups that
+        finished in this step."""
+        queues = self.queues
+        finished, queues.cache_full = queues.cache_full, []
+        stopped: set[SequenceGroup] = set()  # groups with a sequence finished in this step
+        if plan.decodes is not None:
+            self.decode_phase.update(plan, sampled, now, stopped)
+        forked = False
+        for item in plan.items:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_query_tokens
+            self.allocator.commit(seq)
+            tokens = sampled.get(seq.seq_id)
+            if tokens is None:
+                continue
+            targets = [seq] + self._fork(seq, len(tokens) - 1)
+            forked = forked or len(targets) > 1
+            for target, token in zip(targets, tokens):
+                target.append_token(token)
+                target.token_times.append(now)
+                reason = target.stop_reason(self.max_model_len)
+                if reason is not None:
+                    target.finish(reason)
+                    self.allocator.free(target)
+                    assert target.group is not None  # a queued sequence belongs to its group
+                    stopped.add(target.group)
+        if stopped or self._holds_slots:
+            for group in list(queues.running):  # in queue order
+                if not group.is_finished or (group not in stopped and not self._holds_slots):
+                    continue
+                if self._holds_slots and self.policy.keeps_slot(group):
+                    continue
+                queues.running.remove(group)
+                self.admission.release(group)
+                finished.append(group)
+        self.decode_phase.refresh(plan, forked)
+        self.policy.on_step_end(plan, finished)
+        for group in finished:
+            self.policy.on_request_end(group)
+        return finished
 
-    def _worst_case_blocks(self, group: SequenceGroup) -> int:
-        seq = group.seqs[0]
-        tokens = min(seq.num_prompt_tokens + group.params.max_tokens, self.max_model_len)
-        return group.params.n * cdiv(tokens, self.allocator.block_size)
+    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
+        if count:
+            self.decode_phase.drop()
+        group = parent.group
+        assert group is not None  # a queued sequence belongs to its group
+        children = []
+        for _ in range(count):
+            child = parent.fork(len(group.seqs), parent.params)
+            child.group = group
+            self.allocator.fork(parent, child)
+            group.seqs.append(child)
+            children.append(child)
+        return children
 
     # -- checks and figures
     def check_integrity(self) -> None:
         """Asserts the decode batch, when there is one, mirrors the running
         sequences exactly (tests call this after every step)."""
-        batch = self.decode_batch
-        if batch is None:
-            return
-        batch.check(self.allocator.block_table)
-        running = [s.seq_id for g in self.running for s in g.seqs if not s.is_finished]
-        assert sorted(running) == sorted(batch.seq_ids), "decode batch differs from running"
+        self.decode_phase.check()
 
     def stats(self) -> dict[str, float]:
         # after a step the decode batch, when there is one, is exactly the running
         # sequences: its length saves a walk over every group
-        batch = self.decode_batch
+        batch = self.decode_phase.batch
         return {
-            "waiting": len(self.waiting),
+            "waiting": len(self.queues.waiting),
             "running": len(batch) if batch is not None else self.num_running_seqs,
-            "swapped": len(self.swapped),
+            "swapped": len(self.queues.swapped),
             "preemptions_recompute": self.num_preemptions["recompute"],
             "preemptions_swap": self.num_preemptions["swap"],
             "recomputed_tokens": self.num_recomputed_tokens,
-            # a decode instance's figures (disaggregation): none until one arrived
-            **(
-                self._prefilled_stats()
-                if self.prefilled or any(self.num_prefilled.values())
-                else {}
-            ),  # fmt: skip
+            **self.admission.prefilled_stats(),
             **self.policy.policy_stats(),
         }
 

@@ -287,6 +287,23 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def stop_reason(self, max_model_len: int) -> FinishReason | None:
+        """Why the sequence stops after its last token: a stop token, or its length."""
+        token = self.token_ids[-1]
+        params = self.params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            return FinishReason.STOP
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, reason: FinishReason) -> None:
+        """Marks the sequence finished (its owner frees its blocks)."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
     def fork(self, sample_index: int, params: SamplingParams) -> Sequence:
         """A copy sharing history (the allocator shares its blocks separately)."""
         child = Sequence(

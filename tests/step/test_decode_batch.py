@@ -1,5 +1,5 @@
 """The decode fast path (`servelab.step.decode_batch`) changes how a step is
-bookkept, never what happens: with it on or off (`decode_fast_path`), every
+bookkept, never what happens: with it on or off (`decode_phase.enabled`), every
 request's tokens, finish reasons and every step's record (sequences, prefill
 and decode tokens, KV tokens used and reserved, prefix hits, swaps,
 preemptions) are the same, under random workloads that admit, finish, stop,
@@ -26,7 +26,7 @@ def run(fast: bool, requests, engine: dict, arrive_at: dict[int, int], abort_at:
     returns (outputs by request id, step records without times, fast steps)."""
     llm = LLM(model="tiny", dtype="float32", max_model_len=MAX_MODEL_LEN, **engine)
     eng = llm.engine
-    eng.scheduler.decode_fast_path = fast
+    eng.scheduler.decode_phase.enabled = fast
     schedule, fast_steps = eng.scheduler.schedule, []
 
     def counting_schedule():

@@ -32,6 +32,7 @@ longest prefix the allocator already caches, SGLang's cache-aware order).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,7 +60,7 @@ class SchedulingPolicyError(ServelabError):
     """A policy hook answered something the scheduler core refuses (a bug in the policy)."""
 
 
-class SchedulingPolicy:
+class SchedulingPolicy(abc.ABC):
     """The eight hooks, with the defaults of plain continuous batching."""
 
     description: ClassVar[str] = ""

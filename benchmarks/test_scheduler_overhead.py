@@ -17,6 +17,7 @@ from reference_workload import SMOKE, node_id, variants
 
 from servelab.executor.model_runner import ModelRunner
 from servelab.registry.construct import construct
+from servelab.scheduling import SchedulerCore
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.plan import SampledTokens
 from servelab.step.sequence import SamplingParams, Sequence, SequenceGroup
@@ -48,9 +49,8 @@ def running_scheduler(scheduler_node: dict, allocator_node: dict):
         host_token_capacity=0,
         max_model_len=MAX_MODEL_LEN,
     )
-    scheduler = construct(
-        "scheduler",
-        scheduler_node,
+    scheduler = SchedulerCore(
+        construct("scheduler", scheduler_node),
         allocator=allocator,
         preemption=construct("preemption", "recompute"),
         max_num_seqs=NUM_SEQS,

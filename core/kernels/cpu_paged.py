@@ -8,7 +8,7 @@ dtype), or bfloat16 (q and caches; widened to float32 as read, summed in float32
 the output rounded to bfloat16 once: half float32's bytes read); head_dim in
 `HEAD_DIMS`; any block size and grouped-query ratio; float32 matches SDPA to
 rounding, not bit for bit; results never depend on the thread count.
-`store_kv` is `common.store_kv` in one call. Without a build, callers take the
+`store_kv` is `servelab.plugins.attention.per_request.store_kv` in one call. Without a build, callers take the
 SDPA path (the fallback rule is in `servelab.kernels.cpp_extension`).
 """
 
@@ -73,7 +73,7 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """`common.store_kv` in one call (same rule: every slot valid; here also the
+    """`servelab.plugins.attention.per_request.store_kv` in one call (same rule: every slot valid; here also the
     same dtype as the caches and each token's heads contiguous). Check `problems` first."""
     module = kernel()
     assert module is not None, "the CPU paged-decode kernel is not built: check problems()"

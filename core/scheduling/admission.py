@@ -76,6 +76,21 @@ class Queues:
         return bool(self.waiting or self.running or self.swapped)
 
 
+def stop_if_done(
+    seq: Sequence, max_model_len: int, allocator: KVAllocator, stopped: set[SequenceGroup]
+) -> bool:
+    """Applies the stop rules after `seq`'s new token: a sequence that stops is
+    finished, its blocks freed and its group added to `stopped`."""
+    reason = seq.stop_reason(max_model_len)
+    if reason is None:
+        return False
+    seq.finish(reason)
+    allocator.free(seq)
+    assert seq.group is not None  # a queued sequence belongs to its group
+    stopped.add(seq.group)
+    return True
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

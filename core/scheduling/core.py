@@ -21,7 +21,14 @@ from servelab.contracts.scheduler import (
     prefills_whole_prompts,
 )
 from servelab.errors import ConfigError
-from servelab.scheduling.admission import Admission, KVWriter, Queues, checked_tokens, queue_key
+from servelab.scheduling.admission import (
+    Admission,
+    KVWriter,
+    Queues,
+    checked_tokens,
+    queue_key,
+    stop_if_done,
+)
 from servelab.scheduling.decode_phase import DecodePhase
 from servelab.step.plan import SampledTokens, ScheduledSeq, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
@@ -292,12 +299,7 @@ class SchedulerCore:
             for target, token in zip(targets, tokens):
                 target.append_token(token)
                 target.token_times.append(now)
-                reason = target.stop_reason(self.max_model_len)
-                if reason is not None:
-                    target.finish(reason)
-                    self.allocator.free(target)
-                    assert target.group is not None  # a queued sequence belongs to its group
-                    stopped.add(target.group)
+                stop_if_done(target, self.max_model_len, self.allocator, stopped)
         if stopped or self._holds_slots:
             for group in list(queues.running):  # in queue order
                 if not group.is_finished or (group not in stopped and not self._holds_slots):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from servelab.contracts.allocator import KVAllocator
-from servelab.scheduling.admission import Queues
+from servelab.scheduling.admission import Queues, stop_if_done
 from servelab.step.decode_batch import DecodeBatch
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.sequence import SequenceGroup
@@ -67,15 +67,11 @@ class DecodePhase:
         candidates = batch.advance(tokens, now)
         if self.allocator.commit_decodes(batch.seqs, written, filled):
             self.batch = None  # its copies of the block tables are stale: rebuilt next step
-        ending = []
-        for row, seq in candidates:
-            reason = seq.stop_reason(self.max_model_len)
-            if reason is not None:
-                seq.finish(reason)
-                self.allocator.free(seq)
-                assert seq.group is not None  # a queued sequence belongs to its group
-                stopped.add(seq.group)
-                ending.append(row)
+        ending = [
+            row
+            for row, seq in candidates
+            if stop_if_done(seq, self.max_model_len, self.allocator, stopped)
+        ]
         if ending:
             keep = np.ones(len(batch), dtype=bool)
             keep[ending] = False

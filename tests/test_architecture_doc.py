@@ -22,8 +22,8 @@ already (the contracts and the plugin manager).
 
 from __future__ import annotations
 
-import ast
 import abc
+import ast
 import importlib
 import importlib.util
 import inspect

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from servelab.step.staging import StepStaging
+
+class Staging(Protocol):
+    """What `AttentionMetadata.to_device` needs of a staging buffer (the
+    executor's `StepStaging`: pinned host and device buffers, one upload)."""
+
+    def put(self, name: str, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def upload(self) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass
@@ -66,7 +74,7 @@ class AttentionMetadata:
         sample_mask: list[bool] | None = None,
         device: torch.device | str = "cpu",
         num_decodes: int | None = None,
-        staging: StepStaging | None = None,
+        staging: Staging | None = None,
     ) -> AttentionMetadata:
         """Builds every tensor from plain lists (tests and the engine both use this)
         with a fixed number of numpy operations: the cost grows with the number of
@@ -136,7 +144,7 @@ class AttentionMetadata:
     def to_device(
         tensors: dict[str, torch.Tensor],
         device: torch.device | str,
-        staging: StepStaging | None = None,
+        staging: Staging | None = None,
     ) -> dict[str, torch.Tensor]:
         """A step's host tensors where the step runs. With `staging` (begun by the
         caller, who may have put fields of its own first): views of its device

@@ -3,7 +3,7 @@ eager fallback (`servelab.executor.cuda_graphs`), the padded decode a graph
 replays (run eagerly through the same static buffers with the real graph-safe
 backend, `triton_paged`, interpreted) against the plain eager step, KV sizing
 with made-up device figures (`servelab.executor.device_memory`), staging round
-trips (`servelab.step.staging`), the engine options `cuda_graphs` and
+trips (`servelab.executor.staging`), the engine options `cuda_graphs` and
 `gpu_memory_utilization`, every engine run against transformers' greedy tokens,
 and a smoke run of `benchmarks/gpu_throughput.py --tiny`. The CUDA-only half is
 `test_cuda_only.py`.
@@ -42,10 +42,10 @@ from servelab.executor.device_memory import (
     kv_cache_budget,
     model_weight_bytes,
 )
+from servelab.executor.staging import StepStaging
 from servelab.model.config import NAMED_SHAPES, named_config
 from servelab.model.transformer import Transformer
 from servelab.step.metadata import AttentionMetadata
-from servelab.step.staging import StepStaging
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
 from tests.benchmark_scripts import load_benchmark

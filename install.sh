@@ -13,4 +13,4 @@ python -m pip install -q -e ".[dev]"
 # $SERVELAB_KERNEL_CACHE, keyed by their sources, flags, torch, Python and CPU), so
 # neither the first engine nor the tests pay for it; a failed build is logged and
 # the engine then keeps torch's ops (see servelab/kernels/cpp_extension.py)
-python -c "from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear, cpu_paged; [m.kernel() for m in (cpu_fused, cpu_linear, cpu_paged, cpu_decoder)]"
+python -m servelab.kernels  # in parallel processes, one per core

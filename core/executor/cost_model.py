@@ -30,9 +30,11 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
 - element-wise, per layer, bytes only: two RMSNorms (read + write h), two residual
   adds (read 2h, write h), RoPE on q and k (read + write), SiLU x up (read 2I/p,
   write I/p); six launches;
-- all-reduce, two per layer when p > 1 (after o and down), ring:
-  latency + 2 (p - 1) / p x e T h / (interconnect bandwidth x curve(message)),
-  curve(b) = b / (b + interconnect_half_bytes): small messages do not fill the links;
+- all-reduce, two per layer when p > 1 (after o and down), ring, of a message of
+  b = e T h bytes: latency + latency_per_device x (p - 1)
+  + 2 (p - 1) / p x b / (interconnect bandwidth x curve(b)),
+  curve(b) = (b / (b + interconnect_half_bytes)) ** interconnect_curve_exponent: small
+  messages do not fill the links;
 - once per step: the embedding gather (e T h), the final norm and LM head on the
   sampling rows (flops 2 S h V/p), reading their logits to sample; when p > 1
   also the vocabulary-parallel embedding's all-reduce and the gather of the
@@ -164,13 +166,17 @@ def elementwise_ops(tokens: float, h: float, qk_width: float, inter: float, e: f
 
 def collective_time(profile: HardwareProfile, p: int, data: float, passes: int) -> float:
     """A collective over `p` devices moving `passes` x (p - 1) / p of `data` bytes per
-    device: the latency floor, then the links at the bandwidth a message of `data`
-    bytes reaches; 0 on one device."""
+    device: the latency floor (and its share per further device), then the links at the
+    bandwidth a message of `data` bytes reaches; 0 on one device."""
     if p == 1:
         return 0.0
-    half = profile.interconnect_half_bytes
-    bandwidth = profile.interconnect_bandwidth * (data / (data + half) if half else 1.0)
-    return profile.interconnect_latency + passes * (p - 1) / p * data / bandwidth
+    half, exponent = profile.interconnect_half_bytes, profile.interconnect_curve_exponent
+    curve = data / (data + half) if half else 1.0
+    if half and exponent != 1.0:
+        curve = curve**exponent
+    bandwidth = profile.interconnect_bandwidth * curve
+    latency = profile.interconnect_latency + profile.interconnect_latency_per_device * (p - 1)
+    return latency + passes * (p - 1) / p * data / bandwidth
 
 
 class CostModel:

@@ -40,6 +40,8 @@ FITTED = (
     "attention_decode_overhead",
     "interconnect_latency",
     "interconnect_half_bytes",
+    "interconnect_latency_per_device",
+    "interconnect_curve_exponent",
     "launch_overhead",
     "step_overhead",
     "seq_overhead",
@@ -70,6 +72,10 @@ class HardwareProfile:
     interconnect_bandwidth: float = 0.0  # bytes/s per device and direction (all-reduce)
     interconnect_latency: float = 0.0  # seconds per collective
     interconnect_half_bytes: float = 0.0  # a message of this size reaches half the bandwidth
+    # collectives: seconds per further device (a ring's steps), and the exponent of the size
+    # curve, bandwidth x (b / (b + half_bytes)) ** exponent (1: the plain curve)
+    interconnect_latency_per_device: float = 0.0
+    interconnect_curve_exponent: float = 1.0
     host_link_bandwidth: float = 25e9  # bytes/s device <-> host (swap)
     launch_overhead: float = 0.0  # seconds per kernel launch
     step_overhead: float = 0.0  # seconds of host work per step

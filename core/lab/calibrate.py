@@ -8,7 +8,8 @@ step's shape (`cost_model.step_shape`) and its measured time, and fits
 peaks held fixed. The launch overhead is kept: a step's launch count barely
 varies, so it cannot be told apart from the per-step overhead. With
 `--from-vidur DIR` it fits a GPU profile to measured operator times instead
-(`calibrate_vidur`).
+(`calibrate_vidur`), with `--from-apex DIR` its collective figures to measured NCCL
+times (`apex_data`).
 """
 
 from __future__ import annotations
@@ -289,6 +290,28 @@ def from_vidur(args: argparse.Namespace, base: HardwareProfile) -> int:
     return 0
 
 
+def from_apex(args: argparse.Namespace, base: HardwareProfile) -> int:
+    """Fits `base`'s collective figures to APEX's measured NCCL times under `args.from_apex`."""
+    from servelab.errors import ConfigError
+    from servelab.lab.apex_data import APEX_GPUS, read_apex
+    from servelab.lab.calibrate_vidur import fit_from_apex
+
+    gpu = args.apex_gpu or APEX_GPUS.get(base.name)
+    if gpu is None:
+        raise ConfigError(
+            f"no APEX GPU known for profile {base.name!r}; pass --apex-gpu (a folder of "
+            f"profile/comm, e.g. H100-SXM-80GB) or a profile of {', '.join(APEX_GPUS)}"
+        )
+    collectives = read_apex(args.from_apex, gpu)
+    fitted, sources = fit_from_apex(base, collectives, args.from_apex, gpu, args.apex_commit)
+    fitted = fitted.with_fitted(sources={**base.sources, **sources})
+    write_profile(fitted, args.out, sources["interconnect"])
+    for text in sources.values():
+        print(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="servelab-calibrate",
@@ -315,10 +338,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vidur-network", help="network/<node> for all-reduce (e.g. h100_dgx)")
     parser.add_argument("--vidur-commit", default="unknown",
                         help="the Vidur commit the data comes from, for the profile's sources")  # fmt: skip
+    parser.add_argument(
+        "--from-apex", type=Path, metavar="DIR",
+        help="fit the collective figures to APEX's NCCL times (a local copy of apex_plus's "
+        "profile/comm, or of the repository)",
+    )  # fmt: skip
+    parser.add_argument("--apex-gpu", help="profile/comm/<GPU> to read (default: by --profile)")
+    parser.add_argument("--apex-commit", default="unknown",
+                        help="the apex_plus commit the data comes from, for the profile's sources")  # fmt: skip
     args = parser.parse_args(argv)
     base = load_profile(args.profile)
     if args.from_vidur:
         return from_vidur(args, base)
+    if args.from_apex:
+        return from_apex(args, base)
     data = measure(args.model, args.dtype, args.repeats, args.threads, args.device)
     if args.save_steps:
         _save_steps(args.save_steps, data)

@@ -102,16 +102,20 @@ class MeasuredOps:
 
 @dataclass
 class MeasuredCollectives:
-    """All-reduce measurements: message bytes, devices, median seconds."""
+    """Collective measurements: message bytes, devices, seconds. `passes` is how many
+    times each device moves (p - 1) / p of the message: 2 for an all-reduce (reduce-scatter,
+    then all-gather), 1 for an all-gather or a reduce-scatter."""
 
     bytes: np.ndarray
     devices: np.ndarray
     seconds: np.ndarray
     files: list[str]
+    passes: int = 2
+    collective: str = "all_reduce"
 
     def select(self, mask: np.ndarray) -> MeasuredCollectives:
         return MeasuredCollectives(self.bytes[mask], self.devices[mask], self.seconds[mask],
-                                   self.files)  # fmt: skip
+                                   self.files, self.passes, self.collective)  # fmt: skip
 
 
 def _median(row: dict, op: str) -> float | None:
@@ -185,8 +189,12 @@ def read_attention(path: Path, measured: MeasuredOps, model: str) -> int:
 
 
 def read_all_reduce(path: Path) -> MeasuredCollectives:
-    """All-reduce rows within one node (devices == devices_per_node); size is float16
-    elements, so a message is 2 x size bytes."""
+    """All-reduce rows within one node (devices == devices_per_node). `size` is the
+    message in bytes: Vidur's own predictor maps a step of T tokens to the row of
+    size = 2 T h ("each token is of size 2 * h bytes"), and the times agree with bytes,
+    not float16 elements (read as elements, the largest two-GPU rows would move 548 GB/s
+    per direction, beyond NVLink 4's 450; read as bytes they match APEX's NCCL
+    measurements of the same sizes within a few per cent)."""
     sizes, devices, seconds = [], [], []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
@@ -195,7 +203,7 @@ def read_all_reduce(path: Path) -> MeasuredCollectives:
             p = int(row["num_workers"])
             if p != int(row.get("devices_per_node") or p) or _median(row, "all_reduce") is None:
                 continue
-            sizes.append(BYTES * float(row["size"]))
+            sizes.append(float(row["size"]))
             devices.append(p)
             seconds.append(_median(row, "all_reduce"))
     return MeasuredCollectives(np.array(sizes), np.array(devices, dtype=np.float64),

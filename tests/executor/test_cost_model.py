@@ -202,3 +202,44 @@ def test_the_collective_bandwidth_curve_slows_small_messages():
     assert cost.all_reduce_time(4) == pytest.approx(0.02 + 1.28)
     # 8 x larger: 256 / (256 + 32) of 50 B/s
     assert cost.all_reduce_time(32) == pytest.approx(0.02 + 256 / (50 * 256 / 288))
+
+
+def test_the_collective_floor_grows_per_device_and_the_curve_takes_an_exponent():
+    import dataclasses
+
+    from servelab.lab.calibrate_vidur import collective_times
+
+    shaped = dataclasses.replace(
+        PROFILE, interconnect_half_bytes=32.0, interconnect_curve_exponent=0.5,
+        interconnect_latency_per_device=0.005,
+    )  # fmt: skip
+    # 4 devices: floor 0.02 + 3 x 0.005; 32 bytes against half 32: (1/2) ** 0.5 of 50 B/s;
+    # a ring all-reduce moves 2 x 3/4 x 32 bytes
+    four = CostModel(SHAPE, shaped, "float32", bytes_per_element=2, tp=4)
+    assert four.all_reduce_time(4) == pytest.approx(0.035 + 48 / (50 * 0.5**0.5))
+    # the gather of S = 2 rows of V = 10 logits: 40 bytes, one pass of 3/4
+    assert four.gather_time(2) == pytest.approx(0.035 + 30 / (50 * (40 / 72) ** 0.5))
+    # the arrays the fits price agree with the scalar form, one and two passes
+    data, devices = np.array([32.0, 40.0, 1e6]), np.array([4.0, 4.0, 8.0])
+    scalar = [
+        [collective_time_of(shaped, int(p), b, passes) for b, p in zip(data, devices)]
+        for passes in (1, 2)
+    ]
+    for passes in (1, 2):
+        np.testing.assert_allclose(
+            collective_times(shaped, data, devices, passes), scalar[passes - 1], rtol=1e-12
+        )
+
+
+def collective_time_of(profile, p, data, passes):
+    from servelab.executor.cost_model import collective_time
+
+    return collective_time(profile, p, data, passes)
+
+
+def test_a_profile_without_the_new_collective_figures_prices_as_the_plain_ring():
+    """Defaults: no per-device floor, exponent 1, so the formula is the one before them."""
+    cost = CostModel(SHAPE, PROFILE, "float32", bytes_per_element=2, tp=8)
+    assert PROFILE.interconnect_latency_per_device == 0.0
+    assert PROFILE.interconnect_curve_exponent == 1.0
+    assert cost.all_reduce_time(4) == 0.02 + 2 * 7 / 8 * 32 / 50

@@ -25,6 +25,7 @@ TRUTH = dict(
     elementwise_full_rows=120.0, launch_overhead=1e-6,
     kernel_efficiency={"rms_norm": 0.35, "rope": 0.45, "activation": 0.55, "residual_add": 0.9},
     interconnect_latency=25e-6, interconnect_bandwidth=500e9, interconnect_half_bytes=2e6,
+    interconnect_latency_per_device=1e-6, interconnect_curve_exponent=0.6,
 )  # fmt: skip
 
 
@@ -89,7 +90,8 @@ def test_attention_and_all_reduce_rows(tmp_path):
     # 32 queries after 16 cached: 4 d H (q s + q (q + 1) / 2) = 4 x 16 x 4 x (512 + 528)
     assert ops.columns["flops"][0] == 4 * 16 * 4 * (32 * 16 + 32 * 33 / 2)
     assert ops.columns["flops"][1] == 4 * 16 * 4 * 4 * 100  # 4 decodes over 100 keys
-    assert collectives.bytes.tolist() == [2048.0] and collectives.devices.tolist() == [4.0]
+    # `size` is bytes (Vidur's rule: a token of hidden size h is 2 h of them)
+    assert collectives.bytes.tolist() == [1024.0] and collectives.devices.tolist() == [4.0]
     assert collectives.seconds.tolist() == pytest.approx([30e-6])
 
 
@@ -128,13 +130,16 @@ def _synthetic_profiling(root: Path, truth) -> None:
         _write(root / "compute" / "h100" / "org" / name / "mlp.csv", rows)
     rows = []
     for p in (2, 4, 8):
-        for size in (1024, 65536, 1 << 20, 1 << 24):  # float16 elements
-            # one token of a hidden size of `size` elements: a message of 2 x size bytes
-            one_token = CostModel(Shape(size, 1, 1, 1, 1, 1, 1), truth, "float16", 2, p)
-            rows.append({"time_stats.all_reduce.median": one_token.all_reduce_time(1) * 1e3,
-                         "num_workers": p, "devices_per_node": p, "size": size,
+        for tokens in (1, 4, 16, 64, 256, 1024, 4096, 16384):
+            # Vidur's rule: T tokens of hidden size h are the row of size 2 T h (bytes)
+            model = CostModel(Shape(HIDDEN, 1, 1, 1, 1, 1, 1), truth, "float16", 2, p)
+            rows.append({"time_stats.all_reduce.median": model.all_reduce_time(tokens) * 1e3,
+                         "num_workers": p, "devices_per_node": p, "size": 2 * tokens * HIDDEN,
                          "collective": "all_reduce"})  # fmt: skip
     _write(root / "network" / "h100_dgx" / "all_reduce.csv", rows)
+
+
+HIDDEN = 4096
 
 
 def test_the_fit_recovers_a_known_profile_and_names_its_sources(tmp_path):
@@ -158,6 +163,11 @@ def test_the_fit_recovers_a_known_profile_and_names_its_sources(tmp_path):
     assert "compute/h100/org/small/mlp.csv" in fitted.sources["fitted"]
     assert "4 files" not in fitted.sources["fitted"] and "2 files" in fitted.sources["fitted"]
     assert "network/h100_dgx/all_reduce.csv" in fitted.sources["interconnect"]
+    # the fitted profile prices a step's all-reduce as the row Vidur's rule maps it to
+    for p, tokens in ((4, 64), (8, 4096)):
+        want = CostModel(Shape(HIDDEN, 1, 1, 1, 1, 1, 1), truth, "bfloat16", 2, p)
+        got = CostModel(Shape(HIDDEN, 1, 1, 1, 1, 1, 1), fitted, "bfloat16", 2, p)
+        assert got.all_reduce_time(tokens) == pytest.approx(want.all_reduce_time(tokens), rel=1e-3)
 
 
 def test_an_op_of_a_measured_kernel_is_priced_alike_by_both_forms():

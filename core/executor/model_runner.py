@@ -24,11 +24,11 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.executor.cuda_graphs import DecodeGraphRunner
 from servelab.executor.forward import ModelForward
 from servelab.executor.kv_cache import KVCache
-from servelab.step.staging import StepStaging
 from servelab.model.sampler import sample_isolating_rows
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.sequence import SamplingParams
+from servelab.step.staging import StepStaging
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from servelab.executor.device_memory import (
     estimate_activation_bytes,
     model_weight_bytes,
 )
-from servelab.step.staging import StepStaging
 from servelab.model.config import named_config
 from servelab.step.metadata import AttentionMetadata
+from servelab.step.staging import StepStaging
 from tests.executor.decode_scenes import (
     BACKENDS,
     assert_same_decode,

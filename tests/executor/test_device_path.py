@@ -42,10 +42,10 @@ from servelab.executor.device_memory import (
     kv_cache_budget,
     model_weight_bytes,
 )
-from servelab.step.staging import StepStaging
 from servelab.model.config import NAMED_SHAPES, named_config
 from servelab.model.transformer import Transformer
 from servelab.step.metadata import AttentionMetadata
+from servelab.step.staging import StepStaging
 from servelab.testing.oracle import cached_case, restored_num_threads
 from servelab.testing.oracle import engine_options as oracle_engine_options
 from tests.benchmark_scripts import load_benchmark

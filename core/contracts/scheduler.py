@@ -5,11 +5,10 @@ correctness, and override only its policy hooks (`servelab.scheduling.policy`)."
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from servelab.step.plan import StepPlan
+    from servelab.step.plan import SampledTokens, StepPlan
     from servelab.step.sequence import Sequence, SequenceGroup
 
 
@@ -28,11 +27,9 @@ class Scheduler(abc.ABC):
     def schedule(self) -> StepPlan: ...
 
     @abc.abstractmethod
-    def update(
-        self, plan: StepPlan, sampled: Mapping[int, list[int]], now: float
-    ) -> list[SequenceGroup]:
-        """After the forward: `sampled` maps seq_id -> the tokens sampled for it
-        (the engine passes a `SampledTokens`, which also lists them in order)."""
+    def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[SequenceGroup]:
+        """After the forward: `sampled` holds the step's tokens, in order, with
+        their owners' seq ids (`SampledTokens`: what the executor returned)."""
 
     @abc.abstractmethod
     def has_unfinished(self) -> bool: ...

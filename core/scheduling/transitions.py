@@ -17,7 +17,7 @@ kept in step with the running sequences, then the policy's `on_step_end` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -176,9 +176,7 @@ class QueueTransitions(CoreState):
         return True
 
     # -- the update: running -> finished
-    def update(
-        self, plan: StepPlan, sampled: Mapping[int, list[int]], now: float
-    ) -> list[SequenceGroup]:
+    def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[SequenceGroup]:
         """Advances every scheduled sequence, appends sampled tokens (forking a
         group whose prompt just finished), applies stop rules and frees the
         finished. Returns the groups that finished in this step."""
@@ -222,7 +220,7 @@ class QueueTransitions(CoreState):
     def _update_decode_batch(
         self,
         plan: StepPlan,
-        sampled: Mapping[int, list[int]],
+        sampled: SampledTokens,
         now: float,
         stopped: set[SequenceGroup],
     ) -> None:
@@ -230,10 +228,7 @@ class QueueTransitions(CoreState):
         `sampled`, one per row."""
         batch = plan.decodes
         rows = plan.num_batch_decodes
-        if isinstance(sampled, SampledTokens):
-            tokens = sampled.tokens[:rows]
-        else:  # a mapping seq_id -> [token] (tests, stub models)
-            tokens = [sampled[seq_id][0] for seq_id in batch.seq_ids]
+        tokens = sampled.tokens[:rows]
         written, filled = batch.written_blocks(plan.decode_starts)
         candidates = batch.advance(tokens, now)
         if self.allocator.commit_decodes(batch.seqs, written, filled):

@@ -5,7 +5,6 @@ and after the forward the `SampledTokens`. Torch-free: allocators import it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -150,12 +149,13 @@ class StepPlan:
         )
 
 
-class SampledTokens(Mapping[int, list[int]]):
+class SampledTokens:
     """The tokens one step sampled: `tokens[i]` belongs to sequence `owners[i]`
     (a prompt that forks now owns n consecutive entries). A plan's decode-batch
     rows come first, one token each, in row order, so `update` reads them by
-    position; as a mapping (seq_id -> its tokens, built on first use) it
-    serves everything else."""
+    position; `get` looks a sequence's tokens up by id (an index built on first
+    use). The one type every executor returns and the scheduler and engine read:
+    not a mapping, so a plain dict never passes for it."""
 
     def __init__(self, owners: list[int], tokens: list[int]) -> None:
         self.owners = owners
@@ -166,7 +166,8 @@ class SampledTokens(Mapping[int, list[int]]):
         self.failed: dict[int, Exception] = {}
         self._by_seq: dict[int, list[int]] | None = None
 
-    def _index(self) -> dict[int, list[int]]:
+    def get(self, seq_id: int) -> list[int] | None:
+        """The tokens sampled for `seq_id` (n for a prompt that forked), None if none."""
         if self._by_seq is None:
             by_seq: dict[int, list[int]] = {}
             for owner, token in zip(self.owners, self.tokens):
@@ -175,13 +176,4 @@ class SampledTokens(Mapping[int, list[int]]):
                 else:
                     by_seq[owner] = [token]
             self._by_seq = by_seq
-        return self._by_seq
-
-    def __getitem__(self, seq_id: int) -> list[int]:
-        return self._index()[seq_id]
-
-    def __len__(self) -> int:
-        return len(self._index())
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._index())
+        return self._by_seq.get(seq_id)

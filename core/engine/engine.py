@@ -279,11 +279,11 @@ class Engine:
             # requests whose own sampling raised fail alone (request_failures)
             failed_alone = (
                 fail_sampled(self.groups, sampled, finished, self.scheduler, self.step_failures)
-                if getattr(sampled, "failed", None)  # only a step whose sampling raised
+                if sampled.failed  # only a step whose sampling raised
                 else []
             )
             stage = "stop strings and logprobs"
-            if self.with_stops_or_logprobs and sampled:
+            if self.with_stops_or_logprobs and sampled.tokens:
                 stopped, failed_scan = apply_stops_and_logprobs(
                     [self.groups[r] for r in self.with_stops_or_logprobs if r in self.groups],
                     sampled,
@@ -314,7 +314,7 @@ class Engine:
             self._finish_group(group, message)
         self._record_step(plan, sampled, start)
 
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan) -> SampledTokens:
         now = None
         for item in plan.items:  # a sequence is first scheduled as an item (StepPlan)
             if item.seq.first_scheduled_time is None:

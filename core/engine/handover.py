@@ -37,7 +37,7 @@ Engine = Any
 
 if TYPE_CHECKING:
     from servelab.contracts.executor import Executor
-    from servelab.step.plan import StepPlan
+    from servelab.step.plan import SampledTokens, StepPlan
 
 
 @dataclass
@@ -77,7 +77,7 @@ class KVExports:
     def __bool__(self) -> bool:
         return bool(self.pending)
 
-    def capture(self, engine: Engine, plan: StepPlan, sampled: Any) -> None:
+    def capture(self, engine: Engine, plan: StepPlan, sampled: SampledTokens) -> None:
         """After a step's forward, before its update frees anything: the K/V of each
         prefill-only request whose prompt this step completed."""
         executor = engine.executor

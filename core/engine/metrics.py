@@ -105,14 +105,14 @@ class StepRecord:
     start_time: float
     wall_time: float
     num_seqs: int
-    prefill_tokens: int
-    decode_tokens: int
+    prefill_tokens: int  # every token computed that is not a decode's
+    decode_tokens: int  # the step's decodes (`servelab.step.plan`), one token each
     idle_slots: int  # static batching: finished sequences still holding a slot
     preempted: int
     kv_tokens_used: int
     kv_tokens_reserved: int
     kv_tokens_capacity: int
-    num_prefills: int = 0  # sequences running a prompt (or a chunk of one)
+    num_prefills: int = 0  # the other sequences: a prompt or a chunk of one, a recompute
     sampled_tokens: int = 0
     padding_tokens: int = 0  # padded query slots the attention backend computed
     padded_key_slots: int = 0

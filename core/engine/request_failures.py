@@ -18,11 +18,11 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
-from servelab.step.plan import SampledTokens
 from servelab.step.sequence import FinishReason, SequenceGroup
 
 if TYPE_CHECKING:
     from servelab.scheduling.core import SchedulerCore
+    from servelab.step.plan import SampledTokens
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,14 @@ class Failed(NamedTuple):
 
 def fail_sampled(
     groups: Mapping[str, SequenceGroup],
-    sampled: SampledTokens | Mapping,
+    sampled: SampledTokens,
     finished: list[SequenceGroup],
     scheduler: SchedulerCore,
     failures: dict,
 ) -> list[Failed]:
     """After `scheduler.update`: the requests whose sampling raised, their stand-in
     tokens taken off, out of the scheduler and out of `finished`."""
-    if not isinstance(sampled, SampledTokens) or not sampled.failed:  # the usual step
+    if not sampled.failed:  # the usual step
         return []
     seqs = {s.seq_id: (g, s) for g in groups.values() for s in g.seqs}
     errors: dict[str, tuple[SequenceGroup, Exception]] = {}

@@ -15,21 +15,20 @@ step's `SampledTokens.logprobs`, one entry per sampled token, in owner order
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from servelab.engine.request_failures import STOP_SCAN, Failed, failure
 from servelab.engine.stop_strings import find_stop
-from servelab.step.plan import SampledTokens
 from servelab.step.sequence import SequenceGroup
 
 if TYPE_CHECKING:
     from servelab.scheduling.core import SchedulerCore
+    from servelab.step.plan import SampledTokens
 
 
 def apply_stops_and_logprobs(
     groups: list[SequenceGroup],
-    sampled: SampledTokens | Mapping,
+    sampled: SampledTokens,
     tokenizer,
     scheduler: SchedulerCore,
     failures: dict,
@@ -38,7 +37,7 @@ def apply_stops_and_logprobs(
     requests with either); returns the groups a stop string finished and those whose
     own scan raised (they fail alone, counted in `failures`), all already out of
     the scheduler's queues."""
-    if isinstance(sampled, SampledTokens) and sampled.logprobs is not None:
+    if sampled.logprobs is not None:
         _record_logprobs(groups, sampled.owners, sampled.logprobs)
     if tokenizer is None:
         return [], []

@@ -92,8 +92,9 @@ class Shape:
 @dataclass
 class StepShape:
     """One step as the cost model reads it. `prefill_q[i]` query tokens after
-    `prefill_start[i]` cached ones; `decode_keys[j]` keys of decode row j (its
-    context including the new token); `sampling` rows reach the LM head."""
+    `prefill_start[i]` cached ones; `decode_keys[j]` keys of one-query row j (its
+    context including the new token), priced as a decode kernel's attention;
+    `sampling` rows reach the LM head."""
 
     prefill_q: np.ndarray
     prefill_start: np.ndarray
@@ -112,8 +113,9 @@ class StepShape:
 
 
 def step_shape(plan, padded: bool = False) -> StepShape:
-    """A `StepPlan` as the cost model reads it: a chunk of one token is a decode
-    (its attention is a decode's), a longer one a prefill chunk."""
+    """A `StepPlan` as the cost model reads it, by shape: a chunk of one token is a
+    one-query row (the plan's decodes, and any other one-token chunk: its attention
+    costs what a decode's does), a longer one a prefill chunk."""
     if plan.decodes is not None and not plan.items:  # a steady decode step: one array op
         keys = np.add(plan.decode_starts, 1.0)
         return StepShape(_EMPTY, _EMPTY, keys, len(plan.decode_seq_ids), padded)

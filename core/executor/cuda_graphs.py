@@ -91,7 +91,7 @@ class StaticDecodeInputs:
         padding state only: a graph-safe backend never reads them."""
         return AttentionMetadata(
             num_seqs=batch,
-            num_decodes=batch,
+            num_one_query_seqs=batch,
             num_tokens=batch,
             block_size=block_size,
             query_start_loc=self.query_start_loc[: batch + 1],
@@ -110,7 +110,7 @@ class StaticDecodeInputs:
         )
 
     def load(self, input_ids: torch.Tensor, meta: AttentionMetadata, batch: int) -> None:
-        """Copies a decode step (`meta.num_seqs` rows) into the first rows and
+        """Copies a one-query step (`meta.num_seqs` rows) into the first rows and
         pads the rest up to `batch`; device-side copies only, no host sync."""
         n = meta.num_seqs
         width = meta.block_tables.shape[1]
@@ -246,7 +246,7 @@ class DecodeGraphRunner:
         self, input_ids: torch.Tensor, meta: AttentionMetadata, attn_plan: Any = None
     ) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` of one step: a graph replay for a
-        decode step that fits a bucket, else the eager forward (with `attn_plan`,
+        one-query step (one query token per sequence) that fits a bucket, else the eager forward (with `attn_plan`,
         or a plan made here when the caller has none)."""
         batch = self.bucket_for(meta)
         if batch is None:

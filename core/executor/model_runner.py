@@ -139,7 +139,7 @@ class ModelRunner:
         seqs: list = []
         all_greedy = True
         num_sampling = 0  # sampling sequences so far: the hidden row of the next one
-        num_decodes = 0
+        num_decodes = 0  # the leading decodes: attention's one-query split
         still_decoding = True  # decodes come first: count them until the first other
         block_table = self.allocator.block_table
         prompt_rows = None
@@ -162,7 +162,7 @@ class ModelRunner:
             sample_mask.append(samples)
             num_outputs = len(token_ids) - seq.num_prompt_tokens
             if still_decoding:
-                if count == 1 and samples and num_outputs > 0:
+                if item.is_decode:
                     num_decodes += 1
                 else:
                     still_decoding = False
@@ -191,7 +191,7 @@ class ModelRunner:
             self.allocator.block_size,
             sample_mask=sample_mask,
             device=self.device,
-            num_decodes=num_decodes,
+            num_one_query_seqs=num_decodes,
             staging=staging,
         )
         attn_plan, ids = self._plan_and_ids(meta, input_ids)

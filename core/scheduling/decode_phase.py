@@ -59,10 +59,7 @@ class DecodePhase:
         `sampled`, one per row."""
         batch = plan.decodes
         rows = plan.num_batch_decodes
-        if isinstance(sampled, SampledTokens):
-            tokens = sampled.tokens[:rows]
-        else:  # a mapping seq_id -> [token] (tests, stub models)
-            tokens = [sampled[seq_id][0] for seq_id in batch.seq_ids]
+        tokens = sampled.tokens[:rows]
         written, filled = batch.written_blocks(plan.decode_starts)
         candidates = batch.advance(tokens, now)
         if self.allocator.commit_decodes(batch.seqs, written, filled):

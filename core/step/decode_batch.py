@@ -157,7 +157,7 @@ class DecodeBatch:
         seq_lens_list = seq_lens.tolist()
         return AttentionMetadata(
             num_seqs=n,
-            num_decodes=n,
+            num_one_query_seqs=n,
             num_tokens=n,
             block_size=bs,
             query_lens_cpu=[1] * n,
@@ -243,7 +243,7 @@ class DecodeBatch:
         assert len(self.seqs) == len(self.starts) == len(self.tables) == len(self.table_lens)
         for i, seq in enumerate(self.seqs):
             assert seq.num_computed_tokens == self.starts[i], f"row {i}: stale position"
-            assert seq.num_tokens == seq.num_computed_tokens + 1, f"row {i}: not decoding"
+            assert seq.is_decoding, f"row {i}: its next step is no decode"
             table = block_table(seq)
             assert self.table_lens[i] == len(table), f"row {i}: stale table length"
             assert self.tables[i, : len(table)].tolist() == table, f"row {i}: stale block table"

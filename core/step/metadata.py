@@ -1,7 +1,10 @@
 """`AttentionMetadata`: the step's attention inputs as tensors, built once per step.
 
-Batch order is decodes first, then prefill chunks, so a backend splits them
-with one index (`num_decodes`, `num_decode_tokens`).
+Batch order is the plan's decodes first (`servelab.step.plan`), then the rest,
+so a backend splits off its leading one-query sequences with one index
+(`num_one_query_seqs`). Attention knows only that shape: a kernel or call named
+for decodes (`paged_decode`, `decode_attention`) is one that attends one query
+over a context, whatever the scheduler calls the sequence.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class AttentionMetadata:
     """
 
     num_seqs: int
-    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    num_one_query_seqs: int  # the first num_one_query_seqs sequences have one query token each
     num_tokens: int
     block_size: int
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1], cu_seqlens_q
@@ -57,10 +60,6 @@ class AttentionMetadata:
     max_seq_len: int
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
     def context_lens_cpu(self) -> list[int]:
         return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
 
@@ -73,23 +72,24 @@ class AttentionMetadata:
         block_size: int,
         sample_mask: list[bool] | None = None,
         device: torch.device | str = "cpu",
-        num_decodes: int | None = None,
+        num_one_query_seqs: int | None = None,
         staging: Staging | None = None,
     ) -> AttentionMetadata:
         """Builds every tensor from plain lists (tests and the engine both use this)
         with a fixed number of numpy operations: the cost grows with the number of
         sequences only through reading their lists, never through a Python loop
         over tokens. `block_tables` are referenced, not copied: the metadata
-        describes the step it was built for. `num_decodes` defaults to the
-        leading one-query sequences.
+        describes the step it was built for. `num_one_query_seqs` defaults to
+        every leading one-query sequence (the model runner passes its leading
+        decodes, a prefix of those).
 
         Where the tensors live: see `to_device`."""
         num_seqs = len(query_lens)
         q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
         s_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
-        if num_decodes is None:
+        if num_one_query_seqs is None:
             not_one = np.flatnonzero(q_lens != 1)
-            num_decodes = int(not_one[0]) if not_one.size else num_seqs
+            num_one_query_seqs = int(not_one[0]) if not_one.size else num_seqs
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         ssl = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -129,7 +129,7 @@ class AttentionMetadata:
             tensors = cls.to_device(tensors, device, staging)
         return cls(
             num_seqs=num_seqs,
-            num_decodes=num_decodes,
+            num_one_query_seqs=num_one_query_seqs,
             num_tokens=num_tokens,
             block_size=block_size,
             query_lens_cpu=list(query_lens),

@@ -1,11 +1,21 @@
 """What one step runs, as the scheduler decided it: `StepPlan` (decodes first,
 then prefill chunks), its `ScheduledSeq` items, the allocator's `BlockCopies`,
 and after the forward the `SampledTokens`. Torch-free: allocators import it.
+
+A decode is a sequence whose step computes exactly one token past its prompt
+(its last token, one it sampled earlier) and samples the next one
+(`ScheduledSeq.is_decode`; `Sequence.is_decoding`: its next step would be one).
+That is the only meaning of "decode" for the scheduler, the engine and the
+metrics: a plan lists its decodes first, the model runner counts them for the
+attention split, and a step's `decode_tokens` are its decodes. Every other
+token a step computes is prefill work: a prompt chunk, or a recomputing
+sequence computing again tokens it sampled before (even one at a time).
+Attention sees only shapes: one query token per sequence is a one-query
+sequence there (`AttentionMetadata.num_one_query_seqs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,6 +65,7 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
+        """One token past the prompt, and a sample after it: a decode (module docstring)."""
         return bool(
             self.num_query_tokens == 1 and self.samples and self.start >= self.seq.num_prompt_tokens
         )
@@ -119,14 +130,11 @@ class StepPlan:
         self.decode_seqs, self.decode_seq_ids = [], []
 
     def counts(self) -> tuple[int, int, int]:
-        """(sequences, decode tokens, sampled tokens) of this step. A decode token is a
-        one-token step past the prompt, sampling or not (a recomputing sequence's
-        one-token chunk counts too; `num_decodes` would not)."""
+        """(sequences, decodes, sampled tokens) of this step. A decode computes one
+        token, so its decodes are also its decode tokens; every other token is prefill."""
         rows = self.num_batch_decodes
-        decode_tokens = rows + sum(
-            1 for i in self.items if i.num_query_tokens == 1 and i.start >= i.seq.num_prompt_tokens
-        )
-        return rows + len(self.items), decode_tokens, rows + sum(1 for i in self.items if i.samples)
+        sampled = rows + sum(1 for i in self.items if i.samples)
+        return rows + len(self.items), self.num_decodes, sampled
 
     @property
     def is_empty(self) -> bool:
@@ -150,12 +158,13 @@ class StepPlan:
         )
 
 
-class SampledTokens(Mapping[int, list[int]]):
+class SampledTokens:
     """The tokens one step sampled: `tokens[i]` belongs to sequence `owners[i]`
     (a prompt that forks now owns n consecutive entries). A plan's decode-batch
     rows come first, one token each, in row order, so `update` reads them by
-    position; as a mapping (seq_id -> its tokens, built on first use) it
-    serves everything else."""
+    position; `get` looks a sequence's tokens up by id (an index built on first
+    use). The one type every executor returns and the scheduler and engine read:
+    not a mapping, so a plain dict never passes for it."""
 
     def __init__(self, owners: list[int], tokens: list[int]) -> None:
         self.owners = owners
@@ -166,7 +175,8 @@ class SampledTokens(Mapping[int, list[int]]):
         self.failed: dict[int, Exception] = {}
         self._by_seq: dict[int, list[int]] | None = None
 
-    def _index(self) -> dict[int, list[int]]:
+    def get(self, seq_id: int) -> list[int] | None:
+        """The tokens sampled for `seq_id` (n for a prompt that forked), None if none."""
         if self._by_seq is None:
             by_seq: dict[int, list[int]] = {}
             for owner, token in zip(self.owners, self.tokens):
@@ -175,13 +185,4 @@ class SampledTokens(Mapping[int, list[int]]):
                 else:
                     by_seq[owner] = [token]
             self._by_seq = by_seq
-        return self._by_seq
-
-    def __getitem__(self, seq_id: int) -> list[int]:
-        return self._index()[seq_id]
-
-    def __len__(self) -> int:
-        return len(self._index())
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._index())
+        return self._by_seq.get(seq_id)

@@ -273,7 +273,8 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        """True when only the last sampled token lacks K/V (one-token step)."""
+        """True when its next step is a decode (`servelab.step.plan`): only its last
+        token, a sampled one, lacks K/V."""
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
 
     @property

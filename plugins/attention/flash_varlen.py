@@ -81,7 +81,7 @@ class FlashVarlenPlan:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int
-    num_decodes: int = 0
+    num_one_query_seqs: int = 0  # the metadata's: the leading one-query sequences
     completed: bool = False  # the impl-specific fields below are filled in
     context_slots: torch.Tensor | None = None  # impl=torch gathering pages: packed context slots
     decodes: DecodeBatchPlan | None = None  # impl=sdpa, cpu without its kernel: batched decodes
@@ -183,7 +183,7 @@ class FlashVarlenBackend(AttentionBackend):
             max_seqlen_q=meta.max_query_len,
             max_seqlen_k=meta.max_seq_len,
             block_size=meta.block_size,
-            num_decodes=meta.num_decodes,
+            num_one_query_seqs=meta.num_one_query_seqs,
         )
         if self.active_impl is not None:
             self.complete_plan(plan)
@@ -200,13 +200,14 @@ class FlashVarlenBackend(AttentionBackend):
             if self._decode_kernel:  # the kernel reads the block table itself
                 plan.block_table = plan.block_table.contiguous()
                 plan.seq_lens = plan.seq_lens.contiguous()
-                if meta.max_query_len >= SDPA_PROMPT_TOKENS:  # the kernel for the decodes only
-                    plan.prefills = plan_per_seq(meta, first=meta.num_decodes)
-                elif meta.num_decodes < meta.num_tokens:  # short prompt chunks: each token a query
+                num = meta.num_one_query_seqs
+                if meta.max_query_len >= SDPA_PROMPT_TOKENS:  # the kernel for those `num` only
+                    plan.prefills = plan_per_seq(meta, first=num)
+                elif num < meta.num_tokens:  # short prompt chunks: each token a query
                     plan.token_tables, plan.token_lens = per_token_tables(meta)
             else:
                 plan.decodes = plan_decode_batch(meta, self.num_kv_heads)
-                plan.prefills = plan_per_seq(meta, first=meta.num_decodes)
+                plan.prefills = plan_per_seq(meta, first=meta.num_one_query_seqs)
         plan.completed = True
 
     def forward(
@@ -249,7 +250,7 @@ class FlashVarlenBackend(AttentionBackend):
         self, plan: FlashVarlenPlan, num_layers: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """impl=cpu with its kernel: a step is `store_kv`, then `paged_decode` over the
-        sequences' tables (a decode-only step) or the prompt tokens' own (`token_tables`);
+        sequences' tables (one query each) or the prompt tokens' own (`token_tables`);
         None for a step with a chunk of `SDPA_PROMPT_TOKENS` or more (SDPA attends it)."""
         if not self._decode_kernel or self.active_impl not in SDPA_IMPLS:
             return None
@@ -263,9 +264,9 @@ class FlashVarlenBackend(AttentionBackend):
     @staticmethod
     def _kernel_tables(plan: FlashVarlenPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """What impl=cpu's kernel attends over, one call a layer: the sequences'
-        tables on a decode-only step, else every query token's own
+        tables when each has one query, else every query token's own
         (`token_tables`, which `complete_plan` builds for such a step)."""
-        if plan.num_decodes == plan.meta.num_tokens:
+        if plan.num_one_query_seqs == plan.meta.num_tokens:
             return plan.block_table, plan.seq_lens
         assert plan.token_tables is not None and plan.token_lens is not None
         return plan.token_tables, plan.token_lens
@@ -321,23 +322,22 @@ class FlashVarlenBackend(AttentionBackend):
             self.cpu_kernel_calls += 1
             tables, lens = self._kernel_tables(plan)
             return cpu_paged.paged_decode(q, k_cache, v_cache, tables, lens, self.scale)
-        if self._decode_kernel:  # the decodes through the kernel, the prompt chunks through SDPA
+        num = plan.num_one_query_seqs
+        if self._decode_kernel:  # one-query rows through the kernel, prompt chunks through SDPA
             out = torch.empty_like(q)
-            if plan.num_decodes:
+            if num:
                 self.cpu_kernel_calls += 1
-                out[: plan.num_decodes] = cpu_paged.paged_decode(
-                    q[: plan.num_decodes], k_cache, v_cache, plan.block_table, plan.seq_lens,
-                    self.scale,
-                )  # fmt: skip
+                out[:num] = cpu_paged.paged_decode(
+                    q[:num], k_cache, v_cache, plan.block_table, plan.seq_lens, self.scale
+                )
             return per_seq_attention(
                 q, k, v, k_cache, v_cache, plan.prefills, self.scale, out, self.workspace
             )
-        num_decodes = plan.num_decodes
-        if num_decodes == q.shape[0]:  # a decode-only step: one call, nothing to assemble
+        if num == q.shape[0]:  # one query per sequence: one call, nothing to assemble
             return self._decode(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)
-        if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, plan)
+        if num:
+            out[:num] = self._decode(q[:num], k_cache, v_cache, plan)
         return per_seq_attention(
             q, k, v, k_cache, v_cache, plan.prefills, self.scale, out, self.workspace
         )
@@ -345,7 +345,7 @@ class FlashVarlenBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
     ) -> torch.Tensor:
-        """The step's decodes (its first rows, one query each), batched through SDPA."""
+        """The step's leading one-query sequences, batched through SDPA."""
         return decode_attention(q, k_cache, v_cache, plan.decodes, self.scale, self.workspace)
 
     def _forward_torch(

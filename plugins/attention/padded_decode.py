@@ -79,8 +79,9 @@ def gather_padded(
 
 
 def plan_decode_batch(meta: AttentionMetadata, num_kv_heads: int) -> DecodeBatchPlan | None:
-    """The batched-decode plan of `meta`'s decodes, None when there are none."""
-    num = meta.num_decodes
+    """The batched-decode plan of `meta`'s leading one-query sequences, None when
+    there are none."""
+    num = meta.num_one_query_seqs
     if num == 0:
         return None
     lens_cpu = meta.seq_lens_cpu[:num]

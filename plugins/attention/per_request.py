@@ -49,7 +49,7 @@ class PerRequestBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
-        # out=None: a decode-only step returns its decodes' outputs as they come
+        # out=None: a step of one-query rows only returns their outputs as they come
         return per_seq_attention(q, k, v, k_cache, v_cache, plan, self.scale, None, self.workspace)
 
 
@@ -77,44 +77,44 @@ class PerSeqPlan:
     """Per-sequence calls for batch rows `first..num_seqs`, and the packed cache
     slots of the contexts they read (None when every one is fresh).
 
-    The leading rows that are one query over a cached context (the decodes,
-    `num_decodes` from packed query row `decode_query_start`) are plain ints,
-    not `SeqAttention`s: per-call Python overhead, not the attention, is what a
-    decode costs on a small model. Their keys are the first packed contexts, so
-    one split by `key_splits` (each decode's length, then the rest) hands every
-    decode its keys. `seqs` plans the other rows."""
+    The leading rows that are one query over a cached context (`num_one_query_seqs`
+    from packed query row `one_query_start`) are plain ints, not `SeqAttention`s:
+    per-call Python overhead, not the attention, is what such a row costs on a
+    small model. Their keys are the first packed contexts, so one split by
+    `key_splits` (each row's length, then the rest) hands every row its keys.
+    `seqs` plans the other rows."""
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where this step's K/V go
     seqs: list[SeqAttention]
     context_slots: torch.Tensor | None  # int64: packed slots of the cached contexts read
-    num_decodes: int = 0
-    decode_query_start: int = 0
-    key_splits: list[int] = field(default_factory=list)  # num_decodes + 1 sizes
+    num_one_query_seqs: int = 0
+    one_query_start: int = 0
+    key_splits: list[int] = field(default_factory=list)  # num_one_query_seqs + 1 sizes
 
 
 def plan_per_seq(meta: AttentionMetadata, first: int = 0) -> PerSeqPlan:
     """Plans one SDPA call for each of the batch rows `first..` of `meta`."""
-    num_decodes = count_leading_decodes(meta, first)
-    decode_end = first + num_decodes
-    decode_lens = meta.seq_lens_cpu[first:decode_end]
-    decode_keys = sum(decode_lens)
+    num_one_query = count_leading_one_query(meta, first)
+    one_query_end = first + num_one_query
+    one_query_lens = meta.seq_lens_cpu[first:one_query_end]
+    one_query_keys = sum(one_query_lens)
     query_start = sum(meta.query_lens_cpu[:first])
     seqs, cached, num_keys = plan_seq_calls(
-        meta, decode_end, query_start + num_decodes, decode_keys
+        meta, one_query_end, query_start + num_one_query, one_query_keys
     )
-    cached = list(range(first, decode_end)) + cached
+    cached = list(range(first, one_query_end)) + cached
     slots = packed_slots_of(meta, cached) if cached else None
     return PerSeqPlan(
         slot_mapping=meta.slot_mapping,
         seqs=seqs,
         context_slots=slots,
-        num_decodes=num_decodes,
-        decode_query_start=query_start,
-        key_splits=decode_lens + [num_keys - decode_keys],
+        num_one_query_seqs=num_one_query,
+        one_query_start=query_start,
+        key_splits=one_query_lens + [num_keys - one_query_keys],
     )
 
 
-def count_leading_decodes(meta: AttentionMetadata, first: int) -> int:
+def count_leading_one_query(meta: AttentionMetadata, first: int) -> int:
     """How many rows from `first` on are one query over a cached context. A
     one-token prompt (nothing cached) ends the run: it reads its own K/V."""
     query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
@@ -191,12 +191,12 @@ def per_seq_attention(
     (`[num_tokens, num_heads, head_dim]`; None: a new tensor, for a plan of
     every row) and returns it; this step's K/V must be stored already."""
     keys, values = gather_contexts(k_cache, v_cache, plan, workspace)
-    if out is None and plan.num_decodes and not plan.seqs:
-        return decode_calls(q, keys, values, plan, scale)  # decodes only: nothing to assemble
+    if out is None and plan.num_one_query_seqs and not plan.seqs:
+        return decode_calls(q, keys, values, plan, scale)  # those only: nothing to assemble
     out = torch.empty_like(q) if out is None else out
-    if plan.num_decodes:
-        first = plan.decode_query_start
-        out[first : first + plan.num_decodes] = decode_calls(q, keys, values, plan, scale)
+    if plan.num_one_query_seqs:
+        first = plan.one_query_start
+        out[first : first + plan.num_one_query_seqs] = decode_calls(q, keys, values, plan, scale)
     if plan.seqs:
         # a fresh prompt reads this step's own K/V, in the cache's dtype like cached
         # ones: converted once per layer (a no-op when the dtypes agree), not per prompt
@@ -226,11 +226,11 @@ def gather_contexts(
 def decode_calls(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: PerSeqPlan, scale: float
 ) -> torch.Tensor:
-    """One SDPA call per decode, over its own context only: the decodes'
-    outputs, `[num_decodes, num_heads, head_dim]`. Every per-sequence view
+    """One SDPA call per one-query row, over its own context only: their
+    outputs, `[num_one_query_seqs, num_heads, head_dim]`. Every per-sequence view
     comes from one `unbind` / `split` for the whole batch and the outputs are
     joined by one `cat`: the loop holds nothing but the calls."""
-    num, first = plan.num_decodes, plan.decode_query_start
+    num, first = plan.num_one_query_seqs, plan.one_query_start
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = keys.shape[1]
     # one query: the group of query heads of a KV head become its query rows, so

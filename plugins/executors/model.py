@@ -37,6 +37,7 @@ from servelab.executor.sizing import kv_cache_bytes
 from servelab.model.loader import load_model, load_shape, model_source, resolve_dtype
 from servelab.model.sampler import Sampler
 from servelab.model.sharding import check_tensor_parallel
+from servelab.step.plan import SampledTokens, StepPlan
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -191,7 +192,7 @@ class ModelExecutor(Executor):
         if self.group is not None and copies:
             self.runner.pending_copies.append(copies)  # the workers run them before the next step
 
-    def execute(self, plan):
+    def execute(self, plan: StepPlan) -> SampledTokens:
         """Replaced at `bind` by the runner's own `execute` (see there)."""
         raise RuntimeError("ModelExecutor.execute before bind(): there is no model runner yet")
 

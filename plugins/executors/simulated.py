@@ -34,7 +34,7 @@ from servelab.executor.hardware import load_profile
 from servelab.executor.sizing import parse_bytes
 from servelab.model.config import DTYPES
 from servelab.model.loader import load_shape, model_source
-from servelab.step.plan import SampledTokens
+from servelab.step.plan import SampledTokens, StepPlan
 
 MASK64 = (1 << 64) - 1
 SCALAR_ROWS = 48  # decode rows up to which stand-in tokens are drawn with Python ints
@@ -145,7 +145,7 @@ class SimulatedExecutor(Executor):
         self.bytes_copied += copied
         self.time += self.cost.copy_time(out + back, copied)
 
-    def execute(self, plan) -> SampledTokens:
+    def execute(self, plan: StepPlan) -> SampledTokens:
         step, owners, tokens = self.read_plan(plan)
         self.time += self.cost.step_time(step)
         sampled = SampledTokens(owners, tokens)

@@ -395,7 +395,7 @@ def test_per_request_plans_decodes_as_plain_ints():
     packed contexts, not as an object: only prompts and chunks get a SeqAttention."""
     case = make_paged_case([1, 1, 1, 4], [6, 9, 3, 2], block_size=4)
     plan = PerRequestBackend(NUM_HEADS, 2, HEAD_DIM, 1.0).plan(case.meta())
-    assert plan.num_decodes == 3 and plan.decode_query_start == 0
+    assert plan.num_one_query_seqs == 3 and plan.one_query_start == 0
     assert plan.key_splits == [7, 10, 4, 6]  # the decodes' contexts, then the chunk's
     assert len(plan.seqs) == 1 and plan.seqs[0].key_start == 21
 

@@ -87,7 +87,7 @@ def test_scheduler_sjf_is_a_hydra_config_option(sjf_plugin):
     engine = build_engine(
         {"model": cfg.model, "scheduler": cfg.scheduler, "engine": {"num_threads": 1}}
     )
-    assert isinstance(engine.scheduler, ShortestJobFirst)
+    assert isinstance(engine.scheduler.policy, ShortestJobFirst)
     assert engine.scheduler.ageing == 0.25
 
 

@@ -88,7 +88,7 @@ def test_scheduler_sjf_is_a_hydra_config_option(sjf_plugin):
         {"model": cfg.model, "scheduler": cfg.scheduler, "engine": {"num_threads": 1}}
     )
     assert isinstance(engine.scheduler.policy, ShortestJobFirst)
-    assert engine.scheduler.ageing == 0.25
+    assert engine.scheduler.policy.ageing == 0.25
 
 
 @pytest.mark.parametrize("options", [{"predictor": "oracle"}, {"ageing": -1}])

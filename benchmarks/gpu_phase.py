@@ -103,15 +103,10 @@ class StepShapes:
         def recording_schedule():
             plan = schedule()
             if not (plan.is_empty and not plan.preempted):
-                # a decode batch's rows (one token each at `decode_starts`) read as
-                # arrays: listing `plan.scheduled` would add host work to every step
-                batch_context = 0
-                if plan.decodes is not None:
-                    batch_context = int(plan.decode_starts.sum()) + plan.num_batch_decodes
+                # the plan's rows as arrays: no host work per row
                 self.shapes[engine.step_index] = StepShape(
-                    context_tokens=batch_context
-                    + sum(i.start + i.num_query_tokens for i in plan.items),
-                    decode_only=all(i.num_query_tokens == 1 for i in plan.items),
+                    context_tokens=int((plan.starts + plan.counts).sum()),
+                    decode_only=plan.num_tokens == len(plan.seqs),
                 )
             return plan
 

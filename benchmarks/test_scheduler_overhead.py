@@ -86,7 +86,7 @@ def decode_step(scheduler, runner: ModelRunner):
         owners = batch.sample_owners
         sampled = SampledTokens(owners, [5] * len(owners))  # the stub model's token
         scheduler.update(plan, sampled, float(next(clock)))
-        return plan.num_batch_decodes + len(plan.items)  # sequences in the step
+        return len(plan.seqs)  # sequences in the step
 
     return step
 

@@ -37,7 +37,7 @@ class DenseReferenceBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         start = 0
         for query_len, seq_len, table in zip(
-            meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables_cpu, strict=True
+            meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables.tolist(), strict=True
         ):
             bs = meta.block_size
             slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])

@@ -316,10 +316,10 @@ class Engine:
 
     def _run(self, plan: StepPlan) -> SampledTokens:
         now = None
-        for item in plan.items:  # a sequence is first scheduled as an item (StepPlan)
-            if item.seq.first_scheduled_time is None:
+        for seq in plan.listed:  # a sequence's first step lists it (StepPlan)
+            if seq.first_scheduled_time is None:
                 now = self.now() if now is None else now
-                item.seq.first_scheduled_time = now
+                seq.first_scheduled_time = now
         if self.with_stops_or_logprobs:  # logprobs travel in the plan: the most asked for
             plan.logprobs_k = max(
                 (

@@ -51,7 +51,7 @@ def fail_step(
     if plan is None:
         touched = list(groups.values())
     else:
-        ids = dict.fromkeys(s.seq.request_id for s in plan.scheduled)
+        ids = dict.fromkeys(s.request_id for s in plan.seqs)
         ids.update(dict.fromkeys(s.request_id for s in plan.preempted))
         touched = [groups[r] for r in ids if r in groups]
     for group in touched:

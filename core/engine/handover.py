@@ -81,14 +81,13 @@ class KVExports:
         """After a step's forward, before its update frees anything: the K/V of each
         prefill-only request whose prompt this step completed."""
         executor = engine.executor
-        for item in plan.items:
-            seq = item.seq
+        for seq, start, count, _ in plan.rows(plan.num_decodes):
             export = self.pending.get(seq.request_id)
             tokens = sampled.get(seq.seq_id) if export is not None else None
             if not tokens:
                 continue
             assert export is not None
-            end = seq.num_computed_tokens + item.num_query_tokens
+            end = start + count
             export.kv = executor.read_kv(engine.allocator.block_table(seq), end)
             export.seq, export.first_token = seq, int(tokens[0])
 

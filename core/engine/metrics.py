@@ -194,7 +194,7 @@ class MetricsCollector:
                 ),
             }
         )
-        num_seqs, decode_tokens, sampled_tokens = plan.counts()
+        num_seqs, decode_tokens, sampled_tokens = plan.step_counts()
         record = StepRecord(
             step=step,
             start_time=start,
@@ -248,8 +248,8 @@ class MetricsCollector:
                     steps.append(step)
             previous = seq_id
         first_step = self._first_step
-        for item in plan.items:  # a sequence is first scheduled as an item (StepPlan)
-            seq_id = item.seq.seq_id
+        for seq in plan.listed:  # a sequence's first step lists it (StepPlan)
+            seq_id = seq.seq_id
             if seq_id not in closed:
                 first_step.setdefault(seq_id, step)
         closed.clear()

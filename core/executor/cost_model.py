@@ -113,31 +113,18 @@ class StepShape:
 
 
 def step_shape(plan, padded: bool = False) -> StepShape:
-    """A `StepPlan` as the cost model reads it, by shape: a chunk of one token is a
+    """A `StepPlan` as the cost model reads it, by shape: a row of one token is a
     one-query row (the plan's decodes, and any other one-token chunk: its attention
     costs what a decode's does), a longer one a prefill chunk."""
-    if plan.decodes is not None and not plan.items:  # a steady decode step: one array op
-        keys = np.add(plan.decode_starts, 1.0)
-        return StepShape(_EMPTY, _EMPTY, keys, len(plan.decode_seq_ids), padded)
-    decode_keys = []
-    if plan.decodes is not None:
-        decode_keys.append(np.asarray(plan.decode_starts, dtype=np.float64) + 1)
-    prefill_q, prefill_start, single = [], [], []
-    sampling = len(plan.decode_seq_ids)
-    for item in plan.items:
-        if item.num_query_tokens == 1:
-            single.append(item.start + 1)
-        else:
-            prefill_q.append(item.num_query_tokens)
-            prefill_start.append(item.start)
-        sampling += bool(item.samples)
-    if single:
-        decode_keys.append(np.asarray(single, dtype=np.float64))
+    counts, starts = plan.counts, plan.starts
+    if len(counts) == plan.num_decodes:  # only one-token rows: no split to make
+        return StepShape(_EMPTY, _EMPTY, starts + 1.0, len(counts), padded)
+    one = counts == 1
     return StepShape(
-        np.asarray(prefill_q, dtype=np.float64),
-        np.asarray(prefill_start, dtype=np.float64),
-        np.concatenate(decode_keys) if decode_keys else np.zeros(0),
-        sampling,
+        counts[~one].astype(np.float64),
+        starts[~one].astype(np.float64),
+        starts[one] + 1.0,
+        int(plan.samples.sum()),
         padded,
     )
 

@@ -104,7 +104,6 @@ class StaticDecodeInputs:
             logits_indices=self.logits_indices[:batch],
             query_lens_cpu=[1] * batch,
             seq_lens_cpu=[1] * batch,
-            block_tables_cpu=[[0]] * batch,
             max_query_len=1,
             max_seq_len=max_model_len,  # an upper bound, for kernels that size launches by it
         )

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from servelab.contracts.allocator import KVAllocator
@@ -40,7 +42,7 @@ class StepBatch:
     input_ids: torch.Tensor  # int64 [num_tokens], packed, decodes first
     meta: AttentionMetadata
     attn_plan: Any  # None for a step the decode graphs replay (they keep their own plan)
-    sample_rows: list[int]  # hidden row (index into meta.logits_indices) of each sample
+    sample_rows: Sequence[int]  # hidden row (index into meta.logits_indices) of each sample
     sample_params: list[SamplingParams]
     sample_positions: list[int]  # output position of the token each sample draws
     sample_indices: list[int]  # which of the n samples (seeded sampling tells them apart)
@@ -120,85 +122,30 @@ class ModelRunner:
 
     # -- inputs
     def prepare(self, plan: StepPlan) -> StepBatch:
-        """Packs the step's tokens (decodes first, as the plan orders them) and
-        builds the metadata and the backend's plan once for every layer.
-        One pass over the scheduled sequences reads everything the step needs;
-        a step of only a decode batch's rows reads the batch's arrays instead."""
-        if plan.decodes is not None and not plan.items:
-            return self.prepare_decode_batch(plan)
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_mask: list[bool] = []
-        rows: list[int] = []  # sampling rows: one per sampling sequence, n for a fork
-        params: list[SamplingParams] = []
-        positions: list[int] = []
-        indices: list[int] = []
-        owners: list[int] = []
-        seqs: list = []
-        all_greedy = True
-        num_sampling = 0  # sampling sequences so far: the hidden row of the next one
-        num_decodes = 0  # the leading decodes: attention's one-query split
-        still_decoding = True  # decodes come first: count them until the first other
-        block_table = self.allocator.block_table
-        prompt_rows = None
-        num_rows = 0  # hidden rows of the items so far
-        for item in plan.scheduled:
-            seq = item.seq
-            start, count = item.start, item.num_query_tokens
-            token_ids = seq.token_ids
-            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
-                prompt_rows = _score_prompt(prompt_rows, seq, start, count, num_rows)
-            num_rows += count
-            if count == 1:
-                input_ids.append(token_ids[start])
-            else:
-                input_ids += token_ids[start : start + count]
-            query_lens.append(count)
-            seq_lens.append(start + count)
-            tables.append(block_table(seq))
-            samples = item.samples
-            sample_mask.append(samples)
-            num_outputs = len(token_ids) - seq.num_prompt_tokens
-            if still_decoding:
-                if item.is_decode:
-                    num_decodes += 1
-                else:
-                    still_decoding = False
-            if not samples:
-                continue
-            p = seq.params
-            if all_greedy and not (p.greedy and not p.processes_logits):
-                all_greedy = False
-            forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
-            for k in range(forks):
-                rows.append(num_sampling)
-                params.append(p)
-                positions.append(num_outputs)
-                indices.append(k if forks > 1 else seq.sample_index)
-                owners.append(seq.seq_id)
-                seqs.append(seq)
-            num_sampling += 1
+        """The step's tokens (its rows in order: decodes first), its metadata and
+        the backend's plan, built once for every layer from the plan's arrays;
+        per-row Python work only for rows that sample with parameters or score
+        prompt tokens."""
+        input_ids = plan.input_ids
         staging = self.staging
         if staging is not None:  # the ids go up in the metadata's copy
             staging.begin()
             staging.put("input_ids", input_ids, torch.int64)
-        meta = AttentionMetadata.from_lists(
-            query_lens,
-            seq_lens,
-            tables,
+        meta = AttentionMetadata.from_rows(
+            plan.starts,
+            plan.counts,
+            plan.tables,
             self.allocator.block_size,
-            sample_mask=sample_mask,
-            device=self.device,
-            num_one_query_seqs=num_decodes,
+            plan.samples,
+            self.device,
+            num_one_query_seqs=plan.num_decodes,
             staging=staging,
+            one_query_slots=plan.decode_slots,
         )
         attn_plan, ids = self._plan_and_ids(meta, input_ids)
-        return StepBatch(
-            ids, meta, attn_plan, rows, params, positions, indices, owners, all_greedy, seqs,
-            prompt_rows,
-        )  # fmt: skip
+        batch = StepBatch(ids, meta, attn_plan, *_sample_rows(plan))
+        batch.prompt_rows = _prompt_rows(plan)
+        return batch
 
     def _plan_and_ids(
         self, meta: AttentionMetadata, input_ids: list[int]
@@ -213,32 +160,8 @@ class ModelRunner:
             attn_plan = self.backend.plan(meta)
         if self.staging is not None:
             return attn_plan, self.staging.views["input_ids"]
-        return attn_plan, torch.tensor(input_ids, dtype=torch.long)
-
-    def prepare_decode_batch(self, plan: StepPlan) -> StepBatch:
-        """`prepare` for a step of a decode batch's rows only (`servelab.step.decode_batch`):
-        array arithmetic, plus per-row lists only when a row samples with
-        parameters (not greedy)."""
-        batch = plan.decodes
-        seqs = plan.decode_seqs
-        staging = self.staging
-        if staging is not None:
-            staging.begin()
-            staging.put("input_ids", batch.next_input, torch.int64)
-        meta = batch.metadata(plan.decode_starts, self.device, staging)
-        attn_plan, ids = self._plan_and_ids(meta, batch.next_input)
-        rows = range(len(seqs))
-        if batch.all_greedy:
-            params = positions = indices = []
-        else:
-            params = [s.params for s in seqs]
-            positions = (plan.decode_starts + 1 - batch.prompt_lens).tolist()
-            indices = [s.sample_index for s in seqs]
-        owners = plan.decode_seq_ids
-        return StepBatch(
-            ids, meta, attn_plan, rows, params, positions, indices, owners, batch.all_greedy,
-            None if batch.all_greedy else seqs,
-        )
+        # through numpy: a third of torch.tensor's cost on a list of ints
+        return attn_plan, torch.from_numpy(np.fromiter(input_ids, np.int64, len(input_ids)))
 
     # -- the forward
     def forward(
@@ -326,6 +249,48 @@ class ModelRunner:
 
 
 PROMPT_ROWS_AT_ONCE = 256
+
+
+def _sample_rows(plan: StepPlan) -> tuple:
+    """`StepBatch`'s sampling fields: one sample per sampling row (hidden row =
+    its index among them), or n for a prompt that forks now; greedy steps skip
+    the per-row lists. Decode rows never fork: one sample each, in row order."""
+    if plan.all_greedy and len(plan.seqs) == plan.num_decodes:
+        return range(len(plan.seqs)), [], [], [], plan.seq_ids, True, None
+    rows: list[int] = []
+    params: list[SamplingParams] = []
+    positions: list[int] = []
+    indices: list[int] = []
+    owners: list[int] = []
+    seqs: list = []
+    for hidden_row, seq in enumerate(s for s, _, _, samples in plan.rows() if samples):
+        p = seq.params
+        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
+        for k in range(forks):
+            rows.append(hidden_row)
+            params.append(p)
+            positions.append(num_outputs)
+            indices.append(k if forks > 1 else seq.sample_index)
+            owners.append(seq.seq_id)
+            seqs.append(seq)
+    if plan.all_greedy:
+        return rows, [], [], [], owners, True, None
+    return rows, params, positions, indices, owners, False, seqs
+
+
+def _prompt_rows(plan: StepPlan) -> list | None:
+    """(seq, hidden row, first, last) of the rows that score prompt tokens (decode
+    rows are past their prompts: none of them)."""
+    found = None
+    if plan.num_decodes == len(plan.seqs):
+        return found
+    num_rows = int(plan.counts[: plan.num_decodes].sum())
+    for seq, start, count, _ in plan.rows(plan.num_decodes):
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            found = _score_prompt(found, seq, start, count, num_rows)
+        num_rows += count
+    return found
 
 
 def _score_prompt(found: list | None, seq, start: int, count: int, row: int) -> list:

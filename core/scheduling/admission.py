@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.scheduler import SchedulingPolicy, SchedulingPolicyError
 from servelab.errors import RequestError
-from servelab.step.plan import ScheduledSeq, StepPlan
+from servelab.step.plan import StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 TRANSFER_MODES = ("wait", "recompute")
@@ -253,7 +253,8 @@ class Admission:
             return None
         self.queues.waiting.remove(group)
         self.start_running(group, seqs)
-        plan.items += [ScheduledSeq(seq, count) for seq, count in zip(seqs, counts)]
+        for seq, count in zip(seqs, counts):
+            plan.add(seq, count)
         return sum(counts)
 
     def _allocate_fresh(self, seqs: list[Sequence], targets: list[int]) -> bool:

@@ -13,6 +13,8 @@ preempt), and every answer is checked before it is acted on.
 
 from __future__ import annotations
 
+import numpy as np
+
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.scheduler import (
@@ -30,7 +32,7 @@ from servelab.scheduling.admission import (
     stop_if_done,
 )
 from servelab.scheduling.decode_phase import DecodePhase
-from servelab.step.plan import SampledTokens, ScheduledSeq, StepPlan
+from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -128,7 +130,7 @@ class SchedulerCore:
 
     def stop(self, seq: Sequence) -> None:
         """Finishes `seq` from outside the step (a stop string matched its text)."""
-        self.decode_phase.drop()  # the batch may hold the row; rebuilt next step
+        self.decode_phase.drop()  # the rows may hold it; rebuilt next step
         seq.finish(FinishReason.STOP)
         self.allocator.free(seq)
 
@@ -146,18 +148,17 @@ class SchedulerCore:
             plan = self.decode_phase.schedule()
             if plan is not None:
                 if self.queues.waiting:
-                    budget = self.max_num_batched_tokens - plan.num_batch_decodes
+                    budget = self.max_num_batched_tokens - len(plan.running_rows)
                     self.admission.admit(plan, budget, self._resume)
-                    plan.sort_decodes_first()
                 return self._finish_plan(plan)
-        self.decode_phase.drop()  # the general path may change anything the batch mirrors
-        plan = plan or StepPlan()
+        self.decode_phase.drop()  # planning a group at a time may change what the rows mirror
+        plan = plan if plan is not None else StepPlan()
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         self.admission.admit(plan, budget, self._resume)
-        plan.sort_decodes_first()
         return self._finish_plan(plan)
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
+        plan.close(self.allocator.block_table, self.allocator.block_size, self.max_model_len)
         plan.copies = self.allocator.take_copies()
         if self._holds_slots:  # finished sequences of groups that keep their slots
             queues = self.queues
@@ -249,7 +250,7 @@ class SchedulerCore:
         for seq, count in zip(seqs, counts):
             if count:
                 self.allocator.allocate(seq, seq.num_computed_tokens + count)
-                plan.items.append(ScheduledSeq(seq, count))
+                plan.add(seq, count)
         return sum(counts)
 
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
@@ -284,14 +285,16 @@ class SchedulerCore:
         queues = self.queues
         finished, queues.cache_full = queues.cache_full, []
         stopped: set[SequenceGroup] = set()  # groups with a sequence finished in this step
-        if plan.decodes is not None:
-            self.decode_phase.update(plan, sampled, now, stopped)
+        num_decodes = plan.num_decodes
+        if num_decodes:
+            tokens = sampled.tokens[:num_decodes]  # the decode rows' tokens come first
+            ending, rewritten = self._update_decodes(plan, tokens, now, stopped)
+            self.decode_phase.update(plan, tokens, ending, rewritten)
         forked = False
-        for item in plan.items:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_query_tokens
+        for seq, _, count, samples in plan.rows(num_decodes):
+            seq.num_computed_tokens += count
             self.allocator.commit(seq)
-            tokens = sampled.get(seq.seq_id)
+            tokens = sampled.get(seq.seq_id) if samples else None
             if tokens is None:
                 continue
             targets = [seq] + self._fork(seq, len(tokens) - 1)
@@ -315,6 +318,38 @@ class SchedulerCore:
             self.policy.on_request_end(group)
         return finished
 
+    def _update_decodes(
+        self, plan: StepPlan, tokens: list[int], now: float, stopped: set[SequenceGroup]
+    ) -> tuple[list[int], bool]:
+        """`update` of the plan's decode rows, in array operations where it can:
+        each computed one token and sampled the next (`tokens`, row order).
+        Returns the rows that finished, and whether the allocator rewrote a
+        block table."""
+        n = len(tokens)
+        seqs = plan.seqs if n == len(plan.seqs) else plan.seqs[:n]
+        for seq, token in zip(seqs, tokens):
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+        # the block each row wrote its token into, and the rows whose token filled it
+        starts = plan.starts[:n]
+        written = plan.decode_blocks.tolist()
+        filled = np.flatnonzero(plan.decode_offsets == self.allocator.block_size - 1).tolist()
+        rewritten = self.allocator.commit_decodes(seqs, written, filled)
+        # candidates to stop: at their length now (num_tokens is start + 2), or a token
+        # some row stops on (each applies its own rules in stop_if_done)
+        gaps = plan.stop_at[:n] - starts
+        candidates = np.flatnonzero(gaps <= 2).tolist() if gaps.min() <= 2 else []
+        if plan.stop_tokens:
+            stops, at_length = plan.stop_tokens, set(candidates)
+            candidates += [
+                r for r, t in enumerate(tokens) if t in stops and r not in at_length
+            ]
+        ending = [
+            r for r in candidates if stop_if_done(seqs[r], self.max_model_len, self.allocator, stopped)
+        ]
+        return ending, rewritten
+
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         if count:
             self.decode_phase.drop()
@@ -331,17 +366,17 @@ class SchedulerCore:
 
     # -- checks and figures
     def check_integrity(self) -> None:
-        """Asserts the decode batch, when there is one, mirrors the running
+        """Asserts the decode phase's rows, when there are some, mirror the running
         sequences exactly (tests call this after every step)."""
         self.decode_phase.check()
 
     def stats(self) -> dict[str, float]:
-        # after a step the decode batch, when there is one, is exactly the running
-        # sequences: its length saves a walk over every group
-        batch = self.decode_phase.batch
+        # after a step the decode phase's rows, when there are some, are exactly the
+        # running sequences: their number saves a walk over every group
+        rows = self.decode_phase.rows
         return {
             "waiting": len(self.queues.waiting),
-            "running": len(batch) if batch is not None else self.num_running_seqs,
+            "running": len(rows) if rows is not None else self.num_running_seqs,
             "swapped": len(self.queues.swapped),
             "preemptions_recompute": self.num_preemptions["recompute"],
             "preemptions_swap": self.num_preemptions["swap"],

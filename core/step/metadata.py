@@ -9,12 +9,13 @@ over a context, whatever the scheduler calls the sequence.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
+
+from servelab.step.plan import block_table_array, row_numbers
 
 
 class Staging(Protocol):
@@ -38,7 +39,7 @@ class AttentionMetadata:
     lives in physical block `block_tables[i, p // block_size]` at offset
     `p % block_size`; this step's new K/V is written at `slot_mapping`.
 
-    The `*_cpu` lists mirror the tensors so CPU-side planning never syncs.
+    The `*_cpu` lists mirror the lengths so CPU-side planning never syncs.
     """
 
     num_seqs: int
@@ -55,13 +56,92 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # int64 [num_sampled]: last token of each sampling sequence
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    block_tables_cpu: list[list[int]]
     max_query_len: int
     max_seq_len: int
 
     @property
     def context_lens_cpu(self) -> list[int]:
         return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
+
+    @classmethod
+    def from_rows(
+        cls,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        tables: np.ndarray,
+        block_size: int,
+        samples: np.ndarray | None = None,
+        device: torch.device | str = "cpu",
+        num_one_query_seqs: int | None = None,
+        staging: Staging | None = None,
+        one_query_slots: np.ndarray | None = None,
+    ) -> AttentionMetadata:
+        """The one builder: a step's rows (`servelab.step.plan.StepPlan`) as
+        arrays — row i computes positions `[starts[i], starts[i] + counts[i])`
+        with block table `tables[i]` (int32, padded) — in a fixed number of numpy
+        operations whatever the batch. `samples` masks the rows whose last
+        token is sampled (default: all); `num_one_query_seqs` defaults to every
+        leading one-query row (the model runner passes its leading decodes, a
+        prefix of those). `one_query_slots`: the slot of each of those rows'
+        token, when the caller has them (`StepPlan.decode_slots`).
+
+        Where the tensors live: see `to_device`."""
+        num_seqs = len(starts)
+        if num_one_query_seqs is None:
+            not_one = np.flatnonzero(counts != 1)
+            num_one_query_seqs = int(not_one[0]) if not_one.size else num_seqs
+        seq_lens = starts + counts
+        rows, query_start_t, logits_t = _aranges(num_seqs)
+        if num_one_query_seqs == num_seqs:  # one query token per row
+            num_tokens = num_seqs
+            positions = starts
+            seq_of_token = rows
+        else:
+            query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(counts, out=query_start[1:])
+            num_tokens = int(query_start[-1])
+            seq_of_token = np.repeat(rows, counts)
+            positions = np.arange(num_tokens) - (query_start[:-1] - starts)[seq_of_token]
+            query_start_t = torch.from_numpy(query_start.astype(np.int32))
+            logits_t = None
+        if one_query_slots is not None and len(one_query_slots) == num_tokens == num_seqs:
+            slots = one_query_slots
+        elif num_tokens:
+            block_index, offset = np.divmod(positions, block_size)
+            slots = tables[seq_of_token, block_index].astype(np.int64) * block_size + offset
+        else:
+            slots = np.zeros(0, dtype=np.int64)
+        if logits_t is None or (samples is not None and not samples.all()):
+            logits_idx = np.cumsum(counts) - 1
+            if samples is not None:
+                logits_idx = logits_idx[samples]
+            logits_t = torch.from_numpy(logits_idx)
+        seq_start = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(seq_lens, out=seq_start[1:])
+        tensors = dict(
+            query_start_loc=query_start_t,
+            seq_start_loc=torch.from_numpy(seq_start),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            context_lens=torch.from_numpy(starts.astype(np.int32)),
+            block_tables=torch.from_numpy(tables),
+            slot_mapping=torch.from_numpy(slots),
+            positions=torch.from_numpy(positions),
+            logits_indices=logits_t,
+        )
+        if staging is not None or torch.device(device).type != "cpu":
+            tensors = cls.to_device(tensors, device, staging)
+        seq_lens_cpu = seq_lens.tolist()
+        return cls(
+            num_seqs=num_seqs,
+            num_one_query_seqs=num_one_query_seqs,
+            num_tokens=num_tokens,
+            block_size=block_size,
+            query_lens_cpu=[1] * num_seqs if num_tokens == num_seqs else counts.tolist(),
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=int(counts.max()) if num_seqs else 0,
+            max_seq_len=max(seq_lens_cpu) if num_seqs else 0,
+            **tensors,
+        )
 
     @classmethod
     def from_lists(
@@ -75,70 +155,18 @@ class AttentionMetadata:
         num_one_query_seqs: int | None = None,
         staging: Staging | None = None,
     ) -> AttentionMetadata:
-        """Builds every tensor from plain lists (tests and the engine both use this)
-        with a fixed number of numpy operations: the cost grows with the number of
-        sequences only through reading their lists, never through a Python loop
-        over tokens. `block_tables` are referenced, not copied: the metadata
-        describes the step it was built for. `num_one_query_seqs` defaults to
-        every leading one-query sequence (the model runner passes its leading
-        decodes, a prefix of those).
-
-        Where the tensors live: see `to_device`."""
-        num_seqs = len(query_lens)
-        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
-        s_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
-        if num_one_query_seqs is None:
-            not_one = np.flatnonzero(q_lens != 1)
-            num_one_query_seqs = int(not_one[0]) if not_one.size else num_seqs
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        ssl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(s_lens, out=ssl[1:])
-        num_tokens = int(qsl[-1])
-        context = s_lens - q_lens
-        table_array = block_table_array(block_tables)
-
-        # token t of sequence i sits at position context[i] + (t - qsl[i])
-        if num_tokens == num_seqs:  # one query per sequence (decode): no repeat needed
-            seq_of_token = np.arange(num_seqs)
-            positions = context
-        else:
-            seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-            positions = np.arange(num_tokens) - (qsl[:-1] - context)[seq_of_token]
-        if num_tokens:
-            blocks = table_array[seq_of_token, positions // block_size].astype(np.int64)
-            slots = blocks * block_size + positions % block_size
-        else:
-            slots = np.zeros(0, dtype=np.int64)
-        if sample_mask is None:
-            logits_idx = qsl[1:] - 1
-        else:
-            logits_idx = (qsl[1:] - 1)[np.asarray(sample_mask, dtype=bool).reshape(num_seqs)]
-
-        tensors = dict(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
-            seq_start_loc=torch.from_numpy(ssl.astype(np.int32)),
-            seq_lens=torch.from_numpy(s_lens.astype(np.int32)),
-            context_lens=torch.from_numpy(context.astype(np.int32)),
-            block_tables=torch.from_numpy(table_array),
-            slot_mapping=torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
-            positions=torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)),
-            logits_indices=torch.from_numpy(np.ascontiguousarray(logits_idx, dtype=np.int64)),
-        )
-        if staging is not None or torch.device(device).type != "cpu":
-            tensors = cls.to_device(tensors, device, staging)
-        return cls(
-            num_seqs=num_seqs,
-            num_one_query_seqs=num_one_query_seqs,
-            num_tokens=num_tokens,
-            block_size=block_size,
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-            block_tables_cpu=block_tables,
-            max_query_len=int(q_lens.max()) if num_seqs else 0,
-            max_seq_len=int(s_lens.max()) if num_seqs else 0,
-            **tensors,
-        )
+        """`from_rows` of rows given as lists: query lengths, context lengths
+        after the step, block tables (tests write steps this way)."""
+        counts = np.asarray(query_lens, dtype=np.int64).reshape(len(query_lens))
+        if num_one_query_seqs is None:  # every leading one-query row
+            not_one = np.flatnonzero(counts != 1)
+            num_one_query_seqs = int(not_one[0]) if not_one.size else len(counts)
+        starts = np.asarray(seq_lens, dtype=np.int64).reshape(len(seq_lens)) - counts
+        samples = None if sample_mask is None else np.asarray(sample_mask, dtype=bool)
+        return cls.from_rows(
+            starts, counts, block_table_array(block_tables), block_size, samples, device,
+            num_one_query_seqs, staging,
+        )  # fmt: skip
 
     @staticmethod
     def to_device(
@@ -161,16 +189,16 @@ class AttentionMetadata:
         return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
 
 
-def block_table_array(block_tables: list[list[int]]) -> np.ndarray:
-    """Ragged block tables as one int32 `[num_seqs, max_blocks]` array, padded
-    with 0 (at least one column), in three numpy calls whatever the batch."""
-    num_seqs = len(block_tables)
-    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
-    width = int(lens.max()) if num_seqs else 0
-    array = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
-    if width:
-        total = int(lens.sum())
-        flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int32, count=total)
-        # a row-major boolean mask assigns row by row, each row's blocks in order
-        array[np.arange(array.shape[1]) < lens[:, None]] = flat
-    return array
+
+_ARANGES: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
+
+
+def _aranges(n: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """For a step of n rows of one query each: 0..n-1 (numpy int64: each token's
+    row), 0..n (int32 tensor: query starts) and 0..n-1 (int64 tensor: logits
+    rows); built once per size, never written."""
+    found = _ARANGES.get(n)
+    if found is None:
+        found = (row_numbers(n), torch.arange(n + 1, dtype=torch.int32), torch.arange(n, dtype=torch.int64))
+        _ARANGES[n] = found
+    return found

@@ -1,10 +1,10 @@
-"""What one step runs, as the scheduler decided it: `StepPlan` (decodes first,
-then prefill chunks), its `ScheduledSeq` items, the allocator's `BlockCopies`,
-and after the forward the `SampledTokens`. Torch-free: allocators import it.
+"""What one step runs, as the scheduler decided it: `StepPlan` (its rows,
+decodes first, then prefill chunks), the allocator's `BlockCopies`, and after
+the forward the `SampledTokens`. Torch-free: allocators import it.
 
 A decode is a sequence whose step computes exactly one token past its prompt
 (its last token, one it sampled earlier) and samples the next one
-(`ScheduledSeq.is_decode`; `Sequence.is_decoding`: its next step would be one).
+(`Sequence.is_decoding`: its next step would be one).
 That is the only meaning of "decode" for the scheduler, the engine and the
 metrics: a plan lists its decodes first, the model runner counts them for the
 attention split, and a step's `decode_tokens` are its decodes. Every other
@@ -16,12 +16,14 @@ sequence there (`AttentionMetadata.num_one_query_seqs`).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from servelab.step.sequence import Sequence
 
 
@@ -46,116 +48,229 @@ class BlockCopies:
         self.copy += other.copy
 
 
-@dataclass
-class ScheduledSeq:
-    """One sequence in a step: it computes `num_query_tokens` tokens starting at
-    `start` (its `num_computed_tokens` when scheduled); the step samples a token
-    for it when that range reaches the end of its tokens."""
-
-    seq: Sequence
-    num_query_tokens: int
-    start: int = -1
-    samples: bool | None = None  # None: derived from the sequence when scheduled
-
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            self.start = self.seq.num_computed_tokens
-        if self.samples is None:
-            self.samples = self.start + self.num_query_tokens == self.seq.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """One token past the prompt, and a sample after it: a decode (module docstring)."""
-        return bool(
-            self.num_query_tokens == 1 and self.samples and self.start >= self.seq.num_prompt_tokens
-        )
-
-
 class StepPlan:
-    """What the scheduler decided for one step.
+    """What the scheduler decided for one step, as rows: row i is sequence
+    `seqs[i]` computing its tokens `[starts[i], starts[i] + counts[i])` into the
+    blocks of its table (`tables[i, :table_lens[i]]`), and sampling the token
+    after them when `samples[i]`. Its decodes come first (`num_decodes` rows):
+    attention splits off the leading one-query rows with one index.
 
-    A step's sequences are `scheduled`: decodes first, then prefill chunks. In
-    a steady decode phase the decodes come as one `DecodeBatch` (`decodes`)
-    instead of one `ScheduledSeq` each, so planning a step costs array
-    operations, not Python work per sequence; `items` holds the rest. The
-    batch changes after the step, so the plan keeps what it was when
-    scheduled: its rows' sequences (`decode_seqs`, `decode_seq_ids`) and the
-    position each computes (`decode_starts`). Reading `scheduled` lists every
-    sequence either way (built once, on first use): the hot path reads
-    `decodes` and `items`, everything else may read `scheduled`.
+    While the scheduler plans, rows come one by one (`add`: a prompt chunk, a
+    recompute, a decode planned on its own) or as the steady decode phase's
+    rows at once (`add_rows`: arrays it keeps between steps); `close` builds
+    the arrays once, so every reader (model runner, cost model, simulator,
+    update, metrics) reads one representation, in array operations where the
+    step is large.
     """
 
-    def __init__(
-        self,
-        scheduled: list[ScheduledSeq] | None = None,
-        copies: BlockCopies | None = None,
-        preempted: list[Sequence] | None = None,
-        idle_slots: int = 0,
-        decodes=None,
-        decode_starts: np.ndarray | None = None,
-    ) -> None:
-        self.items: list[ScheduledSeq] = scheduled if scheduled is not None else []
-        self.copies = copies if copies is not None else BlockCopies()
+    def __init__(self, preempted: list[Sequence] | None = None) -> None:
+        self.seqs: list[Sequence] = []
+        self.seq_ids: list[int] = []
+        self.starts = self.counts = self.table_lens = _EMPTY
+        self.samples = _NO_SAMPLES
+        self.tables = _NO_TABLES
+        self.input_ids: list[int] = []  # the tokens the step computes, packed in row order
+        self.num_decodes = 0
+        # decode rows' stop limits (finish by length when num_tokens reaches it), and the
+        # stop token ids any of them stops on (each row still applies its own rule)
+        self.stop_at = _EMPTY
+        self.stop_tokens: frozenset[int] = frozenset()
+        self.all_greedy = True  # every sampling row takes the argmax (no sampling, no processing)
+        # the decode rows' blocks their tokens go to, offsets in them, and slots (`close`)
+        self.decode_blocks = self.decode_offsets = self.decode_slots = _EMPTY
+        self.copies = BlockCopies()
         self.preempted: list[Sequence] = preempted if preempted is not None else []
-        self.idle_slots = idle_slots  # static batching: finished sequences still holding a slot
-        self.decodes = decodes  # a servelab.step.decode_batch.DecodeBatch, or None
-        self.decode_starts = decode_starts  # int64 [rows]: position each batch row computes
-        # the batch's row lists when scheduled (the batch replaces, never mutates, them)
-        self.decode_seqs: list[Sequence] = decodes.seqs if decodes is not None else []
-        self.decode_seq_ids: list[int] = decodes.seq_ids if decodes is not None else []
-        self._listed: list[ScheduledSeq] | None = None
+        self.idle_slots = 0  # static batching: finished sequences still holding a slot
         # the most logprob alternatives a live request asked for (-1: none asked);
         # the engine sets it, the executor returns `SampledTokens.logprobs` when >= 0
         self.logprobs_k = -1
+        # the rows planned one by one (every sequence's first step is among them)
+        self.listed: list[Sequence] = []
+        self._listed_rows: list[tuple[Sequence, int, int]] = []  # (seq, start, count)
+        # the decode phase's rows (`add_rows`), when the plan took them: its first rows
+        self.running_rows: Any = None
 
-    @property
-    def num_batch_decodes(self) -> int:
-        return 0 if self.decode_starts is None else len(self.decode_starts)
+    # -- while planning
+    def add(self, seq: Sequence, count: int) -> None:
+        """Plans `count` tokens of `seq` from its `num_computed_tokens`."""
+        self.listed.append(seq)
+        self._listed_rows.append((seq, seq.num_computed_tokens, count))
 
-    @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        if self.decodes is None:
-            return self.items
-        if self._listed is None:
-            assert self.decode_starts is not None  # set with decodes
-            starts = self.decode_starts.tolist()
-            self._listed = [
-                ScheduledSeq(seq, 1, start, True) for seq, start in zip(self.decode_seqs, starts)
-            ] + self.items
-        return self._listed
-
-    @scheduled.setter
-    def scheduled(self, items: list[ScheduledSeq]) -> None:
-        self.items, self.decodes, self.decode_starts, self._listed = items, None, None, None
-        self.decode_seqs, self.decode_seq_ids = [], []
-
-    def counts(self) -> tuple[int, int, int]:
-        """(sequences, decodes, sampled tokens) of this step. A decode computes one
-        token, so its decodes are also its decode tokens; every other token is prefill."""
-        rows = self.num_batch_decodes
-        sampled = rows + sum(1 for i in self.items if i.samples)
-        return rows + len(self.items), self.num_decodes, sampled
+    def add_rows(self, rows: Any) -> None:
+        """Plans the decode phase's rows (`servelab.step.running_rows.RunningRows`):
+        each computes its last token and samples the next."""
+        self.running_rows = rows
 
     @property
     def is_empty(self) -> bool:
-        return not self.items and not self.num_batch_decodes
+        return not self.seqs and not self._listed_rows and self.running_rows is None
 
-    @property
-    def num_decodes(self) -> int:
-        return self.num_batch_decodes + sum(1 for s in self.items if s.is_decode)
+    def close(
+        self, block_table: Callable[[Sequence], list[int]], block_size: int, max_model_len: int
+    ) -> None:
+        """Builds the rows' arrays, decodes first (each part in planning order)."""
+        self._close_rows(block_table, max_model_len)
+        # where each decode row writes its token: read by the metadata (its slot) and
+        # by the update (the block it fills), computed once
+        n = self.num_decodes
+        block_index, self.decode_offsets = np.divmod(self.starts[:n], block_size)
+        # a flat take: cheaper than a two-dimensional fancy index
+        block_index += row_numbers(n) * self.tables.shape[1]
+        self.decode_blocks = self.tables.ravel().take(block_index)
+        self.decode_slots = np.multiply(self.decode_blocks, block_size, dtype=np.int64)
+        self.decode_slots += self.decode_offsets
+
+    def _close_rows(self, block_table: Callable[[Sequence], list[int]], max_model_len: int) -> None:
+        bulk, listed = self.running_rows, self._listed_rows
+        if bulk is not None and not listed:  # the steady decode phase: the rows' own arrays
+            n = len(bulk)
+            self.seqs, self.seq_ids = bulk.seqs, bulk.seq_ids
+            self.input_ids = bulk.next_input
+            self.starts = bulk.starts.copy()
+            self.counts = _ones(n)
+            self.samples = np.ones(n, dtype=bool)
+            width = max(1, int(bulk.table_lens.max())) if n else 1
+            self.tables = bulk.tables[:, :width].copy()
+            self.table_lens = bulk.table_lens.copy()
+            self.num_decodes = n
+            self.stop_at, self.stop_tokens = bulk.stop_at, bulk.stop_tokens
+            self.all_greedy = bulk.all_greedy
+            return
+        decodes = [r for r in listed if _is_decode(*r)]
+        rows = decodes + [r for r in listed if not _is_decode(*r)] if decodes else listed
+        seqs = [r[0] for r in rows]
+        starts = np.fromiter((r[1] for r in rows), np.int64, len(rows))
+        counts = np.fromiter((r[2] for r in rows), np.int64, len(rows))
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(rows))
+        table_lists = [block_table(s) for s in seqs]
+        tables = block_table_array(table_lists)
+        table_lens = np.fromiter(map(len, table_lists), np.int64, len(table_lists))
+        stop_at = [_stop_at(s, max_model_len) for s, _, _ in decodes]
+        stops = set().union(*(_stop_token_ids(s) for s, _, _ in decodes))
+        self.all_greedy = all(_greedy(s) for s in seqs)
+        if bulk is not None and len(bulk):
+            seqs = bulk.seqs + seqs
+            starts = np.concatenate([bulk.starts, starts])
+            counts = np.concatenate([_ones(len(bulk)), counts])
+            num_tokens = np.concatenate([bulk.starts + 1, num_tokens])
+            tables = _stack_padded(bulk.tables[:, : max(1, int(bulk.table_lens.max()))], tables)
+            table_lens = np.concatenate([bulk.table_lens, table_lens])
+            stop_at = bulk.stop_at.tolist() + stop_at
+            stops |= bulk.stop_tokens
+            self.all_greedy = self.all_greedy and bulk.all_greedy
+        self.seqs = seqs
+        self.seq_ids = [s.seq_id for s in seqs]
+        self.starts, self.counts = starts, counts
+        self.input_ids = bulk.next_input[:] if bulk is not None else []
+        for seq, start, count in rows:
+            if count == 1:
+                self.input_ids.append(seq.token_ids[start])
+            else:
+                self.input_ids += seq.token_ids[start : start + count]
+        self.samples = starts + counts == num_tokens
+        self.tables, self.table_lens = tables, table_lens
+        self.num_decodes = len(decodes) + (len(bulk) if bulk is not None else 0)
+        self.stop_at = np.asarray(stop_at, dtype=np.int64)
+        self.stop_tokens = frozenset(stops)
+
+    # -- reading a closed plan
+    def rows(self, first: int = 0) -> Iterator[tuple[Sequence, int, int, bool]]:
+        """(sequence, start, count, samples) of each row from `first`."""
+        return zip(
+            self.seqs[first:],
+            self.starts[first:].tolist(),
+            self.counts[first:].tolist(),
+            self.samples[first:].tolist(),
+        )
+
+    def step_counts(self) -> tuple[int, int, int]:
+        """(sequences, decodes, sampling rows) of this step. A decode computes one
+        token, so its decodes are also its decode tokens; every other token is prefill."""
+        return len(self.seqs), self.num_decodes, int(self.samples.sum())
 
     @property
     def num_tokens(self) -> int:
-        return self.num_batch_decodes + sum(s.num_query_tokens for s in self.items)
-
-    def sort_decodes_first(self) -> None:
-        self.items.sort(key=lambda s: not s.is_decode)  # stable: keeps order within each part
+        return int(self.counts.sum())
 
     def __repr__(self) -> str:
         return (
-            f"StepPlan(batch_decodes={self.num_batch_decodes}, items={len(self.items)}, "
-            f"preempted={len(self.preempted)}, idle_slots={self.idle_slots})"
+            f"StepPlan(rows={len(self.seqs)}, decodes={self.num_decodes}, "
+            f"tokens={self.num_tokens}, preempted={len(self.preempted)}, "
+            f"idle_slots={self.idle_slots})"
         )
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_NO_SAMPLES = np.zeros(0, dtype=bool)
+_NO_TABLES = np.zeros((0, 1), dtype=np.int32)
+for _array in (_EMPTY, _NO_SAMPLES, _NO_TABLES):
+    _array.flags.writeable = False
+_ONES: dict[int, np.ndarray] = {}
+_ROWS: dict[int, np.ndarray] = {}
+
+
+def row_numbers(n: int) -> np.ndarray:
+    """0..n-1 (int64), read-only and built once per size: a step's row numbers."""
+    found = _ROWS.get(n)
+    if found is None:
+        found = _ROWS[n] = np.arange(n, dtype=np.int64)
+        found.flags.writeable = False
+    return found
+
+
+def _ones(n: int) -> np.ndarray:
+    """n ones (int64), read-only and built once per size: every decode row's count."""
+    found = _ONES.get(n)
+    if found is None:
+        found = _ONES[n] = np.ones(n, dtype=np.int64)
+        found.flags.writeable = False
+    return found
+
+
+def _is_decode(seq: Sequence, start: int, count: int) -> bool:
+    """One token past the prompt, and a sample after it: a decode (module docstring)."""
+    return count == 1 and start + 1 == seq.num_tokens and start >= seq.num_prompt_tokens
+
+
+def _greedy(seq: Sequence) -> bool:
+    return seq.params.greedy and not seq.params.processes_logits
+
+
+def _stop_token_ids(seq: Sequence) -> set[int]:
+    """The token ids that stop `seq` (its stop tokens, and EOS unless ignored)."""
+    tokens = set(seq.params.stop_token_ids)
+    if not seq.params.ignore_eos:
+        tokens |= seq.eos_token_ids
+    return tokens
+
+
+def _stop_at(seq: Sequence, max_model_len: int) -> int:
+    """The length at which `seq` finishes (max_tokens, capped at max_model_len)."""
+    return min(seq.num_prompt_tokens + seq.params.max_tokens, max_model_len)
+
+
+def _stack_padded(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
+    """Two block-table arrays as one, the narrower padded with 0."""
+    width = max(top.shape[1], bottom.shape[1])
+    out = np.zeros((len(top) + len(bottom), width), dtype=np.int32)
+    out[: len(top), : top.shape[1]] = top
+    out[len(top) :, : bottom.shape[1]] = bottom
+    return out
+
+
+def block_table_array(block_tables: list[list[int]]) -> np.ndarray:
+    """Ragged block tables as one int32 `[num_seqs, max_blocks]` array, padded
+    with 0 (at least one column), in three numpy calls whatever the batch."""
+    num_seqs = len(block_tables)
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
+    width = int(lens.max()) if num_seqs else 0
+    array = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
+    if width:
+        total = int(lens.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int32, count=total)
+        # a row-major boolean mask assigns row by row, each row's blocks in order
+        array[np.arange(array.shape[1]) < lens[:, None]] = flat
+    return array
 
 
 class SampledTokens:

@@ -26,9 +26,9 @@ from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
 from servelab.kernels import cpu_paged
 from servelab.plugins.attention.padded_decode import (
-    DecodeBatchPlan,
+    OneQueryPlan,
     decode_attention,
-    plan_decode_batch,
+    plan_one_query_rows,
 )
 from servelab.plugins.attention.per_request import (
     PerSeqPlan,
@@ -84,7 +84,7 @@ class FlashVarlenPlan:
     num_one_query_seqs: int = 0  # the metadata's: the leading one-query sequences
     completed: bool = False  # the impl-specific fields below are filled in
     context_slots: torch.Tensor | None = None  # impl=torch gathering pages: packed context slots
-    decodes: DecodeBatchPlan | None = None  # impl=sdpa, cpu without its kernel: batched decodes
+    one_query: OneQueryPlan | None = None  # impl=sdpa, cpu without its kernel: batched decodes
     prefills: PerSeqPlan | None = None  # impl=sdpa/cpu: one call per prefill chunk
     # impl=cpu with its kernel, a step with prompt tokens: every query token as its
     # own "decode" over the context up to and including it (its sequence's table row)
@@ -206,7 +206,7 @@ class FlashVarlenBackend(AttentionBackend):
                 elif num < meta.num_tokens:  # short prompt chunks: each token a query
                     plan.token_tables, plan.token_lens = per_token_tables(meta)
             else:
-                plan.decodes = plan_decode_batch(meta, self.num_kv_heads)
+                plan.one_query = plan_one_query_rows(meta, self.num_kv_heads)
                 plan.prefills = plan_per_seq(meta, first=meta.num_one_query_seqs)
         plan.completed = True
 
@@ -346,7 +346,7 @@ class FlashVarlenBackend(AttentionBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
     ) -> torch.Tensor:
         """The step's leading one-query sequences, batched through SDPA."""
-        return decode_attention(q, k_cache, v_cache, plan.decodes, self.scale, self.workspace)
+        return decode_attention(q, k_cache, v_cache, plan.one_query, self.scale, self.workspace)
 
     def _forward_torch(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan

@@ -1,7 +1,7 @@
 """Batched decode over SDPA: the step's decodes (its first rows, one query each)
 padded to their longest context and gathered head-major in one `index_select`
 per K and V, then one masked SDPA call for the whole batch. `flash_varlen`'s
-`sdpa` impl plans it once per step (`plan_decode_batch`) and runs it in every
+`sdpa` impl plans it once per step (`plan_one_query_rows`) and runs it in every
 layer (`decode_attention`): one call instead of one per sequence.
 
 `padded_context_slots`, the cache slots of keys padded to a common length
@@ -22,7 +22,7 @@ from servelab.step.metadata import AttentionMetadata
 
 
 @dataclass
-class DecodeBatchPlan:
+class OneQueryPlan:
     """The decode part of a step (its first `num_seqs` sequences, one query
     each) padded to its longest context, built once per step.
 
@@ -78,7 +78,7 @@ def gather_padded(
     return out.view(num_seqs, -1, max_len, head_dim)
 
 
-def plan_decode_batch(meta: AttentionMetadata, num_kv_heads: int) -> DecodeBatchPlan | None:
+def plan_one_query_rows(meta: AttentionMetadata, num_kv_heads: int) -> OneQueryPlan | None:
     """The batched-decode plan of `meta`'s leading one-query sequences, None when
     there are none."""
     num = meta.num_one_query_seqs
@@ -89,14 +89,14 @@ def plan_decode_batch(meta: AttentionMetadata, num_kv_heads: int) -> DecodeBatch
     rows, is_real = padded_key_rows(meta, num, max_len, num_kv_heads)
     padded = min(lens_cpu) != max_len
     mask = is_real.view(num, 1, 1, max_len) if padded else None
-    return DecodeBatchPlan(num, max_len, num_kv_heads, rows, mask)
+    return OneQueryPlan(num, max_len, num_kv_heads, rows, mask)
 
 
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    plan: DecodeBatchPlan,
+    plan: OneQueryPlan,
     scale: float,
     workspace: Workspace,
 ) -> torch.Tensor:

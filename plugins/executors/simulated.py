@@ -94,7 +94,7 @@ class SimulatedExecutor(Executor):
         self.block_bytes = 0
         self.padded = False
         self._keys: dict[int, int] = {}  # seq_id -> its sample's hash key
-        self._rows: tuple[list[int], list[int], list[int]] | None = None  # see _batch_rows
+        self._rows: tuple[list[int], list[int], list[int]] | None = None  # see _decode_rows
         self.eos = frozenset(c.eos_token_ids or ())
 
     # -- sizing
@@ -151,12 +151,11 @@ class SimulatedExecutor(Executor):
         sampled = SampledTokens(owners, tokens)
         if plan.logprobs_k >= 0:
             sampled.logprobs = self.stand_in_logprobs(tokens, plan.logprobs_k)
-        for item in plan.items:  # prompt logprobs: stand-ins for the prompt tokens scored now
-            seq = item.seq
+        for seq, start, count, _ in plan.rows(plan.num_decodes):  # prompt logprobs: stand-ins
             scored = seq.prompt_logprobs
             if scored is not None and len(scored) < seq.num_prompt_tokens:
-                last = min(item.start + item.num_query_tokens, seq.num_prompt_tokens - 1)
-                scored += [None] * (min(item.start + 1, seq.num_prompt_tokens) - len(scored))
+                last = min(start + count, seq.num_prompt_tokens - 1)
+                scored += [None] * (min(start + 1, seq.num_prompt_tokens) - len(scored))
                 targets = seq.token_ids[len(scored) : last + 1]
                 scored += self.stand_in_logprobs(targets, seq.params.prompt_logprobs)
         return sampled
@@ -176,27 +175,27 @@ class SimulatedExecutor(Executor):
 
     def read_plan(self, plan) -> tuple[StepShape, list[int], list[int]]:
         """The step's shape for the cost model, and its sampled tokens in the model
-        runner's order (decode-batch rows, then items; n for a prompt that forks now)."""
-        owners: list[int] = []
-        tokens: list[int] = []
+        runner's order (the decode rows, then the other sampling rows; n for a
+        prompt that forks now)."""
         vocab = self.model_config.vocab_size
-        if plan.decodes is not None:
-            owners = list(plan.decode_seq_ids)
-            row_keys, offsets = self._batch_rows(plan)
-            if len(owners) <= SCALAR_ROWS:  # a few rows: Python ints beat numpy's per-call cost
-                starts = plan.decode_starts.tolist()
+        n = plan.num_decodes
+        owners: list[int] = plan.seq_ids[:n]
+        tokens: list[int] = []
+        if n:
+            row_keys, offsets = self._decode_rows(plan)
+            if n <= SCALAR_ROWS:  # a few rows: Python ints beat numpy's per-call cost
+                starts = plan.starts[:n].tolist()
                 drawn = [
                     stand_in_token(k, s + o, vocab) for k, s, o in zip(row_keys, starts, offsets)
                 ]
             else:
-                positions = plan.decode_starts + np.asarray(offsets, dtype=np.int64)
+                positions = plan.starts[:n] + np.asarray(offsets, dtype=np.int64)
                 keys = np.array(row_keys, dtype=np.uint64)
                 drawn = stand_in_tokens(keys, positions, vocab).tolist()
             tokens = self.avoid_eos(drawn, vocab)
-        for item in plan.items:
-            if not item.samples:
+        for seq, _, _, samples in plan.rows(n):
+            if not samples:
                 continue
-            seq = item.seq
             num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
             p = seq.params
             forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
@@ -209,17 +208,21 @@ class SimulatedExecutor(Executor):
                 tokens += self.avoid_eos([stand_in_token(key, num_outputs, vocab)], vocab)
         return step_shape(plan, self.padded), owners, tokens
 
-    def _batch_rows(self, plan) -> tuple[list[int], list[int]]:
-        """Each decode-batch row's key, and what turns its position into its output
-        position (1 - its prompt length). Kept while the batch's rows are the same
-        (the batch replaces its row lists when rows join or leave, never edits them)."""
-        ids = plan.decode_seq_ids
+    def _decode_rows(self, plan) -> tuple[list[int], list[int]]:
+        """Each decode row's key, and what turns its position into its output
+        position (1 - its prompt length). Kept while the rows are the same list
+        (a plan of only the decode phase's rows shares the phase's list, which is
+        replaced, never edited, when rows join or leave)."""
+        n = plan.num_decodes
+        ids = plan.seq_ids
         cached = self._rows
-        if cached is not None and cached[0] is ids:
+        if cached is not None and cached[0] is ids and n == len(ids):
             return cached[1], cached[2]
-        keys = [self.key_of(s.seq_id, s.request_id, s.sample_index) for s in plan.decode_seqs]
-        offsets = (1 - plan.decodes.prompt_lens).tolist()
-        self._rows = (ids, keys, offsets)
+        seqs = plan.seqs[:n]
+        keys = [self.key_of(s.seq_id, s.request_id, s.sample_index) for s in seqs]
+        offsets = [1 - s.num_prompt_tokens for s in seqs]
+        if n == len(ids):
+            self._rows = (ids, keys, offsets)
         return keys, offsets
 
     def key_of(self, seq_id: int, request_id: str, sample_index: int) -> int:

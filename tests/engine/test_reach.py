@@ -2,10 +2,9 @@
 
 `x._name` only on `self`: the engine, its loop, its helpers and the serving front
 end reach each other and the parts through public methods and properties. And
-the decode batch (the scheduler core's fast path: `StepPlan.decodes` and the row
-lists kept with it) is read only by the scheduler core and the executor: the
-engine learns who got a token from the executor's `SampledTokens`, so a plan
-packed either way gives the same records."""
+a step has one representation, the plan's rows: the decode batch that stood
+beside them (`StepPlan.decodes` and the row lists kept with it) is gone from
+every module."""
 
 from __future__ import annotations
 
@@ -17,16 +16,10 @@ from servelab.step.plan import StepPlan
 
 CORE = Path(__file__).resolve().parents[2] / "core"
 ENGINE_FILES = sorted((CORE / "engine").glob("*.py"))
-# StepPlan's decode-batch representation (each checked to exist below, so a rename
-# in StepPlan fails here instead of leaving the list to guard nothing)
-DECODE_BATCH_FIELDS = (
-    "decodes",
-    "decode_seqs",
-    "decode_seq_ids",
-    "decode_starts",
-    "num_batch_decodes",
-)
-DECODE_BATCH_MODULE = "servelab.step.decode_batch"
+# the fields and module of the second step representation (a decode batch beside the
+# plan's items) that the plan's rows replaced: none may come back
+OLD_FIELDS = ("items", "scheduled", "decodes", "decode_seqs", "decode_seq_ids", "decode_starts")
+OLD_MODULE = "servelab.step.decode_batch"
 
 
 def private_reaches(source: str) -> list[str]:
@@ -41,21 +34,17 @@ def private_reaches(source: str) -> list[str]:
     ]
 
 
-def decode_batch_reads(source: str) -> list[str]:
-    """`line name` for each read of a decode-batch field and each import of its module."""
+def old_representation_reads(source: str) -> list[str]:
+    """`line name` for each read of a replaced plan field and import of its module."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr in DECODE_BATCH_FIELDS:
+        if isinstance(node, ast.Attribute) and node.attr in OLD_FIELDS[2:]:
             found.append(f"{node.lineno} .{node.attr}")
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            DECODE_BATCH_MODULE
-        ):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(OLD_MODULE):
             found.append(f"{node.lineno} from {node.module}")
         elif isinstance(node, ast.Import):
             found += [
-                f"{node.lineno} import {a.name}"
-                for a in node.names
-                if a.name.startswith(DECODE_BATCH_MODULE)
+                f"{node.lineno} import {a.name}" for a in node.names if a.name.startswith(OLD_MODULE)
             ]
     return found
 
@@ -67,11 +56,13 @@ def test_the_engine_package_and_the_front_end_touch_no_private_member_of_another
     assert reached == []
 
 
-def test_the_engine_reads_nothing_of_the_decode_batch():
+def test_a_step_has_one_representation():
+    """The plan is rows; no decode batch beside it, read anywhere in the source."""
     plan = StepPlan()
-    assert all(hasattr(plan, name) for name in DECODE_BATCH_FIELDS)
-    assert (CORE / "step" / "decode_batch.py").exists()
-    read = [f"{p.name}:{hit}" for p in ENGINE_FILES for hit in decode_batch_reads(p.read_text())]
+    assert not [name for name in OLD_FIELDS if hasattr(plan, name)]
+    assert not (CORE / "step" / "decode_batch.py").exists()
+    files = sorted(CORE.rglob("*.py")) + sorted((CORE.parent / "plugins").rglob("*.py"))
+    read = [f"{p.name}:{hit}" for p in files for hit in old_representation_reads(p.read_text())]
     assert read == []
 
 
@@ -122,9 +113,9 @@ def test_both_checks_can_fail():
         "ids = plan.decode_seq_ids\n"
         "from servelab.step.decode_batch import DecodeBatch\n"
         "import servelab.step.decode_batch\n"
-        "n = plan.num_decodes\n"  # one count over both representations: allowed
+        "n = plan.num_decodes\n"  # the rows' count of decodes: allowed
     )
-    assert sorted(decode_batch_reads(source)) == [
+    assert sorted(old_representation_reads(source)) == [
         "1 .decode_seq_ids",
         "2 from servelab.step.decode_batch",
         "3 import servelab.step.decode_batch",

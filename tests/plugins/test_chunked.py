@@ -140,7 +140,7 @@ def test_chunks_start_after_the_cached_prefix():
 
     def spy():
         plan = original()
-        starts.extend((s.seq.request_id, s.start, s.num_query_tokens) for s in plan.scheduled)
+        starts.extend((s.request_id, start, count) for s, start, count, _ in plan.rows())
         return plan
 
     eng.scheduler.schedule = spy

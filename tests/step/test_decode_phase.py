@@ -1,9 +1,10 @@
-"""The decode fast path (`servelab.step.decode_batch`) changes how a step is
-bookkept, never what happens: with it on or off (`decode_phase.enabled`), every
+"""The decode phase (`servelab.scheduling.decode_phase`: the running sequences planned
+at once from arrays while they all decode) changes how a step is planned, never what
+happens: with it on or off (`decode_phase.enabled`), every
 request's tokens, finish reasons and every step's record (sequences, prefill
 and decode tokens, KV tokens used and reserved, prefix hits, swaps,
 preemptions) are the same, under random workloads that admit, finish, stop,
-fork, abort, share prefixes and preempt. The batch mirrors the running
+fork, abort, share prefixes and preempt. The rows mirror the running
 sequences after every step (`check_integrity`), and it really runs."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def run(fast: bool, requests, engine: dict, arrive_at: dict[int, int], abort_at:
 
     def counting_schedule():
         plan = schedule()
-        fast_steps.append(plan.decodes is not None)
+        fast_steps.append(plan.running_rows is not None)
         return plan
 
     eng.scheduler.schedule = counting_schedule

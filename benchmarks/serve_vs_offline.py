@@ -86,7 +86,7 @@ def run_side(side: str, threads: int | None, offline_mode: str, server_cpu=None)
     sys.path.insert(0, str(HERE.parent))
     from reference_workload import prepared_engine, reference_config, serve_all
 
-    from servelab.engine.loop import EngineLoop
+    from servelab.llm import EngineLoop
 
     config = reference_config()
     if threads is not None:

@@ -376,16 +376,16 @@ def test_no_import_cycles_type_only_imports_included():
 
 
 def test_a_type_only_import_back_is_a_cycle(tmp_path):
-    """The check itself can fail: a staged copy where the loop's engine imports the
-    loop back under TYPE_CHECKING, and a relative import back from a step module."""
+    """The check itself can fail: a staged copy where the engine imports its
+    builder back under TYPE_CHECKING, and a relative import back from a step module."""
     for folder in LAYOUT:
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=_sources_only)
     with open(tmp_path / "core/engine/engine.py", "a") as f:
-        f.write("\nif TYPE_CHECKING:\n    from servelab.engine.loop import EngineLoop\n")
+        f.write("\nif TYPE_CHECKING:\n    from servelab.engine.build import build_engine\n")
     with open(tmp_path / "core/step/sequence.py", "a") as f:
         f.write("\ndef _late():\n    from . import plan\n")
     cycles = servelab_import_cycles(tmp_path)
-    assert ["servelab.engine.engine", "servelab.engine.loop"] in cycles
+    assert ["servelab.engine.build", "servelab.engine.engine"] in cycles
     assert ["servelab.step.plan", "servelab.step.sequence"] in cycles
 
 

@@ -9,7 +9,7 @@ Time is the executor's clock: the wall clock for the model, a virtual one simula
 The engine is a step machine for one caller at a time: every finished request
 comes back as the return value of `step` (a request a hook aborts during the
 step included) or of `abort`. Threads, sinks and `generate` are the loop's
-(`servelab.engine.loop.EngineLoop`), which wraps an engine; the engine knows no loop.
+(`servelab.llm.EngineLoop`), which wraps an engine; the engine knows no loop.
 Nothing invalid reaches a step: `new_sequence` checks every argument of a request
 before it exists, and a `RequestError` names the request, the argument and what is
 accepted (the checks are this module's, at its end).

@@ -12,7 +12,7 @@ Under tensor parallelism (the model's `all_reduce` set) the o and down matmuls'
 partial sums are all-reduced, so the one-call decoder, which has no such step
 between its layers, is not used. The projections take `cpu_matmul.path_for`'s
 path for the weights' dtype: servelab's packed kernel (and the one-call decoder),
-or oneDNN over prepacked weights. bfloat16 / float16 weights keep float32
+or oneDNN over weights `PackedMatmul` (below) prepacked once. bfloat16 / float16 weights keep float32
 activations (norms, RoPE, residual, logits); q/k/v are rounded to the KV cache's
 dtype for attention, and on the native bf16 path SwiGLU runs on the gate/up
 projection's bf16 output and feeds the down projection in bf16.
@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear, cpu_matmul
 from servelab.model.transformer import rope_cos_sin
@@ -74,7 +75,7 @@ class GatedMatmul(NamedTuple):
 
 class LayerProgram(NamedTuple):
     """One layer's weights as its kernels take them: `Matmul` / `GatedMatmul` for
-    servelab's kernel, `cpu_matmul.PackedMatmul` for oneDNN (gate_up then unfused)."""
+    servelab's kernel, `PackedMatmul` for oneDNN (gate_up then unfused)."""
 
     attn_norm: torch.Tensor
     attn_eps: float
@@ -107,7 +108,7 @@ def _layer_program(layer, servelab: bool, dtype: torch.dtype) -> LayerProgram:
     qkv_weight, qkv_bias = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], attn.qkv)
     gate_up_weight, _ = _stacked([mlp.gate_proj, mlp.up_proj], mlp.gate_up)
     qk_norm = attn.q_norm is not None
-    pack = Matmul.pack if servelab else cpu_matmul.PackedMatmul
+    pack = Matmul.pack if servelab else PackedMatmul
     gate_up = GatedMatmul.pack(gate_up_weight) if servelab else pack(gate_up_weight, None)
 
     def norm(module) -> torch.Tensor:
@@ -144,14 +145,14 @@ def identity(slots: list[tuple[dict, str]]) -> list:
     ]
 
 
-def _call(x: torch.Tensor, matmul: cpu_matmul.PackedMatmul) -> torch.Tensor:
+def _call(x: torch.Tensor, matmul: PackedMatmul) -> torch.Tensor:
     return matmul(x)
 
 
-def _gated(x: torch.Tensor, matmul: cpu_matmul.PackedMatmul) -> torch.Tensor:
+def _gated(x: torch.Tensor, matmul: PackedMatmul) -> torch.Tensor:
     # in the matmul's own dtype: on the native bf16 path the down projection reads
     # bf16, so the widest activation is never widened to float32 and narrowed back
-    return cpu_matmul.silu_mul(matmul.native(x), matmul.out_features // 2)
+    return silu_mul(matmul.native(x), matmul.out_features // 2)
 
 
 class KernelForward:
@@ -195,7 +196,7 @@ class KernelForward:
             norm = model.model.norm
             self._final = (norm.weight.detach().to(dtype), float(norm.eps))
             params, name = self._head_slot[0]
-            pack = Matmul.pack if servelab else cpu_matmul.PackedMatmul
+            pack = Matmul.pack if servelab else PackedMatmul
             self._lm_head = pack(params[name], None)
             if model.rope_cos.dtype == dtype:
                 self._rope = (model.rope_cos, model.rope_sin)
@@ -303,3 +304,53 @@ class KernelForward:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._fused.argmax_rows(logits)
+
+
+class PackedMatmul:
+    """`F.linear(x, weight, bias)` for a fixed weight, packed once for
+    `cpu_matmul.path_for`'s path: servelab's kernel, or oneDNN's packed linear.
+
+    Holds its own copies: a weight changed in place afterwards is not seen (the
+    caller repacks when a parameter changes)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        weight = weight.detach()
+        self.path = cpu_matmul.path_for(weight.dtype)
+        self.out_features = weight.shape[0]
+        dtype = self.path.compute_dtype
+        self.out_dtype = torch.float32 if weight.dtype in cpu_matmul.REDUCED else weight.dtype
+        self.servelab = None
+        self.gemv = None  # the plain weight for MKL's gemv at one or two rows
+        if self.path.name == "servelab":
+            self.servelab = cpu_linear.PackedLinear(weight, bias)
+            self.packed = self.bias = None
+            return
+        plain = weight.to(dtype)
+        if dtype == torch.float32 and weight.dtype == torch.float32:
+            self.gemv = (plain, None if bias is None else bias.detach())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.native(x)
+        return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in the path's compute dtype (bfloat16 on the native bf16
+        path), not widened to `out_dtype`: for a consumer that reads that dtype."""
+        if self.servelab is not None:
+            return self.servelab(x)
+        if self.gemv is not None and x.shape[0] <= cpu_matmul.GEMV_ROWS:
+            return F.linear(x, *self.gemv)
+        dtype = self.path.compute_dtype
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
+    """silu(gate) * up for the fused gate/up projection's output `[T, 2 * inner]`,
+    as the model's `F.silu(gate) * up`, in the output's dtype (bfloat16 rounds
+    twice, as the model's bfloat16 ops do)."""
+    out = F.silu(gate_up[:, :inner])
+    return out.mul_(gate_up[:, inner:])

@@ -1,6 +1,6 @@
 """The CPU projections' matmul, chosen once per weight dtype from what the CPU offers.
 
-Three paths, each over weights prepacked once (`pack`):
+Three paths, each over weights prepacked once (`servelab.executor.kernel_forward.PackedMatmul`):
 - `onednn`: torch's oneDNN linear (`mkldnn._linear_pointwise`) over a weight
   reordered into oneDNN's blocked layout for this CPU. bfloat16 / float16 weights
   take it where oneDNN runs them on matrix units (AMX) or AVX512-BF16/FP16.
@@ -23,9 +23,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-
-from servelab.kernels import cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -100,52 +97,3 @@ def path_for(dtype: torch.dtype) -> MatmulPath:
         )
     log.info("servelab: CPU matmul for %s weights: %s (%s)", dtype, path.name, path.why)
     return path
-
-
-class PackedMatmul:
-    """`F.linear(x, weight, bias)` for a fixed weight, packed once for `path_for`'s path.
-
-    Holds its own copies: a weight changed in place afterwards is not seen (the
-    caller repacks when a parameter changes)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        weight = weight.detach()
-        self.path = path_for(weight.dtype)
-        self.out_features = weight.shape[0]
-        dtype = self.path.compute_dtype
-        self.out_dtype = torch.float32 if weight.dtype in REDUCED else weight.dtype
-        self.servelab = None
-        self.gemv = None  # the plain weight for MKL's gemv at one or two rows
-        if self.path.name == "servelab":
-            self.servelab = cpu_linear.PackedLinear(weight, bias)
-            self.packed = self.bias = None
-            return
-        plain = weight.to(dtype)
-        if dtype == torch.float32 and weight.dtype == torch.float32:
-            self.gemv = (plain, None if bias is None else bias.detach())
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
-        self.bias = None if bias is None else bias.detach().to(dtype)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.native(x)
-        return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
-
-    def native(self, x: torch.Tensor) -> torch.Tensor:
-        """The product in the path's compute dtype (bfloat16 on the native bf16
-        path), not widened to `out_dtype`: for a consumer that reads that dtype."""
-        if self.servelab is not None:
-            return self.servelab(x)
-        if self.gemv is not None and x.shape[0] <= GEMV_ROWS:
-            return F.linear(x, *self.gemv)
-        dtype = self.path.compute_dtype
-        if x.dtype != dtype:
-            x = x.to(dtype)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
-    """silu(gate) * up for the fused gate/up projection's output `[T, 2 * inner]`,
-    as the model's `F.silu(gate) * up`, in the output's dtype (bfloat16 rounds
-    twice, as the model's bfloat16 ops do)."""
-    out = F.silu(gate_up[:, :inner])
-    return out.mul_(gate_up[:, inner:])

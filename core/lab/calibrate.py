@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from servelab.engine.build import build_engine
-from servelab.engine.loop import EngineLoop
 from servelab.executor.cost_model import CostModel, Shape, StepShape, step_shape
 from servelab.executor.hardware import HardwareProfile, load_profile
 from servelab.lab.op_times import op_times
+from servelab.llm import EngineLoop
 from servelab.step.sequence import SamplingParams
 
 FIT_PARAMETERS = (

@@ -2,8 +2,8 @@
 
 It composes small parts, each owning its state: `Queues` (waiting, running,
 swapped; the seat check), `Admission` (the reserve budget, requests prefilled
-elsewhere, and every way into running), `DecodePhase` (the steady decode phase
-as arrays). Itself it runs a step: `schedule()` (preempt the policy's victims,
+elsewhere, and every way into running), `DecodePhase` (below: the steady
+decode phase as arrays). Itself it runs a step: `schedule()` (preempt the policy's victims,
 the running phase, then admission and resumption) and, after the forward,
 `update()` (advance, append sampled tokens, fork, stop, free). A policy
 (`servelab.contracts.scheduler.SchedulingPolicy`) answers the questions it asks
@@ -31,9 +31,119 @@ from servelab.scheduling.admission import (
     queue_key,
     stop_if_done,
 )
-from servelab.scheduling.decode_phase import DecodePhase
-from servelab.step.plan import SampledTokens, StepPlan
+from servelab.step.plan import RunningRows, SampledTokens, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+
+
+class DecodePhase:
+    """The scheduler's steady decode phase, planned as `RunningRows`.
+
+    While every running sequence decodes, the running phase plans them all at once
+    from arrays kept between steps (`servelab.step.plan.RunningRows`) instead of one
+    sequence at a time; the plan and its update are the same either way. The rows
+    are built after a step that leaves every running sequence decoding, grown as
+    prefills complete, shrunk as rows finish, and dropped on anything else
+    (preemption, fork, abort, swap, a stop string): the next step then plans one
+    group at a time."""
+
+    def __init__(
+        self,
+        queues: Queues,
+        allocator: KVAllocator,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.queues = queues
+        self.allocator = allocator
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enabled = True  # False: every step plans one group at a time (tests compare)
+        self.rows: RunningRows | None = None  # the running sequences while they all decode
+
+    def drop(self) -> None:
+        self.rows = None
+
+    def schedule(self) -> StepPlan | None:
+        """Every running sequence decodes one token: the running phase in array
+        operations. None when there are no rows or one needs what only planning
+        one group at a time does (blocks are short, a write needs copy-on-write)."""
+        rows = self.rows
+        if rows is None:
+            return None
+        needing = rows.rows_needing_block().tolist()
+        blocks = self.allocator.extend_decodes(rows.seqs, needing)
+        if blocks is None:
+            self.rows = None
+            return None
+        rows.add_blocks(needing, blocks)
+        plan = StepPlan()
+        plan.add_rows(rows)
+        return plan
+
+    def update(self, plan: StepPlan, tokens: list[int], ending: list[int], rewritten: bool) -> None:
+        """After a step whose decode rows were `tokens` (row order) and whose rows
+        `ending` finished: advances the running rows (the plan's first ones) and
+        lets the finished leave."""
+        rows = self.rows
+        if rows is None or plan.running_rows is not rows:
+            return
+        if rewritten:  # the allocator rewrote a block table: the rows' copies are stale
+            self.rows = None
+            return
+        n = len(rows)
+        rows.advanced(tokens[:n])
+        ending = [r for r in ending if r < n]
+        if ending:
+            keep = np.ones(n, dtype=bool)
+            keep[ending] = False
+            rows.keep(keep)
+
+    def refresh(self, plan: StepPlan, forked: bool) -> None:
+        """After a step: keeps, grows or builds the rows when every running
+        sequence now decodes (and one does), and drops them otherwise."""
+        if forked or self.queues.swapped or not self.enabled:
+            self.rows = None
+            return
+        rows = self.rows if self.rows is not None and plan.running_rows is self.rows else None
+        joining = []
+        for seq in plan.listed:
+            if seq.is_finished:
+                continue
+            if not seq.is_decoding:  # a prompt still prefilling: not a decode yet
+                self.rows = None
+                return
+            joining.append(seq)
+        if rows is None:
+            # after a step planned one group at a time: it must have covered every running sequence
+            if (
+                not joining
+                or self.queues.num_running_seqs != len(joining)
+                or len(joining) > self.max_num_batched_tokens
+            ):
+                self.rows = None
+                return
+            self.rows = RunningRows(
+                joining,
+                [self.allocator.block_table(s) for s in joining],
+                self.allocator.block_size,
+                self.max_model_len,
+            )
+        elif joining:
+            if len(rows) + len(joining) > self.max_num_batched_tokens:
+                self.rows = None
+                return
+            rows.append(joining, [self.allocator.block_table(s) for s in joining])
+        if self.rows is not None and len(self.rows) == 0:
+            self.rows = None  # nothing decodes: the next step admits one group at a time
+
+    def check(self) -> None:
+        """Asserts the rows, when there are some, mirror the running sequences exactly."""
+        rows = self.rows
+        if rows is None:
+            return
+        rows.check(self.allocator.block_table)
+        running = [s.seq_id for g in self.queues.running for s in g.seqs if not s.is_finished]
+        assert sorted(running) == sorted(rows.seq_ids), "decode rows differ from running"
 
 
 class SchedulerCore:
@@ -148,6 +258,7 @@ class SchedulerCore:
             plan = self.decode_phase.schedule()
             if plan is not None:
                 if self.queues.waiting:
+                    assert plan.running_rows is not None  # the decode phase's plan takes them
                     budget = self.max_num_batched_tokens - len(plan.running_rows)
                     self.admission.admit(plan, budget, self._resume)
                 return self._finish_plan(plan)
@@ -287,9 +398,9 @@ class SchedulerCore:
         stopped: set[SequenceGroup] = set()  # groups with a sequence finished in this step
         num_decodes = plan.num_decodes
         if num_decodes:
-            tokens = sampled.tokens[:num_decodes]  # the decode rows' tokens come first
-            ending, rewritten = self._update_decodes(plan, tokens, now, stopped)
-            self.decode_phase.update(plan, tokens, ending, rewritten)
+            decoded = sampled.tokens[:num_decodes]  # the decode rows' tokens come first
+            ending, rewritten = self._update_decodes(plan, decoded, now, stopped)
+            self.decode_phase.update(plan, decoded, ending, rewritten)
         forked = False
         for seq, _, count, samples in plan.rows(num_decodes):
             seq.num_computed_tokens += count

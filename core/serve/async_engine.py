@@ -1,4 +1,4 @@
-"""`AsyncEngine`: an engine's one loop (`servelab.engine.loop.EngineLoop`) seen
+"""`AsyncEngine`: an engine's one loop (`servelab.llm.EngineLoop`) seen
 from asyncio.
 
 `start()` runs the loop on its background thread, which steps the engine while
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from servelab.engine.loop import Delta, EngineLoop, Sink
+from servelab.llm import Delta, EngineLoop, Sink
 from servelab.step.sequence import RequestOutput, SamplingParams
 
 __all__ = ["AsyncEngine", "Delta"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from servelab.contracts.kinds import KINDS
 from servelab.engine.build import build_engine
-from servelab.engine.loop import EngineLoop
+from servelab.llm import EngineLoop
 from servelab.serve.app import create_app
 from servelab.serve.async_engine import AsyncEngine
 from servelab.serve.config import serve_options

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from servelab.engine.loop import Delta, Sink
+from servelab.llm import Delta, Sink
 
 GONE = "gone"
 CLOSING = "closing"

@@ -91,7 +91,8 @@ class AttentionMetadata:
             not_one = np.flatnonzero(counts != 1)
             num_one_query_seqs = int(not_one[0]) if not_one.size else num_seqs
         seq_lens = starts + counts
-        rows, query_start_t, logits_t = _aranges(num_seqs)
+        rows, query_start_t, one_query_logits = _aranges(num_seqs)
+        logits_t: torch.Tensor | None = one_query_logits
         if num_one_query_seqs == num_seqs:  # one query token per row
             num_tokens = num_seqs
             positions = starts

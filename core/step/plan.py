@@ -1,6 +1,8 @@
 """What one step runs, as the scheduler decided it: `StepPlan` (its rows,
 decodes first, then prefill chunks), the allocator's `BlockCopies`, and after
-the forward the `SampledTokens`. Torch-free: allocators import it.
+the forward the `SampledTokens`; and `RunningRows`, the running sequences of
+a steady decode phase kept as arrays between steps, which a plan takes as its
+first rows at once. Torch-free: allocators import it.
 
 A decode is a sequence whose step computes exactly one token past its prompt
 (its last token, one it sampled earlier) and samples the next one
@@ -19,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -77,7 +79,9 @@ class StepPlan:
         self.stop_tokens: frozenset[int] = frozenset()
         self.all_greedy = True  # every sampling row takes the argmax (no sampling, no processing)
         # the decode rows' blocks their tokens go to, offsets in them, and slots (`close`)
-        self.decode_blocks = self.decode_offsets = self.decode_slots = _EMPTY
+        self.decode_blocks: np.ndarray = _EMPTY
+        self.decode_offsets: np.ndarray = _EMPTY
+        self.decode_slots: np.ndarray = _EMPTY
         self.copies = BlockCopies()
         self.preempted: list[Sequence] = preempted if preempted is not None else []
         self.idle_slots = 0  # static batching: finished sequences still holding a slot
@@ -88,7 +92,7 @@ class StepPlan:
         self.listed: list[Sequence] = []
         self._listed_rows: list[tuple[Sequence, int, int]] = []  # (seq, start, count)
         # the decode phase's rows (`add_rows`), when the plan took them: its first rows
-        self.running_rows: Any = None
+        self.running_rows: RunningRows | None = None
 
     # -- while planning
     def add(self, seq: Sequence, count: int) -> None:
@@ -96,9 +100,9 @@ class StepPlan:
         self.listed.append(seq)
         self._listed_rows.append((seq, seq.num_computed_tokens, count))
 
-    def add_rows(self, rows: Any) -> None:
-        """Plans the decode phase's rows (`servelab.step.running_rows.RunningRows`):
-        each computes its last token and samples the next."""
+    def add_rows(self, rows: RunningRows) -> None:
+        """Plans the decode phase's rows (`RunningRows`): each computes its last
+        token and samples the next."""
         self.running_rows = rows
 
     @property
@@ -271,6 +275,115 @@ def block_table_array(block_tables: list[list[int]]) -> np.ndarray:
         # a row-major boolean mask assigns row by row, each row's blocks in order
         array[np.arange(array.shape[1]) < lens[:, None]] = flat
     return array
+
+
+class RunningRows:
+    """The running sequences of a steady decode phase, kept between steps: rows
+    that each compute their last token and sample the next.
+
+    While every running sequence decodes, a step moves each by one token, and
+    re-deriving that from every sequence's lists costs Python work per sequence
+    that, at a few hundred sequences, outweighs a small model's CPU forward. The
+    rows keep positions, block tables and stop limits as arrays and advance them
+    with a few numpy operations. The scheduler builds them when all running
+    sequences decode, shrinks them as rows finish, grows them as prefills
+    complete and drops them on anything else (preemption, fork, abort, swap).
+    `check` asserts the invariants: `starts[i] == seqs[i].num_computed_tokens`,
+    and `tables[i]` is `seqs[i]`'s block table."""
+
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        block_tables: list[list[int]],
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.seqs: list[Sequence] = []
+        self.seq_ids: list[int] = []
+        self.starts = np.zeros(0, dtype=np.int64)
+        self.stop_at = np.zeros(0, dtype=np.int64)  # finish (length) when num_tokens reaches it
+        self.tables = np.zeros((0, self.max_blocks), dtype=np.int32)
+        self.table_lens = np.zeros(0, dtype=np.int64)
+        self.stop_tokens: frozenset[int] = frozenset()  # the union of the rows' stop tokens
+        self.all_greedy = True  # every row plain argmax (greedy, no logits processing)
+        self.next_input: list[int] = []  # each row's last token: the step's input id
+        self.append(seqs, block_tables)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # -- membership
+    def append(self, seqs: list[Sequence], block_tables: list[list[int]]) -> None:
+        """Adds decoding sequences (each with its current block table) as new rows."""
+        if not seqs:
+            return
+        # new lists, never extended in place: a step's plan keeps the old ones
+        self.seqs = self.seqs + seqs
+        self.seq_ids = self.seq_ids + [s.seq_id for s in seqs]
+        self.next_input = self.next_input + [s.token_ids[-1] for s in seqs]
+        self.starts = np.concatenate(
+            [self.starts, np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))]
+        )
+        stop_at = [_stop_at(s, self.max_model_len) for s in seqs]
+        self.stop_at = np.concatenate([self.stop_at, np.asarray(stop_at, dtype=np.int64)])
+        rows = np.zeros((len(seqs), self.max_blocks), dtype=np.int32)
+        lens = np.fromiter(map(len, block_tables), np.int64, len(seqs))
+        rows[np.arange(self.max_blocks) < lens[:, None]] = np.fromiter(
+            (b for t in block_tables for b in t), np.int32, int(lens.sum())
+        )
+        self.tables = np.concatenate([self.tables, rows])
+        self.table_lens = np.concatenate([self.table_lens, lens])
+        self._note_stop_rules(seqs)
+
+    def _note_stop_rules(self, seqs: list[Sequence]) -> None:
+        stops = set(self.stop_tokens)
+        for seq in seqs:
+            stops |= _stop_token_ids(seq)
+        self.all_greedy = self.all_greedy and all(map(_greedy, seqs))
+        self.stop_tokens = frozenset(stops)
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keeps the rows where `mask` is true (finished rows leave)."""
+        rows = np.flatnonzero(mask).tolist()
+        self.seqs = [self.seqs[r] for r in rows]
+        self.seq_ids = [self.seq_ids[r] for r in rows]
+        self.next_input = [self.next_input[r] for r in rows]
+        self.starts = self.starts[mask]
+        self.stop_at = self.stop_at[mask]
+        self.tables = self.tables[mask]
+        self.table_lens = self.table_lens[mask]
+        self.all_greedy = all(map(_greedy, self.seqs))
+
+    # -- one step
+    def rows_needing_block(self) -> np.ndarray:
+        """Rows whose next token starts a new block."""
+        return np.flatnonzero(self.starts >= self.table_lens * self.block_size)
+
+    def add_blocks(self, rows: list[int], blocks: list[int]) -> None:
+        """Row `rows[i]`'s table gained block `blocks[i]` at its end."""
+        if rows:
+            index = np.asarray(rows, dtype=np.int64)
+            self.tables[index, self.table_lens[index]] = blocks
+            self.table_lens[index] += 1
+
+    def advanced(self, tokens: list[int]) -> None:
+        """Every row computed its last token and got `tokens` (row order) appended."""
+        self.starts += 1
+        self.next_input = tokens
+
+    # -- checks
+    def check(self, block_table) -> None:
+        """Asserts the arrays mirror the sequences and the allocator's tables."""
+        assert len(self.seqs) == len(self.starts) == len(self.tables) == len(self.table_lens)
+        for i, seq in enumerate(self.seqs):
+            assert seq.num_computed_tokens == self.starts[i], f"row {i}: stale position"
+            assert seq.is_decoding, f"row {i}: its next step is no decode"
+            table = block_table(seq)
+            assert self.table_lens[i] == len(table), f"row {i}: stale table length"
+            assert self.tables[i, : len(table)].tolist() == table, f"row {i}: stale block table"
 
 
 class SampledTokens:

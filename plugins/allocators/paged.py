@@ -1,22 +1,326 @@
 """`paged`: fixed-size KV blocks from a free list, allocated on demand (vLLM's
 PagedAttention), with optional prefix caching and copy-on-write forks.
 
-Prefix caching: a full, computed block is published under a chain hash
-`hash((parent_hash, tokens))`; a later sequence whose leading tokens hash the
-same reuses the physical block (ref count +1) after a token comparison guards
-against collisions. A freed block that holds a hash stays reusable in an LRU
-list and is evicted only when a plain free block is needed. The block tables,
-forks and swapping are `block_table`'s.
+`BlockTableAllocator` is the block-table machinery `paged` and `radix` share:
+fixed-size device blocks with ref counts and fill counts, per-sequence block
+tables, fork with copy-on-write of a shared tail block, a host pool for
+swapping, and the usage figures. A subclass brings the prefix cache: how
+blocks are matched, attached, published, kept cached once unreferenced, and
+evicted.
+
+`paged`'s prefix caching: a full, computed block is published under a chain
+hash `hash((parent_hash, tokens))`; a later sequence whose leading tokens hash
+the same reuses the physical block (ref count +1) after a token comparison
+guards against collisions. A freed block that holds a hash stays reusable in
+an LRU list and is evicted only when a plain free block is needed.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import abc
+from collections import OrderedDict, deque
 
+from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.plugins.allocators.block_table import BlockTableAllocator, check_table_invariants
+from servelab.step.plan import BlockCopies
 from servelab.step.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockTableAllocator(KVAllocator):
+    """Block tables over `token_capacity // block_size` device blocks; see the module doc."""
+
+    prefix_caching = False
+
+    def __init__(
+        self, token_capacity: int, host_token_capacity: int, max_model_len: int, block_size: int
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.num_blocks = token_capacity // block_size
+        if self.num_blocks * block_size < max_model_len:
+            raise ConfigError(
+                f"KV cache too small: its memory (kv_cache_memory, or what gpu_memory_utilization "
+                f"leaves) holds {token_capacity} tokens ({self.num_blocks} blocks of {block_size}), "
+                f"less than one sequence of max_model_len={max_model_len} tokens; raise that "
+                "memory or lower max_model_len"
+            )
+        self.num_host_blocks = host_token_capacity // block_size
+        self.ref_count = [0] * self.num_blocks  # block tables holding each block
+        self.fill = [0] * self.num_blocks  # tokens whose K/V the block holds
+        self.free_list: deque[int] = deque(range(self.num_blocks))  # neither held nor cached
+        self.tables: dict[int, list[int]] = {}
+        self.filled_upto: dict[int, int] = {}  # tokens of the sequence reflected in `fill`
+        self.tokens_used = 0  # sum of fill over referenced blocks
+        self.host_ref_count = [0] * self.num_host_blocks
+        self.host_free: deque[int] = deque(range(self.num_host_blocks))
+        self.host_tables: dict[int, list[int]] = {}
+        self.host_fill: dict[int, int] = {}  # host block -> fill
+        self.copies = BlockCopies()
+        self.prefix_hit_tokens = self.prefix_query_tokens = 0
+        self.blocks_swapped_out = self.blocks_swapped_in = self.blocks_copied = 0
+
+    # -- what a prefix cache provides
+    @abc.abstractmethod
+    def _take_free(self) -> int:
+        """A block with ref count 1, from the free list or by evicting a cached one."""
+
+    @abc.abstractmethod
+    def _matched_blocks(self, seq: Sequence) -> list[int]:
+        """The cached blocks a new sequence's prompt would reuse (nothing is taken)."""
+
+    @abc.abstractmethod
+    def _attach(self, seq: Sequence) -> list[int]:
+        """A new sequence's first blocks: its matched prefix, each held (`_revive`)."""
+
+    def _publish(self, seq: Sequence, table: list[int]) -> bool:
+        """Offers the sequence's computed blocks to the prefix cache; True when
+        it rewrote `table` (see `KVAllocator.commit`)."""
+        return False
+
+    def _uncache(self, block: int) -> None:
+        """A cached block no table held is held again: it is no longer evictable."""
+
+    def _keep_cached(self, block: int) -> bool:
+        """Keeps a block no table holds any more as cache; says whether it did."""
+        return False
+
+    def _pinned(self, block: int) -> bool:
+        """A block others may read through the cache: a write into it copies it first."""
+        return False
+
+    # -- block primitives
+    def _revive(self, block: int) -> None:
+        """One more table holds a block found in the prefix cache."""
+        if self.ref_count[block] == 0:
+            self._uncache(block)
+            self.tokens_used += self.fill[block]
+        self.ref_count[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.tokens_used -= self.fill[block]
+            if not self._keep_cached(block):
+                self.fill[block] = 0
+                self.free_list.append(block)
+
+    def _set_fill(self, block: int, tokens: int) -> None:
+        if tokens > self.fill[block]:
+            self.tokens_used += tokens - self.fill[block]
+            self.fill[block] = tokens
+
+    # -- prefix matching and commits
+    def match_prefix(self, seq: Sequence) -> int:
+        return len(self._matched_blocks(seq)) * self.block_size
+
+    def commit(self, seq: Sequence) -> bool:
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return False
+        bs, computed = self.block_size, seq.num_computed_tokens
+        for i in range(self.filled_upto.get(seq.seq_id, 0) // bs, cdiv(computed, bs)):
+            self._set_fill(table[i], min(bs, computed - i * bs))
+        self.filled_upto[seq.seq_id] = computed
+        return self._publish(seq, table)
+
+    # -- allocation
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            matched = self._matched_blocks(seq)
+            reclaimed = sum(1 for b in matched if self.ref_count[b] == 0)
+            return max(0, cdiv(num_tokens, self.block_size) - len(matched)) + reclaimed
+        return max(0, cdiv(num_tokens, self.block_size) - len(table)) + self._cow_needed(seq, table)
+
+    def blocks_needed_together(self, requests: list[tuple[Sequence, int]]) -> int:
+        # the last of k writers into a block only they share keeps it, unless it is pinned
+        need, writers = 0, {}
+        for seq, num_tokens in requests:
+            table = self.tables.get(seq.seq_id)
+            if table is None:
+                need += self.blocks_needed(seq, num_tokens)
+                continue
+            need += max(0, cdiv(num_tokens, self.block_size) - len(table))
+            if self._cow_needed(seq, table):
+                block = table[seq.num_computed_tokens // self.block_size]
+                writers[block] = writers.get(block, 0) + 1
+        for block, count in writers.items():
+            keeps = self.ref_count[block] == count and not self._pinned(block)
+            need += count - 1 if keeps else count
+        return need
+
+    def _cow_needed(self, seq: Sequence, table: list[int]) -> int:
+        index = seq.num_computed_tokens // self.block_size
+        if index >= len(table):
+            return 0
+        block = table[index]
+        return int(self.ref_count[block] > 1 or self._pinned(block))
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks:
+            raise RuntimeError(
+                f"allocate({seq}, {num_tokens}) without room; check blocks_needed first"
+            )
+        cached = 0
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            table = self.tables[seq.seq_id] = self._attach(seq)
+            cached = len(table) * self.block_size
+            self.filled_upto[seq.seq_id] = cached
+            if self.prefix_caching:
+                self.prefix_hit_tokens += cached
+                self.prefix_query_tokens += seq.num_tokens
+        elif self._cow_needed(seq, table):
+            self._copy_on_write(seq, table)
+        while len(table) < cdiv(num_tokens, self.block_size):
+            table.append(self._take_free())
+        return cached
+
+    def _copy_on_write(self, seq: Sequence, table: list[int]) -> int:
+        """Replaces the block the sequence writes next by a private copy; returns its index."""
+        index = seq.num_computed_tokens // self.block_size
+        src, dst = table[index], self._take_free()
+        self.copies.copy.append((src, dst))
+        self.blocks_copied += 1
+        self._set_fill(dst, self.fill[src])
+        self._release(src)  # another table still holds it, or the cache keeps it
+        table[index] = dst
+        return index
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, None)
+        if table is not None:
+            for block in reversed(table):  # tail blocks become the first evicted
+                self._release(block)
+        self.filled_upto.pop(seq.seq_id, None)
+        for block in self.host_tables.pop(seq.seq_id, []):
+            self._release_host(block)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        table = self.tables[parent.seq_id]
+        for block in table:
+            self.ref_count[block] += 1
+        self.tables[child.seq_id] = list(table)
+        self.filled_upto[child.seq_id] = self.filled_upto.get(parent.seq_id, 0)
+
+    # -- swapping
+    def _release_host(self, block: int) -> None:
+        self.host_ref_count[block] -= 1
+        if self.host_ref_count[block] == 0:
+            self.host_fill.pop(block, None)
+            self.host_free.append(block)
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        blocks = {b for s in seqs for b in self.tables[s.seq_id]}
+        return len(blocks) <= len(self.host_free)
+
+    def _swapped_out(self, seq: Sequence) -> None:
+        """The sequence's device blocks went to the host pool."""
+
+    def _swapped_in(self, seq: Sequence) -> None:
+        """The sequence came back in fresh device blocks (shared where its host ones were)."""
+
+    def swap_out(self, seqs: list[Sequence]) -> None:
+        to_host: dict[int, int] = {}
+        for seq in seqs:
+            host_table = []
+            for block in self.tables[seq.seq_id]:
+                if block not in to_host:  # a block forks share moves once
+                    to_host[block] = host = self.host_free.popleft()
+                    self.host_fill[host] = self.fill[block]
+                    self.copies.swap_out.append((block, host))
+                self.host_ref_count[to_host[block]] += 1
+                host_table.append(to_host[block])
+            for block in reversed(self.tables.pop(seq.seq_id)):
+                self._release(block)  # a cached block stays cached
+            self.host_tables[seq.seq_id] = host_table
+            self._swapped_out(seq)
+        self.blocks_swapped_out += len(to_host)
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        blocks = {b for s in seqs for b in self.host_tables[s.seq_id]}
+        return len(blocks) <= self.num_free_blocks
+
+    def swap_in(self, seqs: list[Sequence]) -> None:
+        to_device: dict[int, int] = {}
+        for seq in seqs:
+            table = []
+            for host in self.host_tables.pop(seq.seq_id):
+                if host not in to_device:
+                    to_device[host] = block = self._take_free()
+                    self._set_fill(block, self.host_fill[host])
+                    self.copies.swap_in.append((host, block))
+                else:
+                    self.ref_count[to_device[host]] += 1
+                table.append(to_device[host])
+                self._release_host(host)
+            self.tables[seq.seq_id] = table
+            self._swapped_in(seq)
+        self.blocks_swapped_in += len(to_device)
+
+    def take_copies(self) -> BlockCopies:
+        copies, self.copies = self.copies, BlockCopies()
+        return copies
+
+    # -- figures
+    def usage(self) -> dict[str, float]:
+        return {
+            "tokens_used": self.tokens_used,
+            "tokens_reserved": (self.num_blocks - self.num_free_blocks) * self.block_size,
+            "tokens_capacity": self.num_blocks * self.block_size,
+            "blocks_free": self.num_free_blocks,
+            "blocks_total": self.num_blocks,
+            "host_blocks_free": len(self.host_free),
+            "host_blocks_total": self.num_host_blocks,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_query_tokens": self.prefix_query_tokens,
+            "blocks_swapped_out": self.blocks_swapped_out,
+            "blocks_swapped_in": self.blocks_swapped_in,
+            "blocks_copied": self.blocks_copied,
+        }
+
+
+def check_table_invariants(alloc: BlockTableAllocator) -> None:
+    """What every block-table allocator keeps: ref counts equal table references,
+    `tokens_used` sums the held blocks' fill, the host pool obeys the same rules,
+    and no table is longer than max_model_len needs."""
+    assert _refs(alloc.tables, alloc.num_blocks) == alloc.ref_count, (
+        "device ref counts differ from block-table references"
+    )
+    free = set(alloc.free_list)
+    assert len(free) == len(alloc.free_list), "a block is twice in the free list"
+    for block in range(alloc.num_blocks):
+        assert 0 <= alloc.fill[block] <= alloc.block_size
+    used = sum(alloc.fill[b] for b in range(alloc.num_blocks) if alloc.ref_count[b] > 0)
+    assert used == alloc.tokens_used, f"tokens_used {alloc.tokens_used} != {used}"
+    assert not set(alloc.tables) & set(alloc.host_tables), "a sequence is on device and host"
+    host_refs = _refs(alloc.host_tables, alloc.num_host_blocks)
+    assert host_refs == alloc.host_ref_count, "host ref counts differ from host tables"
+    host_free = set(alloc.host_free)
+    assert len(host_free) == len(alloc.host_free), "a host block is twice in the free list"
+    for block in range(alloc.num_host_blocks):
+        assert (block in host_free) == (host_refs[block] == 0), f"host block {block}"
+    for seq_id, table in alloc.tables.items():
+        assert len(table) <= cdiv(alloc.max_model_len, alloc.block_size), (
+            f"sequence {seq_id} holds more blocks than max_model_len needs"
+        )
+
+
+def _refs(tables: dict[int, list[int]], num_blocks: int) -> list[int]:
+    """How many of the tables hold each block."""
+    refs = [0] * num_blocks
+    for table in tables.values():
+        for block in table:
+            refs[block] += 1
+    return refs
 
 
 class PagedAllocator(BlockTableAllocator):

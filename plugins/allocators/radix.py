@@ -9,8 +9,9 @@ token. Pages another sequence cached while this one computed them too (two
 prompts with a shared prefix prefilled in one step) are kept once: the table
 takes the cached blocks and frees its copies. A block's ref count is the
 number of block tables holding it: tree blocks with none are the cache,
-evicted least-recently-used leaf first when a free block is needed. A write into a shared or cached block copies it first;
-block tables, forks and the host pool are `block_table`'s, as in `paged`.
+evicted least-recently-used leaf first when a free block is needed. A write into a
+shared or cached block copies it first; block tables, forks and the host pool are
+`paged`'s `BlockTableAllocator`.
 Written against the public contract only.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
-from servelab.plugins.allocators.block_table import BlockTableAllocator, check_table_invariants
+from servelab.plugins.allocators.paged import BlockTableAllocator, check_table_invariants
 from servelab.plugins.allocators.radix_tree import Node, RadixTree
 from servelab.step.sequence import Sequence
 

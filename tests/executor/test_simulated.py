@@ -11,12 +11,12 @@ import pytest
 
 from servelab import LLM, SamplingParams
 from servelab.engine.build import build_engine
-from servelab.engine.loop import EngineLoop
 from servelab.errors import ConfigError
 from servelab.executor.device_memory import estimate_activation_bytes
 from servelab.executor.hardware import load_profile, profile_names
 from servelab.lab.runner import run_config, save_run, serve
 from servelab.lab.workload import make_workload
+from servelab.llm import EngineLoop
 from servelab.model.config import named_config
 
 GiB = 1024**3

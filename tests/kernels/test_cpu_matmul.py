@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from servelab.executor.kernel_forward import PackedMatmul, silu_mul
 from servelab.kernels import cpu_linear, cpu_matmul
 
 
@@ -38,7 +39,7 @@ def test_packed_matmul_is_linear(dtype, rows, with_bias):
     weight = torch.randn(70, 48, generator=gen).to(dtype)
     bias = torch.randn(70, generator=gen).to(dtype) if with_bias else None
     x = torch.randn(rows, 48, generator=gen)
-    out = cpu_matmul.PackedMatmul(weight, bias)(x.to(dtype))
+    out = PackedMatmul(weight, bias)(x.to(dtype))
     expected = F.linear(
         x.to(dtype).double(), weight.double(), None if bias is None else bias.double()
     )
@@ -51,7 +52,7 @@ def test_packed_matmul_is_linear(dtype, rows, with_bias):
         tol = 5e-2  # oneDNN may round its output to bfloat16
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
     # `native` is the same product before it is widened: in the path's compute dtype
-    native = cpu_matmul.PackedMatmul(weight, bias).native(x.to(dtype))
+    native = PackedMatmul(weight, bias).native(x.to(dtype))
     assert native.dtype == (path.compute_dtype if path.name != "servelab" else dtype)
     assert torch.equal(native.to(out.dtype), out)
 
@@ -60,6 +61,6 @@ def test_packed_matmul_is_linear(dtype, rows, with_bias):
 def test_silu_mul_is_the_models_formula(dtype):
     """In the input's dtype, with the model's roundings: exactly its ops."""
     x = torch.randn(5, 12, generator=torch.Generator().manual_seed(0)).to(dtype)
-    out = cpu_matmul.silu_mul(x, 6)
+    out = silu_mul(x, 6)
     assert out.dtype == dtype
     assert torch.equal(out, F.silu(x[:, :6]) * x[:, 6:])

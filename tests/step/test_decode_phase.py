@@ -1,4 +1,4 @@
-"""The decode phase (`servelab.scheduling.decode_phase`: the running sequences planned
+"""The decode phase (`servelab.scheduling.core.DecodePhase`: the running sequences planned
 at once from arrays while they all decode) changes how a step is planned, never what
 happens: with it on or off (`decode_phase.enabled`), every
 request's tokens, finish reasons and every step's record (sequences, prefill

@@ -88,18 +88,18 @@ class KVAllocator(abc.ABC):
         ones): whoever keeps a copy of the table must read it again."""
         return False
 
-    # -- the decode fast path (servelab.step.decode_batch): the scheduler core's second
-    # way to grow and commit a step in which every running sequence decodes. Two paths,
-    # because the general one (`allocate` / `commit` per sequence) costs Python work per
-    # sequence every step; these take a whole batch at once. The defaults are exactly the
-    # general path, correct for any allocator; an override only makes them cheap.
+    # -- the decode phase (servelab.scheduling.core.DecodePhase): growing and committing
+    # every running sequence at once while they all decode. Batch calls, because `allocate`
+    # / `commit` per sequence cost Python work per sequence every step; the defaults are
+    # exactly those per-sequence calls, correct for any allocator; an override only makes
+    # them cheap.
     def extend_decodes(self, seqs: list[Sequence], rows: list[int]) -> list[int] | None:
         """Room for one more token in each of `seqs`, all decoding (each computes
         its last token), where exactly `seqs[r]` for r in `rows` need a new
         block at the end of their table. Returns those new blocks, in `rows`
         order; or None, changing nothing, when that is not all it takes (blocks
-        are short, or a write needs copy-on-write): the caller then takes the
-        general path."""
+        are short, or a write needs copy-on-write): the scheduler then plans one
+        group at a time."""
         pairs = [(seq, seq.num_computed_tokens + 1) for seq in seqs]
         need = self.blocks_needed_together(pairs)
         if need != len(rows) or need > self.num_free_blocks:
@@ -112,7 +112,7 @@ class KVAllocator(abc.ABC):
     def commit_decodes(
         self, seqs: list[Sequence], written_blocks: list[int], filled_rows: list[int]
     ) -> bool:
-        """After a fast decode step: `seqs[i]` wrote one token into block
+        """After a step of decode rows: `seqs[i]` wrote one token into block
         `written_blocks[i]` (its `num_computed_tokens` already counts it); the
         sequences in `filled_rows` filled that block. Same effect as `commit` of
         every sequence; True when a block table was rewritten (see `commit`)."""

@@ -136,7 +136,7 @@ class ModelRunner:
             plan.counts,
             plan.tables,
             self.allocator.block_size,
-            plan.samples,
+            None if plan.num_decodes == len(plan.seqs) else plan.samples,  # decodes all sample
             self.device,
             num_one_query_seqs=plan.num_decodes,
             staging=staging,

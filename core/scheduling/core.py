@@ -70,14 +70,15 @@ class DecodePhase:
         rows = self.rows
         if rows is None:
             return None
-        needing = rows.rows_needing_block().tolist()
+        starts = rows.positions()
+        needing = rows.rows_needing_block(starts).tolist()
         blocks = self.allocator.extend_decodes(rows.seqs, needing)
         if blocks is None:
             self.rows = None
             return None
         rows.add_blocks(needing, blocks)
         plan = StepPlan()
-        plan.add_rows(rows)
+        plan.add_rows(rows, starts)
         return plan
 
     def update(self, plan: StepPlan, tokens: list[int], ending: list[int], rewritten: bool) -> None:
@@ -398,7 +399,9 @@ class SchedulerCore:
         stopped: set[SequenceGroup] = set()  # groups with a sequence finished in this step
         num_decodes = plan.num_decodes
         if num_decodes:
-            decoded = sampled.tokens[:num_decodes]  # the decode rows' tokens come first
+            decoded = sampled.tokens  # the decode rows' tokens come first
+            if len(decoded) != num_decodes:
+                decoded = decoded[:num_decodes]
             ending, rewritten = self._update_decodes(plan, decoded, now, stopped)
             self.decode_phase.update(plan, decoded, ending, rewritten)
         forked = False

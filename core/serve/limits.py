@@ -19,14 +19,16 @@ from servelab.serve.protocol import ApiError
 
 
 def longest_token_chars(tokenizer) -> int:
-    """The most characters one token decodes to (an upper bound on text per token)."""
+    """An upper bound on the characters one token's text has, in any context: its
+    longest vocabulary entry. A decoder only maps an entry to at most as many
+    characters as it has (a byte-level entry has one character per byte, and no
+    UTF-8 character is shorter than a byte; a metaspace or WordPiece entry loses
+    its marker; a byte-fallback entry like `<0xE4>` becomes one character), so
+    no text is longer per token than this, without decoding the whole vocabulary."""
     if tokenizer is None:
         return 1
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    # a token's text decoded alone has at least one character per character its bytes
-    # start in any context (a cut UTF-8 sequence decodes to a replacement character)
-    texts = tokenizer.decode_batch([[t] for t in range(vocab)], skip_special_tokens=False)
-    return max(map(len, texts), default=1) or 1
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max(map(len, vocab), default=1) or 1
 
 
 async def read_body(request, max_bytes: int, timeout: float) -> bytes:

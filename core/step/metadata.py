@@ -90,14 +90,17 @@ class AttentionMetadata:
         if num_one_query_seqs is None:
             not_one = np.flatnonzero(counts != 1)
             num_one_query_seqs = int(not_one[0]) if not_one.size else num_seqs
-        seq_lens = starts + counts
+        context_lens = starts.astype(np.int32)
         rows, query_start_t, one_query_logits = _aranges(num_seqs)
         logits_t: torch.Tensor | None = one_query_logits
         if num_one_query_seqs == num_seqs:  # one query token per row
-            num_tokens = num_seqs
+            num_tokens = max_query_len = num_seqs and 1
+            seq_lens = context_lens + 1
             positions = starts
             seq_of_token = rows
         else:
+            seq_lens = (starts + counts).astype(np.int32)
+            max_query_len = int(counts.max())
             query_start = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(counts, out=query_start[1:])
             num_tokens = int(query_start[-1])
@@ -122,25 +125,24 @@ class AttentionMetadata:
         tensors = dict(
             query_start_loc=query_start_t,
             seq_start_loc=torch.from_numpy(seq_start),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            context_lens=torch.from_numpy(starts.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens),
+            context_lens=torch.from_numpy(context_lens),
             block_tables=torch.from_numpy(tables),
             slot_mapping=torch.from_numpy(slots),
             positions=torch.from_numpy(positions),
             logits_indices=logits_t,
         )
-        if staging is not None or torch.device(device).type != "cpu":
+        if staging is not None or getattr(device, "type", device) != "cpu":
             tensors = cls.to_device(tensors, device, staging)
-        seq_lens_cpu = seq_lens.tolist()
         return cls(
             num_seqs=num_seqs,
             num_one_query_seqs=num_one_query_seqs,
             num_tokens=num_tokens,
             block_size=block_size,
             query_lens_cpu=[1] * num_seqs if num_tokens == num_seqs else counts.tolist(),
-            seq_lens_cpu=seq_lens_cpu,
-            max_query_len=int(counts.max()) if num_seqs else 0,
-            max_seq_len=max(seq_lens_cpu) if num_seqs else 0,
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()) if num_seqs else 0,
             **tensors,
         )
 

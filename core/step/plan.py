@@ -19,6 +19,7 @@ sequence there (`AttentionMetadata.num_one_query_seqs`).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -93,6 +94,7 @@ class StepPlan:
         self._listed_rows: list[tuple[Sequence, int, int]] = []  # (seq, start, count)
         # the decode phase's rows (`add_rows`), when the plan took them: its first rows
         self.running_rows: RunningRows | None = None
+        self._rows_starts = _EMPTY
 
     # -- while planning
     def add(self, seq: Sequence, count: int) -> None:
@@ -100,10 +102,11 @@ class StepPlan:
         self.listed.append(seq)
         self._listed_rows.append((seq, seq.num_computed_tokens, count))
 
-    def add_rows(self, rows: RunningRows) -> None:
+    def add_rows(self, rows: RunningRows, starts: np.ndarray) -> None:
         """Plans the decode phase's rows (`RunningRows`): each computes its last
-        token and samples the next."""
+        token, at `starts` (`rows.positions()`), and samples the next."""
         self.running_rows = rows
+        self._rows_starts = starts
 
     @property
     def is_empty(self) -> bool:
@@ -130,9 +133,9 @@ class StepPlan:
             n = len(bulk)
             self.seqs, self.seq_ids = bulk.seqs, bulk.seq_ids
             self.input_ids = bulk.next_input
-            self.starts = bulk.starts.copy()
+            self.starts = self._rows_starts
             self.counts = _ones(n)
-            self.samples = np.ones(n, dtype=bool)
+            self.samples = _ones(n, bool)
             width = max(1, int(bulk.table_lens.max())) if n else 1
             self.tables = bulk.tables[:, :width].copy()
             self.table_lens = bulk.table_lens.copy()
@@ -154,9 +157,9 @@ class StepPlan:
         self.all_greedy = all(_greedy(s) for s in seqs)
         if bulk is not None and len(bulk):
             seqs = bulk.seqs + seqs
-            starts = np.concatenate([bulk.starts, starts])
+            starts = np.concatenate([self._rows_starts, starts])
             counts = np.concatenate([_ones(len(bulk)), counts])
-            num_tokens = np.concatenate([bulk.starts + 1, num_tokens])
+            num_tokens = np.concatenate([self._rows_starts + 1, num_tokens])
             tables = _stack_padded(bulk.tables[:, : max(1, int(bulk.table_lens.max()))], tables)
             table_lens = np.concatenate([bulk.table_lens, table_lens])
             stop_at = bulk.stop_at.tolist() + stop_at
@@ -205,11 +208,12 @@ class StepPlan:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_COMPUTED = operator.attrgetter("num_computed_tokens")
 _NO_SAMPLES = np.zeros(0, dtype=bool)
 _NO_TABLES = np.zeros((0, 1), dtype=np.int32)
 for _array in (_EMPTY, _NO_SAMPLES, _NO_TABLES):
     _array.flags.writeable = False
-_ONES: dict[int, np.ndarray] = {}
+_ONES: dict[tuple[int, type], np.ndarray] = {}
 _ROWS: dict[int, np.ndarray] = {}
 
 
@@ -222,11 +226,12 @@ def row_numbers(n: int) -> np.ndarray:
     return found
 
 
-def _ones(n: int) -> np.ndarray:
-    """n ones (int64), read-only and built once per size: every decode row's count."""
-    found = _ONES.get(n)
+def _ones(n: int, dtype: type = np.int64) -> np.ndarray:
+    """n ones (int64: every decode row's count; bool: every decode row samples),
+    read-only and built once per size."""
+    found = _ONES.get((n, dtype))
     if found is None:
-        found = _ONES[n] = np.ones(n, dtype=np.int64)
+        found = _ONES[(n, dtype)] = np.ones(n, dtype=dtype)
         found.flags.writeable = False
     return found
 
@@ -284,12 +289,13 @@ class RunningRows:
     While every running sequence decodes, a step moves each by one token, and
     re-deriving that from every sequence's lists costs Python work per sequence
     that, at a few hundred sequences, outweighs a small model's CPU forward. The
-    rows keep positions, block tables and stop limits as arrays and advance them
-    with a few numpy operations. The scheduler builds them when all running
+    rows keep block tables, stop limits and last tokens as arrays, changed with a
+    few numpy operations a step. The scheduler builds them when all running
     sequences decode, shrinks them as rows finish, grows them as prefills
     complete and drops them on anything else (preemption, fork, abort, swap).
-    `check` asserts the invariants: `starts[i] == seqs[i].num_computed_tokens`,
-    and `tables[i]` is `seqs[i]`'s block table."""
+    `check` asserts the invariants: every row decodes, and `tables[i]` is `seqs[i]`'s block table. A row's position is its
+    sequence's own (`positions` reads them): the rows keep what the sequences
+    do not hold as arrays."""
 
     def __init__(
         self,
@@ -303,7 +309,6 @@ class RunningRows:
         self.max_blocks = -(-max_model_len // block_size)
         self.seqs: list[Sequence] = []
         self.seq_ids: list[int] = []
-        self.starts = np.zeros(0, dtype=np.int64)
         self.stop_at = np.zeros(0, dtype=np.int64)  # finish (length) when num_tokens reaches it
         self.tables = np.zeros((0, self.max_blocks), dtype=np.int32)
         self.table_lens = np.zeros(0, dtype=np.int64)
@@ -324,9 +329,6 @@ class RunningRows:
         self.seqs = self.seqs + seqs
         self.seq_ids = self.seq_ids + [s.seq_id for s in seqs]
         self.next_input = self.next_input + [s.token_ids[-1] for s in seqs]
-        self.starts = np.concatenate(
-            [self.starts, np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))]
-        )
         stop_at = [_stop_at(s, self.max_model_len) for s in seqs]
         self.stop_at = np.concatenate([self.stop_at, np.asarray(stop_at, dtype=np.int64)])
         rows = np.zeros((len(seqs), self.max_blocks), dtype=np.int32)
@@ -351,16 +353,20 @@ class RunningRows:
         self.seqs = [self.seqs[r] for r in rows]
         self.seq_ids = [self.seq_ids[r] for r in rows]
         self.next_input = [self.next_input[r] for r in rows]
-        self.starts = self.starts[mask]
         self.stop_at = self.stop_at[mask]
         self.tables = self.tables[mask]
         self.table_lens = self.table_lens[mask]
         self.all_greedy = all(map(_greedy, self.seqs))
 
     # -- one step
-    def rows_needing_block(self) -> np.ndarray:
-        """Rows whose next token starts a new block."""
-        return np.flatnonzero(self.starts >= self.table_lens * self.block_size)
+    def positions(self) -> np.ndarray:
+        """Each row's position: the token it computes next (its sequence's
+        `num_computed_tokens`), read in one pass."""
+        return np.fromiter(map(_COMPUTED, self.seqs), np.int64, len(self.seqs))
+
+    def rows_needing_block(self, starts: np.ndarray) -> np.ndarray:
+        """Rows whose next token (at `starts`) starts a new block."""
+        return np.flatnonzero(starts >= self.table_lens * self.block_size)
 
     def add_blocks(self, rows: list[int], blocks: list[int]) -> None:
         """Row `rows[i]`'s table gained block `blocks[i]` at its end."""
@@ -371,15 +377,14 @@ class RunningRows:
 
     def advanced(self, tokens: list[int]) -> None:
         """Every row computed its last token and got `tokens` (row order) appended."""
-        self.starts += 1
         self.next_input = tokens
 
     # -- checks
     def check(self, block_table) -> None:
         """Asserts the arrays mirror the sequences and the allocator's tables."""
-        assert len(self.seqs) == len(self.starts) == len(self.tables) == len(self.table_lens)
+        assert len(self.seqs) == len(self.next_input) == len(self.tables) == len(self.table_lens)
         for i, seq in enumerate(self.seqs):
-            assert seq.num_computed_tokens == self.starts[i], f"row {i}: stale position"
+            assert self.next_input[i] == seq.token_ids[-1], f"row {i}: stale last token"
             assert seq.is_decoding, f"row {i}: its next step is no decode"
             table = block_table(seq)
             assert self.table_lens[i] == len(table), f"row {i}: stale table length"

@@ -94,7 +94,8 @@ class AttentionMetadata:
         rows, query_start_t, one_query_logits = _aranges(num_seqs)
         logits_t: torch.Tensor | None = one_query_logits
         if num_one_query_seqs == num_seqs:  # one query token per row
-            num_tokens = max_query_len = num_seqs and 1
+            num_tokens = num_seqs
+            max_query_len = 1 if num_seqs else 0
             seq_lens = context_lens + 1
             positions = starts
             seq_of_token = rows

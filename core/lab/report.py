@@ -30,7 +30,7 @@ from servelab.lab.progress import Progress
 from servelab.lab.provenance import busy_warnings, mixed_provenance
 from servelab.lab.report_markdown import markdown
 from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
-from servelab.lab.slo import add_slo_figures, capacity, slo_options
+from servelab.lab.slo import SLO_DEFAULTS, add_slo_figures, capacity, slo_options
 from servelab.lab.stats import MIN_REPEATS, mean_estimate
 from servelab.registry.typed import check_value
 
@@ -150,7 +150,7 @@ REPORT_DEFAULTS = {
     "sort": "output_tok_s",
     "figures": [],
     "claims": [],
-    "slo": None,
+    "slo": dict(SLO_DEFAULTS),  # no key set: no SLO
     "time_axis": "steps",  # the x axis of the timeline, KV and batch plots: steps | seconds
     "min_repeats": MIN_REPEATS,  # a figure that varies is decided on at least this many repeats
     "plots": "all",  # which plots to draw: all, none, or a list of names (lab/plots_registry.py)
@@ -177,7 +177,8 @@ FORMATS = ("png", "pdf", "svg")
 
 def report_options(node: Mapping | None) -> dict:
     """The config's `report:` node with defaults; an unknown key is a ConfigError."""
-    options = {k: (list(v) if isinstance(v, list) else v) for k, v in REPORT_DEFAULTS.items()}
+    options = {k: (type(v)(v) if isinstance(v, (list, dict)) else v)
+               for k, v in REPORT_DEFAULTS.items()}  # fmt: skip
     for key, value in (node or {}).items():
         if key not in REPORT_DEFAULTS:
             raise ConfigError(

@@ -217,7 +217,7 @@ def check_open_node(node: str, spec) -> str | None:
 
 
 def report_main(argv: list[str] | None = None) -> None:
-    """`servelab-report PATH... [--out DIR]`: see servelab.lab.report."""
+    """`servelab-report PATH... [report.KEY=VALUE...] [--out DIR]`: see servelab.lab.report."""
     from servelab.lab.report import main as report
 
     try:

@@ -1,5 +1,6 @@
-"""`servelab-report PATH...`: run folders -> tables with intervals, decided
-claims and plots.
+"""`servelab-report PATH... [report.KEY=VALUE...]`: run folders -> tables with
+intervals, decided claims and plots; the report options are the stored runs',
+overridden by any given (lab/report_overrides.py).
 
 A PATH is a run folder (it holds `results.json`) or any folder above run
 folders (a multirun). Runs with the same swept choices are repeats of one
@@ -29,6 +30,7 @@ from servelab.lab.plots_registry import draw_plots, plot_names, wanted_plots
 from servelab.lab.progress import Progress
 from servelab.lab.provenance import busy_warnings, mixed_provenance
 from servelab.lab.report_markdown import markdown
+from servelab.lab.report_overrides import apply_overrides, is_override
 from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
 from servelab.lab.slo import SLO_DEFAULTS, add_slo_figures, capacity, slo_options
 from servelab.lab.stats import MIN_REPEATS, mean_estimate
@@ -214,18 +216,27 @@ def report_options(node: Mapping | None) -> dict:
     return options
 
 
-def report_settings(runs: Sequence[Run]) -> dict:
-    return report_options((runs[0].results.get("config") or {}).get("report"))
+def report_settings(runs: Sequence[Run], overrides: Sequence[str] = ()) -> dict:
+    """The first run's stored `report:` options, with `overrides` (`report.KEY=VALUE`,
+    lab/report_overrides.py) applied; `given` lists the overrides."""
+    stored = (runs[0].results.get("config") or {}).get("report")
+    settings = report_options(apply_overrides(stored, overrides))
+    settings["given"] = list(overrides)
+    return settings
 
 
 def write_report(
-    paths: Sequence[str | Path], out: str | Path | None = None, progress: bool = True
+    paths: Sequence[str | Path],
+    out: str | Path | None = None,
+    progress: bool = True,
+    overrides: Sequence[str] = (),
 ) -> Path:
     """Loads the runs under `paths`; writes the tables, the claims and the plots,
-    showing its progress (lab/progress.py) unless `progress` is False."""
+    showing its progress (lab/progress.py) unless `progress` is False. The
+    report options are the stored runs', with `overrides` applied."""
     runs = load_runs(paths)
     fixed = mark_swept(runs)
-    settings = report_settings(runs)
+    settings = report_settings(runs, overrides)
     add_slo_figures(runs, settings["slo"])
     configs = sort_configs(group_runs(runs), settings["sort"])
     out = Path(out) if out else (Path(paths[0]) if len(paths) == 1 else Path("servelab-report"))
@@ -287,10 +298,19 @@ def main(argv: Sequence[str] | None = None) -> Path:
         description="Turn servelab run folders (or a multirun folder) into summary.csv, "
         "summary.md and plots.",
     )
-    parser.add_argument("paths", nargs="+", help="run folders or folders above them")
+    parser.add_argument(
+        "paths", nargs="+", metavar="PATH|report.KEY=VALUE",
+        help="run folders or folders above them; then report options that override the "
+        "stored ones (report.slo.ttft_ms=200 report.time_axis=seconds), the claims decided "
+        "again on the stored runs",
+    )  # fmt: skip
     parser.add_argument("--out", help="where to write (default: the only PATH)")
     args = parser.parse_args(argv)
-    out = write_report(args.paths, args.out)
+    paths = [p for p in args.paths if not is_override(p)]
+    if not paths:
+        parser.error("no run folder given")
+    overrides = [p for p in args.paths if is_override(p)]
+    out = write_report(paths, args.out, overrides=overrides)
     print(f"servelab-report: wrote {out / 'summary.md'}, {out / 'summary.csv'} and plots in {out}")
     print((out / "summary.md").read_text())
     return out

@@ -65,6 +65,9 @@ def executor_text(run: Run) -> str:
 
 def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacities) -> str:
     lines = [f"# {settings['title']}", ""]
+    if settings.get("given"):
+        lines += ["Report options given to servelab-report, over the stored ones: "
+                  + ", ".join(f"`{o}`" for o in settings["given"]), ""]  # fmt: skip
     lines += [f"> ⚠️ Warning: {w}." for w in warnings]
     lines += [""] if warnings else []
     if claims:

@@ -21,6 +21,7 @@ import argparse
 import csv
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from servelab.errors import ConfigError
@@ -52,6 +53,7 @@ __all__ = [  # callers import every report name from here, wherever it is define
     "main",
     "mark_swept",
     "markdown",
+    "report",
     "report_options",
     "sort_configs",
     "summary_rows",
@@ -234,6 +236,26 @@ def write_report(
     """Loads the runs under `paths`; writes the tables, the claims and the plots,
     showing its progress (lab/progress.py) unless `progress` is False. The
     report options are the stored runs', with `overrides` applied."""
+    return report(paths, out, progress, overrides).out
+
+
+@dataclass
+class Written:
+    """What `report` wrote, and the claims it decided."""
+
+    out: Path
+    claims: list[ClaimResult]
+    settings: dict
+    plots: list[str]
+
+
+def report(
+    paths: Sequence[str | Path],
+    out: str | Path | None = None,
+    progress: bool = True,
+    overrides: Sequence[str] = (),
+) -> Written:
+    """`write_report`, returning the claims and the plots drawn too."""
     runs = load_runs(paths)
     fixed = mark_swept(runs)
     settings = report_settings(runs, overrides)
@@ -265,7 +287,7 @@ def write_report(
     warnings += busy_warnings([run for run in runs if not run.virtual_clock])
     text = markdown(settings, configs, fixed, claims, shown, written, warnings, capacities)
     (out / "summary.md").write_text(text)
-    return out
+    return Written(out, claims, settings, written)
 
 
 def write_csv(path: Path, rows: Sequence[dict]) -> None:

@@ -14,7 +14,7 @@ An unknown key is a ConfigError naming the valid ones; values are checked by
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from servelab.errors import ConfigError
 from servelab.lab.slo import SLO_KEYS
@@ -27,10 +27,12 @@ def is_override(arg: str) -> bool:
     return "=" in arg or arg.startswith("~")
 
 
-def apply_overrides(stored: Mapping | None, overrides: Sequence[str]) -> dict:
-    """The stored `report:` node with `overrides` applied (a copy)."""
-    from servelab.lab.report import REPORT_DEFAULTS
-
+def apply_overrides(
+    stored: Mapping | None, overrides: Sequence[str], accepted: Iterable[str]
+) -> dict:
+    """The stored `report:` node with `overrides` applied (a copy); `accepted`:
+    the report's option names (lab/report.py's REPORT_DEFAULTS)."""
+    accepted = list(accepted)
     node = copy.deepcopy(dict(stored or {}))
     for override in parse(overrides):
         parts = override.key_or_group.split(".")
@@ -41,9 +43,9 @@ def apply_overrides(stored: Mapping | None, overrides: Sequence[str]) -> dict:
                 f"(report.time_axis=seconds, report.slo.ttft_ms=200); got {text!r}"
             )
         key = parts[1]
-        if key not in REPORT_DEFAULTS:
+        if key not in accepted:
             raise ConfigError(
-                f"unknown report option {key!r}; accepted: {', '.join(sorted(REPORT_DEFAULTS))}"
+                f"unknown report option {key!r}; accepted: {', '.join(sorted(accepted))}"
             )
         if override.is_sweep_override():
             raise ConfigError(f"{text!r}: a report option takes one value each, not a sweep")

@@ -10,6 +10,7 @@ import pytest
 
 from servelab.cli import report_main
 from servelab.errors import ConfigError
+from servelab.lab.report import REPORT_DEFAULTS as KEYS
 from servelab.lab.report_overrides import apply_overrides
 from tests.lab.test_report import make_multirun, read_summary
 
@@ -43,12 +44,12 @@ def test_command_line_options_override_the_stored_ones_without_rerunning(stored,
 
 def test_the_options_merge_into_the_stored_node_as_hydra_would():
     stored = {"title": "T", "slo": {"ttft_ms": 100, "percentile": 95}, "claims": [{"x": 1}]}
-    merged = apply_overrides(stored, ["report.slo.tpot_ms=20", "++report.sort=ttft_p50_ms"])
+    merged = apply_overrides(stored, ["report.slo.tpot_ms=20", "++report.sort=ttft_p50_ms"], KEYS)
     assert merged["slo"] == {"ttft_ms": 100, "tpot_ms": 20, "percentile": 95}
     assert merged["sort"] == "ttft_p50_ms" and merged["claims"] == [{"x": 1}]
-    assert apply_overrides({"slo": None}, ["report.slo.ttft_ms=5"])["slo"] == {"ttft_ms": 5}
-    assert apply_overrides(stored, ["report.slo={itl_ms: 9}"])["slo"] == {"itl_ms": 9}
-    assert apply_overrides(stored, ["~report.slo"])["slo"] is None
+    assert apply_overrides({"slo": None}, ["report.slo.ttft_ms=5"], KEYS)["slo"] == {"ttft_ms": 5}
+    assert apply_overrides(stored, ["report.slo={itl_ms: 9}"], KEYS)["slo"] == {"itl_ms": 9}
+    assert apply_overrides(stored, ["~report.slo"], KEYS)["slo"] is None
     assert stored["slo"] == {"ttft_ms": 100, "percentile": 95}  # not changed in place
 
 
@@ -75,5 +76,12 @@ def test_a_bad_option_is_one_error_naming_the_valid_keys(stored, capsys, overrid
 
 def test_apply_overrides_raises_config_errors():
     with pytest.raises(ConfigError, match="unknown report option 'bogus'"):
-        apply_overrides({}, ["report.bogus=1"])
-    assert json.dumps(apply_overrides({}, [])) == "{}"
+        apply_overrides({}, ["report.bogus=1"], KEYS)
+    assert json.dumps(apply_overrides({}, [], KEYS)) == "{}"
+
+
+def test_report_options_given_to_a_sweep_are_not_configuration_choices():
+    from servelab.lab.runs import run_params
+
+    results = {"overrides": ["scheduler=a", "report.slo.ttft_ms=5"], "choices": {"model": "tiny"}}
+    assert run_params(results) == {"scheduler": "a", "model": "tiny"}

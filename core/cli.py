@@ -76,11 +76,13 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
     # what the engine made of the device options (graphs captured, or why not)
     meta["cuda_graphs"] = result.engine.executor.graphs_status
     save_run(folder, result, config, meta)
+    simulated = result.provenance.get("simulated")
     if in_sweep:
-        print(job_line(num, meta["overrides"], folder, result.summary), flush=True)
+        line = job_line(num, meta["overrides"], folder, result.summary, simulated=simulated)
+        print(line, flush=True)
         return result.summary
     title = ", ".join(f"{k}={_part_name(config[k])}" for k in KINDS if k in config)
-    print_summary(result.summary, title=title)
+    print_summary(result.summary, title=title, simulated=simulated)
     print(f"servelab: run folder: {folder}")  # on its own line, so it can be copied
     return result.summary
 

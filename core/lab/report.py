@@ -33,6 +33,7 @@ from servelab.lab.provenance import busy_warnings, mixed_provenance
 from servelab.lab.report_markdown import markdown
 from servelab.lab.report_overrides import apply_overrides, is_override
 from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
+from servelab.lab.simulated_label import report_note, run_label
 from servelab.lab.slo import SLO_DEFAULTS, add_slo_figures, capacity, slo_options
 from servelab.lab.stats import MIN_REPEATS, mean_estimate
 from servelab.registry.typed import check_value
@@ -139,6 +140,10 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
         row.update(run.summary)
         load = run.provenance.get("machine_load") or {}
         row.update({k: load[k] for k in ("other_cpu_pct", "load_average_1m", "busy") if k in load})
+        simulated = run_label(run)  # its times are a cost model's: say so beside them
+        row["clock"] = "virtual" if run.virtual_clock else "wall"
+        if simulated:
+            row["simulated"] = simulated
         row["status"] = "error" if run.error else "ok"
         if run.error:
             row["error"] = run.error
@@ -222,7 +227,7 @@ def report_settings(runs: Sequence[Run], overrides: Sequence[str] = ()) -> dict:
     """The first run's stored `report:` options, with `overrides` (`report.KEY=VALUE`,
     lab/report_overrides.py) applied; `given` lists the overrides."""
     stored = (runs[0].results.get("config") or {}).get("report")
-    settings = report_options(apply_overrides(stored, overrides))
+    settings = report_options(apply_overrides(stored, overrides, REPORT_DEFAULTS))
     settings["given"] = list(overrides)
     return settings
 
@@ -270,6 +275,7 @@ def report(
     )
     every = list(dict.fromkeys([*shown, *_summary_keys(runs)]))
     plots = wanted_plots(settings)
+    settings["simulated"] = report_note(configs)  # every plot's title names a simulation
     with Progress("servelab-report", len(configs) + len(plots) + 1, progress) as bar:
         # the figures per configuration: the percentile bootstraps are most of the work
         for config in configs:

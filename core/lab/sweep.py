@@ -50,9 +50,10 @@ def sweep_jobs(config: Any) -> list[dict[str, str]] | None:
     return [dict(o.split("=", 1) for o in job) for batch in batches for job in batch]
 
 
-def job_line(num: int | None, overrides: Sequence[str], folder: Any,
-             summary: Mapping | None = None, error: str | None = None) -> str:  # fmt: skip
-    """`servelab: job 3/12 scheduler=static: 512 output tok/s, TTFT p50 40 ms, ... -> DIR`."""
+def job_line(num: int | None, overrides: Sequence[str], folder: Any, summary: Mapping | None = None,
+             error: str | None = None, simulated: Mapping | None = None) -> str:  # fmt: skip
+    """`servelab: job 3/12 scheduler=static: 512 output tok/s, 40 ms TTFT p50, ... -> DIR`;
+    a simulated run's figures are marked as the cost model's (`simulated`: its record)."""
     total = SWEEP.get("total")
     where = f"job {num + 1}" if num is not None else "job"
     where += f"/{total}" if total and num is not None else ""
@@ -62,7 +63,8 @@ def job_line(num: int | None, overrides: Sequence[str], folder: Any,
     head = f"servelab: {where}" + (f" {' '.join(shown)}" if shown else "")
     if error is not None:
         return f"{head}: error: {error}"
-    return f"{head}: {figures_text(summary or {})} -> {folder}"
+    clock = f" (simulated on {simulated['hardware']}, virtual time)" if simulated else ""
+    return f"{head}: {figures_text(summary or {})}{clock} -> {folder}"
 
 
 def figures_text(summary: Mapping) -> str:

@@ -55,7 +55,7 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
         if is_real_pair(config):  # prefill and decode in two real processes
             return run_pair_job(config, meta, folder)
 
-        return run_cluster_job(config, meta, folder)
+        return run_cluster_job(config, meta, folder, in_sweep)
     from servelab.lab.sweep import job_line
 
     num = meta["job"].get("num")

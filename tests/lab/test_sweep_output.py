@@ -19,6 +19,14 @@ from tests.lab.test_presets import SERVELAB
 from tests.lab.test_report import make_multirun
 
 
+@pytest.fixture(autouse=True)
+def no_sweep_running():
+    """`sweep.start` notes the sweep for the jobs that follow; each test starts afresh."""
+    sweep.SWEEP.clear()
+    yield
+    sweep.SWEEP.clear()
+
+
 def sweep_config(folder, params, task):
     return OmegaConf.create({"hydra": {"sweep": {"dir": str(folder)}, "sweeper": {"params": params},
                                        "overrides": {"task": task}}})  # fmt: skip
@@ -100,3 +108,15 @@ def test_a_sweep_prints_one_line_per_job_and_its_verdicts(tmp_path):
     assert [line.split(" — ")[0] for line in lines[-3:-1]] == ["- ✅ holds: static idles"] * 2
     assert len(lines) == 1 + 4 + 1 + 1 + 2 + 1  # opening, jobs, folder, heading, verdicts, report
     assert "serving:" not in done.stdout + done.stderr and "HYDRA" not in done.stdout + done.stderr
+
+
+def test_a_cluster_job_in_a_sweep_prints_one_labelled_line(tmp_path, capsys):
+    from servelab.lab.cluster.cli_run import run_cluster_job
+    from tests.lab.cluster.test_simulated_cluster import config
+
+    meta = {"overrides": ["router=round_robin"], "job": {"num": 0},
+            "choices": {"executor": "simulated", "model": "tiny", "router": "round_robin"}}  # fmt: skip
+    run_cluster_job(config(), meta, tmp_path / "0", in_sweep=True)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("servelab: job 1 router=round_robin: ")
+    assert out[0].endswith(f" (simulated on cpu-local, virtual time) -> {tmp_path / '0'}")

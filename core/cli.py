@@ -55,37 +55,54 @@ def _one_run(config: dict, meta: dict, folder: Path, in_sweep: bool) -> dict | N
         if is_real_pair(config):  # prefill and decode in two real processes
             return run_pair_job(config, meta, folder)
 
-        return run_cluster_job(config, meta, folder)
+        return run_cluster_job(config, meta, folder, in_sweep)
+    from servelab.lab.sweep import job_line
+
+    num = meta["job"].get("num")
+    # in a sweep the job's one line replaces the serving progress and the table
+    quiet = {**config, "run": {**(config.get("run") or {}), "progress": False}}
     try:
-        result = run_config(config)
+        result = run_config(quiet if in_sweep else config)
     except Exception as err:
         if not (in_sweep or isinstance(err, ServelabError)):
             raise  # a servelab bug outside a sweep: the traceback is what helps
         message = str(err) if isinstance(err, ServelabError) else f"{type(err).__name__}: {err}"
         save_failed_run(folder, config, meta, message)
-        print(f"servelab: error: {message}", file=sys.stderr)
         if in_sweep:
+            print(job_line(num, meta["overrides"], folder, error=message), file=sys.stderr)
             return None  # the sweep goes on; servelab-report lists the failed job
+        print(f"servelab: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     # what the engine made of the device options (graphs captured, or why not)
     meta["cuda_graphs"] = result.engine.executor.graphs_status
     save_run(folder, result, config, meta)
+    simulated = result.provenance.get("simulated")
+    if in_sweep:
+        line = job_line(num, meta["overrides"], folder, result.summary, simulated=simulated)
+        print(line, flush=True)
+        return result.summary
     title = ", ".join(f"{k}={_part_name(config[k])}" for k in KINDS if k in config)
-    print_summary(result.summary, title=title)
+    print_summary(result.summary, title=title, simulated=simulated)
     print(f"servelab: run folder: {folder}")  # on its own line, so it can be copied
     return result.summary
 
 
 class ReportAtSweepEnd:
     """A Hydra callback (conf/config.yaml, `hydra.callbacks`): when a sweep
-    (`-m`) ends, prints its folder and writes its report there, unless
-    `report.after_sweep=false`. A report that fails says why; the runs stay."""
+    (`-m`) starts, says how many jobs it runs (each then prints one line,
+    servelab.lab.sweep); when it ends, prints its folder, writes its report
+    there and prints the claims' verdicts, unless `report.after_sweep=false`.
+    A report that fails says why; the runs stay."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        pass
+        from servelab.lab.sweep import start
+
+        print(start(config), flush=True)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from servelab.lab.report import write_report
+        from servelab.lab.progress import is_terminal
+        from servelab.lab.report import report as write
+        from servelab.lab.sweep import verdict_lines
 
         folder = Path(str(config.hydra.sweep.dir))
         print(f"servelab: sweep folder: {folder}")
@@ -93,12 +110,14 @@ class ReportAtSweepEnd:
         if not report.get("after_sweep", True):
             print(f"servelab: report it with: servelab-report {folder}")
             return
-        try:
-            out = write_report([folder])
+        try:  # a live bar on a terminal; in a log, the sweep's lines are enough
+            written = write([folder], progress=is_terminal(sys.stderr))
         except ServelabError as err:
             print(f"servelab: the report failed: {err}", file=sys.stderr)
             return
-        print(f"servelab: report: {out / 'summary.md'}")
+        if written.claims:
+            print("servelab: claims:", *verdict_lines(written.claims, written.settings), sep="\n")
+        print(f"servelab: report: {written.out / 'summary.md'}")
 
     # the rest of Hydra's callback interface: nothing to do
     def on_run_start(self, config, **kwargs) -> None:
@@ -217,7 +236,7 @@ def check_open_node(node: str, spec) -> str | None:
 
 
 def report_main(argv: list[str] | None = None) -> None:
-    """`servelab-report PATH... [--out DIR]`: see servelab.lab.report."""
+    """`servelab-report PATH... [report.KEY=VALUE...] [--out DIR]`: see servelab.lab.report."""
     from servelab.lab.report import main as report
 
     try:

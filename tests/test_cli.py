@@ -91,7 +91,11 @@ def test_a_failing_job_does_not_end_its_sweep_and_the_report_lists_it(tmp_path):
     sweep = tmp_path / "sweep"
     done = servelab("-m", "allocator.block_size=0,16", f"hydra.sweep.dir={sweep}", *SMALL)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "servelab: error: allocator block_size must be a positive integer, got 0" in done.stderr
+    # the failed job's one line: which job, what it chose, why it failed
+    assert (
+        "servelab: job 1/2 allocator.block_size=0: error: "
+        "allocator block_size must be a positive integer, got 0\n" in done.stderr
+    )
     failed = json.loads((sweep / "0" / "results.json").read_text())
     assert (
         failed["status"] == "error" and "block_size must be a positive integer" in failed["error"]

@@ -1,7 +1,9 @@
 """The Hydra structured configs of `servelab`'s own nodes: `engine`, `run` and
 `report` are dataclass schemas in the ConfigStore, so Hydra refuses a misspelt
 key or a wrong type (`engine.compile=maybe`, `engine.max_num_seqs=abc`,
-`run.warmup=2.5`) while composing, before anything is built.
+`run.warmup=2.5`) while composing, before anything is built. `report.slo` is a
+typed node of its own, never null, so `report.slo.ttft_ms=200`,
+`'report.slo={ttft_ms: 200}'` and `++report.slo=...` all compose.
 
 The schemas are made from the same tables the Python API checks against
 (ENGINE_DEFAULTS/ENGINE_TYPES, RUN_DEFAULTS/RUN_TYPES, REPORT_DEFAULTS/
@@ -21,6 +23,7 @@ from servelab.contracts.kinds import KINDS
 from servelab.engine.build import ENGINE_DEFAULTS, ENGINE_TYPES
 from servelab.lab.report import REPORT_DEFAULTS, REPORT_TYPES
 from servelab.lab.runner import RUN_DEFAULTS, RUN_TYPES
+from servelab.lab.slo import SLO_DEFAULTS, SLO_TYPES
 from servelab.serve.config import SERVE_DEFAULTS, SERVE_TYPES
 
 SCHEMA_NAME = "servelab_schema"
@@ -43,12 +46,18 @@ def omegaconf_type(annotation: Any) -> Any:
     return annotation
 
 
-def schema(name: str, defaults: dict[str, Any], annotations: dict[str, Any]) -> type:
-    """A dataclass with one typed field per option, defaulting as `defaults` do."""
+def schema(
+    name: str, defaults: dict[str, Any], annotations: dict[str, Any], nested: dict | None = None
+) -> type:
+    """A dataclass with one typed field per option, defaulting as `defaults` do;
+    a key of `nested` is a node typed by that schema (null allowed)."""
     fields = []
     for key, default in defaults.items():
         kind = omegaconf_type(annotations.get(key, Any))
-        if isinstance(default, list):
+        if key in (nested or {}):
+            kind = Optional[nested[key]]  # noqa: UP045 (as above)
+            value = dataclasses.field(default_factory=nested[key])
+        elif isinstance(default, list):
             value = dataclasses.field(default_factory=lambda d=default: list(d))
         else:
             value = dataclasses.field(default=default)
@@ -58,7 +67,8 @@ def schema(name: str, defaults: dict[str, Any], annotations: dict[str, Any]) -> 
 
 EngineSchema = schema("EngineSchema", ENGINE_DEFAULTS, ENGINE_TYPES)
 RunSchema = schema("RunSchema", RUN_DEFAULTS, RUN_TYPES)
-ReportSchema = schema("ReportSchema", REPORT_DEFAULTS, REPORT_TYPES)
+SloSchema = schema("SloSchema", SLO_DEFAULTS, SLO_TYPES)
+ReportSchema = schema("ReportSchema", REPORT_DEFAULTS, REPORT_TYPES, {"slo": SloSchema})
 ServeSchema = schema("ServeSchema", SERVE_DEFAULTS, SERVE_TYPES)
 ServelabSchema = dataclasses.make_dataclass(
     "ServelabSchema",
@@ -102,9 +112,8 @@ def composition_message(err: BaseException) -> str:
 
 
 def _schema_of(node: str) -> type | None:
-    return {"": ServelabSchema, "engine": EngineSchema, "run": RunSchema}.get(
-        node, ReportSchema if node == "report" else None
-    )
+    schemas = {"": ServelabSchema, "engine": EngineSchema, "run": RunSchema}
+    return schemas.get(node, {"report": ReportSchema, "report.slo": SloSchema}.get(node))
 
 
 def _fields(node: str) -> list[str]:
@@ -116,7 +125,8 @@ def _accepted(full_key: str) -> str | None:
     from servelab.registry.typed import type_problem
 
     node, _, key = full_key.rpartition(".")
-    tables = {"engine": ENGINE_TYPES, "run": RUN_TYPES, "report": REPORT_TYPES}
+    tables = {"engine": ENGINE_TYPES, "run": RUN_TYPES, "report": REPORT_TYPES,
+              "report.slo": SLO_TYPES}  # fmt: skip
     annotation = tables.get(node, {}).get(key)
     if annotation is None:
         return None

@@ -22,13 +22,16 @@ LATENCIES = (("ttft", "time to first token"), ("tpot", "time per output token"),
              ("itl", "inter-token latency"), ("e2e", "end-to-end latency"))  # fmt: skip
 
 
-STYLE = {"dpi": 150}  # report.dpi; the format follows the file's suffix (report.format)
+# report.dpi (the format follows the file's suffix, report.format), and the note every
+# plot's title carries for simulated runs (lab/simulated_label.py)
+STYLE: dict = {"dpi": 150, "note": None}
 FONTS = {"font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11, "xtick.labelsize": 10,
          "ytick.labelsize": 10, "legend.fontsize": 10, "figure.titlesize": 13}  # fmt: skip
 
 
 def configure(settings) -> None:
     STYLE["dpi"] = int(settings.get("dpi", STYLE["dpi"]))
+    STYLE["note"] = settings.get("simulated")
 
 
 def pyplot():
@@ -42,8 +45,19 @@ def pyplot():
 
 
 def save(fig, path: Path) -> None:
+    if STYLE["note"]:
+        stamp(fig, STYLE["note"])
     fig.savefig(path, dpi=STYLE["dpi"], bbox_inches="tight")
     pyplot().close(fig)
+
+
+def stamp(fig, note: str) -> None:
+    """`note` above everything the figure draws, its title included, in the
+    figure's top line: a simulated result names itself before it is read."""
+    box = fig.get_tightbbox(fig.canvas.get_renderer())
+    top = box.y1 / fig.get_figheight()
+    fig.text(0.5, top + 0.01, note, ha="center", va="bottom", fontsize="small",
+             color="tab:purple", fontweight="bold")  # fmt: skip
 
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")
@@ -124,7 +138,10 @@ def plot_throughput(configs: Sequence[Configuration], path: Path, claims=()) -> 
     ax.invert_yaxis()
     ax.set_xlim(left=0)
     ax.grid(True, axis="x", alpha=0.3)
-    ax.set_xlabel("output tokens / s\n(bar: mean, whisker: 95% interval, dots: repeats)")
+    if all(c.deterministic for c in ordered):  # a virtual clock: one exact value, no interval
+        ax.set_xlabel("output tokens / s of virtual time\n(bar: the exact value, dots: repeats)")
+    else:
+        ax.set_xlabel("output tokens / s\n(bar: mean, whisker: 95% interval, dots: repeats)")
     ax.set_title("Output throughput per configuration")
     if len(legend) > len(ordered) or len(list(configs[0].swept)) > 1:  # labels alone say one factor
         handles = [Patch(facecolor=st["color"], hatch=st["hatch"], edgecolor="black", label=text)
@@ -201,7 +218,10 @@ def x_values(steps: Sequence[dict], axis: str) -> list[float]:
 
 
 def axis_label(axis: str) -> str:
-    return "seconds since the first step" if axis == "seconds" else "step"
+    if axis != "seconds":
+        return "step"
+    virtual = " (virtual time: simulated)" if STYLE["note"] else ""
+    return f"seconds since the first step{virtual}"
 
 
 def same_series(configs: Sequence[Configuration], series) -> list[tuple[str, object]]:

@@ -86,7 +86,10 @@ def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
         what = f"{figure} ratio (log; grey: 1, no change)" if ratio else figure
         ax.set_xlabel(f"{what}; dashed: the bound {bound:g}")
         ax.set_title("\n".join(textwrap.wrap(heading, 80)), fontsize=11, loc="left")
-    fig.suptitle("Claims: estimate and 95% interval against the bound\n"
+    exact = all(claim.bars[0][1].exact for group in panels.values() for claim in group)
+    drawn = "exact value (no interval: a counted or virtual-clock figure)" if exact else (
+        "estimate and 95% interval")  # fmt: skip
+    fig.suptitle(f"Claims: {drawn} against the bound\n"
                  "(green: holds, red: fails, grey: inconclusive, orange: indicative)")  # fmt: skip
     fig.tight_layout()
     save(fig, path)

@@ -113,7 +113,7 @@ def draw_plots(configs, claims, settings: Mapping, out: Path,
     finished = [c for c in configs if c.finished]
     if not finished or not names:
         for name in names:
-            on_done and on_done(f"plot {name} (no data)")
+            on_done and on_done(_done_text(name, False))
         return []
     fmt = settings.get("format", "png")
     _JOB = (PlotJob(finished, claims, settings), Path(out), fmt)
@@ -131,9 +131,14 @@ def draw_plots(configs, claims, settings: Mapping, out: Path,
             for done in as_completed([pool.submit(_draw, name) for name in names]):
                 name, ok = done.result()
                 drawn[name] = ok
-                on_done and on_done(f"plot {name}")
+                on_done and on_done(_done_text(name, ok))
     else:
         for name in names:
             drawn[name] = _draw(name)[1]
-            on_done and on_done(f"plot {name}")
+            on_done and on_done(_done_text(name, drawn[name]))
     return [f"{name}.{fmt}" for name in names if drawn.get(name)]
+
+
+def _done_text(name: str, drawn: bool) -> str:
+    """What the progress says of one plot: drawn, or nothing to draw (no file)."""
+    return f"plot {name}" if drawn else f"no {name} plot (nothing to draw)"

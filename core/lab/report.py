@@ -1,5 +1,6 @@
-"""`servelab-report PATH...`: run folders -> tables with intervals, decided
-claims and plots.
+"""`servelab-report PATH... [report.KEY=VALUE...]`: run folders -> tables with
+intervals, decided claims and plots; the report options are the stored runs',
+overridden by any given (lab/report_overrides.py).
 
 A PATH is a run folder (it holds `results.json`) or any folder above run
 folders (a multirun). Runs with the same swept choices are repeats of one
@@ -20,6 +21,7 @@ import argparse
 import csv
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from servelab.errors import ConfigError
@@ -29,8 +31,10 @@ from servelab.lab.plots_registry import draw_plots, plot_names, wanted_plots
 from servelab.lab.progress import Progress
 from servelab.lab.provenance import busy_warnings, mixed_provenance
 from servelab.lab.report_markdown import markdown
+from servelab.lab.report_overrides import apply_overrides, is_override
 from servelab.lab.runs import Configuration, Run, figure, fmt, group_runs, load_runs, mark_swept
-from servelab.lab.slo import add_slo_figures, capacity, slo_options
+from servelab.lab.simulated_label import report_note, run_label
+from servelab.lab.slo import SLO_DEFAULTS, add_slo_figures, capacity, slo_options
 from servelab.lab.stats import MIN_REPEATS, mean_estimate
 from servelab.registry.typed import check_value
 
@@ -50,6 +54,7 @@ __all__ = [  # callers import every report name from here, wherever it is define
     "main",
     "mark_swept",
     "markdown",
+    "report",
     "report_options",
     "sort_configs",
     "summary_rows",
@@ -135,6 +140,10 @@ def run_rows(runs: Sequence[Run]) -> list[dict]:
         row.update(run.summary)
         load = run.provenance.get("machine_load") or {}
         row.update({k: load[k] for k in ("other_cpu_pct", "load_average_1m", "busy") if k in load})
+        simulated = run_label(run)  # its times are a cost model's: say so beside them
+        row["clock"] = "virtual" if run.virtual_clock else "wall"
+        if simulated:
+            row["simulated"] = simulated
         row["status"] = "error" if run.error else "ok"
         if run.error:
             row["error"] = run.error
@@ -150,7 +159,7 @@ REPORT_DEFAULTS = {
     "sort": "output_tok_s",
     "figures": [],
     "claims": [],
-    "slo": None,
+    "slo": dict(SLO_DEFAULTS),  # no key set: no SLO
     "time_axis": "steps",  # the x axis of the timeline, KV and batch plots: steps | seconds
     "min_repeats": MIN_REPEATS,  # a figure that varies is decided on at least this many repeats
     "plots": "all",  # which plots to draw: all, none, or a list of names (lab/plots_registry.py)
@@ -177,7 +186,8 @@ FORMATS = ("png", "pdf", "svg")
 
 def report_options(node: Mapping | None) -> dict:
     """The config's `report:` node with defaults; an unknown key is a ConfigError."""
-    options = {k: (list(v) if isinstance(v, list) else v) for k, v in REPORT_DEFAULTS.items()}
+    options = {k: (type(v)(v) if isinstance(v, (list, dict)) else v)
+               for k, v in REPORT_DEFAULTS.items()}  # fmt: skip
     for key, value in (node or {}).items():
         if key not in REPORT_DEFAULTS:
             raise ConfigError(
@@ -213,18 +223,47 @@ def report_options(node: Mapping | None) -> dict:
     return options
 
 
-def report_settings(runs: Sequence[Run]) -> dict:
-    return report_options((runs[0].results.get("config") or {}).get("report"))
+def report_settings(runs: Sequence[Run], overrides: Sequence[str] = ()) -> dict:
+    """The first run's stored `report:` options, with `overrides` (`report.KEY=VALUE`,
+    lab/report_overrides.py) applied; `given` lists the overrides."""
+    stored = (runs[0].results.get("config") or {}).get("report")
+    settings = report_options(apply_overrides(stored, overrides, REPORT_DEFAULTS))
+    settings["given"] = list(overrides)
+    return settings
 
 
 def write_report(
-    paths: Sequence[str | Path], out: str | Path | None = None, progress: bool = True
+    paths: Sequence[str | Path],
+    out: str | Path | None = None,
+    progress: bool = True,
+    overrides: Sequence[str] = (),
 ) -> Path:
     """Loads the runs under `paths`; writes the tables, the claims and the plots,
-    showing its progress (lab/progress.py) unless `progress` is False."""
+    showing its progress (lab/progress.py) unless `progress` is False. The
+    report options are the stored runs', with `overrides` applied."""
+    return report(paths, out, progress, overrides).out
+
+
+@dataclass
+class Written:
+    """What `report` wrote, and the claims it decided."""
+
+    out: Path
+    claims: list[ClaimResult]
+    settings: dict
+    plots: list[str]
+
+
+def report(
+    paths: Sequence[str | Path],
+    out: str | Path | None = None,
+    progress: bool = True,
+    overrides: Sequence[str] = (),
+) -> Written:
+    """`write_report`, returning the claims and the plots drawn too."""
     runs = load_runs(paths)
     fixed = mark_swept(runs)
-    settings = report_settings(runs)
+    settings = report_settings(runs, overrides)
     add_slo_figures(runs, settings["slo"])
     configs = sort_configs(group_runs(runs), settings["sort"])
     out = Path(out) if out else (Path(paths[0]) if len(paths) == 1 else Path("servelab-report"))
@@ -236,6 +275,7 @@ def write_report(
     )
     every = list(dict.fromkeys([*shown, *_summary_keys(runs)]))
     plots = wanted_plots(settings)
+    settings["simulated"] = report_note(configs)  # every plot's title names a simulation
     with Progress("servelab-report", len(configs) + len(plots) + 1, progress) as bar:
         # the figures per configuration: the percentile bootstraps are most of the work
         for config in configs:
@@ -253,7 +293,7 @@ def write_report(
     warnings += busy_warnings([run for run in runs if not run.virtual_clock])
     text = markdown(settings, configs, fixed, claims, shown, written, warnings, capacities)
     (out / "summary.md").write_text(text)
-    return out
+    return Written(out, claims, settings, written)
 
 
 def write_csv(path: Path, rows: Sequence[dict]) -> None:
@@ -286,10 +326,19 @@ def main(argv: Sequence[str] | None = None) -> Path:
         description="Turn servelab run folders (or a multirun folder) into summary.csv, "
         "summary.md and plots.",
     )
-    parser.add_argument("paths", nargs="+", help="run folders or folders above them")
+    parser.add_argument(
+        "paths", nargs="+", metavar="PATH|report.KEY=VALUE",
+        help="run folders or folders above them; then report options that override the "
+        "stored ones (report.slo.ttft_ms=200 report.time_axis=seconds), the claims decided "
+        "again on the stored runs",
+    )  # fmt: skip
     parser.add_argument("--out", help="where to write (default: the only PATH)")
     args = parser.parse_args(argv)
-    out = write_report(args.paths, args.out)
+    paths = [p for p in args.paths if not is_override(p)]
+    if not paths:
+        parser.error("no run folder given")
+    overrides = [p for p in args.paths if is_override(p)]
+    out = write_report(paths, args.out, overrides=overrides)
     print(f"servelab-report: wrote {out / 'summary.md'}, {out / 'summary.csv'} and plots in {out}")
     print((out / "summary.md").read_text())
     return out

@@ -1,7 +1,8 @@
 """`summary.md`: what a report says in words. Provenance and busy-machine
 warnings, the claims with their verdicts, their n and what an indicative one
 still needs, how the figures were decided (intervals over repeats, or exact
-on a virtual clock, naming the executor and hardware profile), the capacity
+on a virtual clock, with the simulation's label: executor, hardware profile,
+model, virtual time and the cost model's measured accuracy), the capacity
 table, every configuration's key figures, the failed runs and the plots."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from servelab.lab.claims import ClaimResult
 from servelab.lab.estimates import estimate
 from servelab.lab.runs import Configuration, Run
+from servelab.lab.simulated_label import run_label
 from servelab.lab.stats import INDICATIVE, rounded
 
 VERDICT_MARKS = {
@@ -35,8 +37,9 @@ def claims_intro(settings: Mapping, configs: Sequence[Configuration], claims) ->
     finished = [c for c in configs if c.finished]
     if finished and all(c.deterministic for c in finished):
         ran = sorted({executor_text(run) for c in finished for run in c.finished})
-        lines = [f"Every run: {', '.join(ran)}. A virtual clock makes each figure an exact "
-                 "function of the config, so one run decides a claim; there are no intervals."]  # fmt: skip
+        lines = [f"Every run: {'; '.join(ran)}. A virtual clock makes each figure an exact "
+                 "function of the config, so one run decides a claim; there are no intervals "
+                 "(exact for the cost model, whose accuracy the label states)."]  # fmt: skip
     else:
         lines = [
             "Decided on 95% confidence intervals over the repeats; ratios on the log scale. "
@@ -54,17 +57,19 @@ def claims_intro(settings: Mapping, configs: Sequence[Configuration], claims) ->
 
 
 def executor_text(run: Run) -> str:
-    """`executor=simulated, hardware=h100-sxm (exact figures)` from a run's provenance."""
-    choices = run.results.get("choices") or {}
-    hardware = (run.provenance.get("executor") or {}).get("hardware")
-    profile = choices.get("hardware") or (hardware or {}).get("name")
-    return f"executor={choices.get('executor', 'simulated')}" + (
-        f", hardware={profile}" if profile else ""
-    )
+    """What timed a run: the simulation's label (lab/simulated_label.py), or the
+    executor that ran the model."""
+    simulated = run_label(run)
+    if simulated:
+        return simulated
+    return f"executor={(run.results.get('choices') or {}).get('executor', 'model')}"
 
 
 def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacities) -> str:
     lines = [f"# {settings['title']}", ""]
+    if settings.get("given"):
+        lines += ["Report options given to servelab-report, over the stored ones: "
+                  + ", ".join(f"`{o}`" for o in settings["given"]), ""]  # fmt: skip
     lines += [f"> ⚠️ Warning: {w}." for w in warnings]
     lines += [""] if warnings else []
     if claims:
@@ -77,8 +82,9 @@ def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacit
     finished = [c for c in configs if c.finished]
     if finished and all(c.deterministic for c in finished):
         ran = sorted({executor_text(run) for c in finished for run in c.finished})
-        lines.append(f"Every run: {', '.join(ran)}, on a virtual clock: each figure is exact, "
-                     "a function of the config (no device ran the model).")  # fmt: skip
+        lines.append(f"Every run: {'; '.join(ran)}. On a virtual clock each figure is exact "
+                     "for the cost model, a function of the config (no device ran the model); "
+                     "its times are the cost model's, not measured.")  # fmt: skip
         fixed = {k: v for k, v in fixed.items() if k != "device"}
     else:
         lines.append(
@@ -86,15 +92,22 @@ def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacit
             "cut at zero where negative values are impossible; bootstrap for percentiles); "
             "*exact*: a counted figure every repeat agrees on."
         )
+        simulated = sorted({text for c in finished for run in c.finished
+                            if (text := run_label(run))})  # fmt: skip
+        if simulated:
+            lines.append(f"Configurations marked *(sim)* ran {'; '.join(simulated)}: their "
+                         "times are the cost model's, exact, not measured.")  # fmt: skip
     lines.append("")
     if fixed:
         lines += ["Same in every run: " + ", ".join(f"`{k}={v}`" for k, v in fixed.items()), ""]
+    every_simulated = bool(finished) and all(c.deterministic for c in finished)
     swept = list(configs[0].swept) if configs else []
     header = ["#", *swept, "runs", *figures]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" for _ in header) + "|")
     for i, config in enumerate(configs, start=1):
-        cells = [str(i), *(config.swept.get(k, "") for k in swept), str(len(config.finished))]
+        mark = " *(sim)*" if config.deterministic and not every_simulated else ""
+        cells = [f"{i}{mark}", *(config.swept.get(k, "") for k in swept), str(len(config.finished))]
         if not config.finished:
             cells += ["failed"] + [""] * (len(figures) - 1)
         else:

@@ -38,6 +38,7 @@ from servelab.lab.fairness import fairness_figures
 from servelab.lab.progress import Progress, is_terminal
 from servelab.lab.provenance import cpu_snapshot, machine_load, provenance
 from servelab.lab.report import report_options
+from servelab.lab.simulated_label import label, simulation
 from servelab.lab.workload import WorkloadRequest, make_workload, trace_source
 from servelab.registry.typed import check_value
 from servelab.step.sequence import SamplingParams
@@ -238,6 +239,9 @@ def run_config(config: Mapping) -> RunResult:
         "virtual_clock": bool(engine.executor.virtual_clock),
         **engine.executor.describe(),
     }
+    simulated = simulation(started, {"executor": part_name(config.get("executor"))})
+    if simulated:  # what every table and plot of this run will say of it
+        started["simulated"] = simulated
     requests = make_workload(workload, engine.model_config.vocab_size, engine.max_model_len)
     started.update(trace_source(requests))  # a public trace: its file, hash and what was capped
     if options["warmup"]:
@@ -247,6 +251,11 @@ def run_config(config: Mapping) -> RunResult:
     started["machine_load"] = machine_load(before, cpu_snapshot())
     records = list(engine.metrics.requests), list(engine.metrics.steps)
     return RunResult(engine, summary, *records, provenance=started)
+
+
+def part_name(node: Any) -> str | None:
+    """A part's name from its config node (`{name: simulated, ...}` or `simulated`)."""
+    return node.get("name") if isinstance(node, Mapping) else (str(node) if node else None)
 
 
 def model_name(config: Mapping) -> str:
@@ -324,8 +333,13 @@ SUMMARY_SECTIONS = {
 
 
 def print_summary(
-    summary: dict, title: str = "servelab run", console: Console | None = None
+    summary: dict,
+    title: str = "servelab run",
+    console: Console | None = None,
+    simulated: Mapping | None = None,
 ) -> None:
+    """The run's figures as a table; a simulated run's (`simulated`: its record,
+    lab/simulated_label.py) titled with its label, its run time as virtual."""
     table = Table(title=title)
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -334,5 +348,9 @@ def print_summary(
         table.add_row(f"[bold]{section}", "")
         for key in keys:
             value = summary.get(key)
-            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    (console or Console()).print(table)
+            shown = "virtual_time_s" if simulated and key == "wall_time_s" else key
+            table.add_row(shown, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console = console or Console()
+    console.print(table)
+    if simulated:  # under the table, unwrapped: the line a reader copies with the figures
+        console.print(label(simulated), style="bold magenta", highlight=False, soft_wrap=True)

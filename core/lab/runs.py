@@ -142,7 +142,9 @@ def run_params(results: Mapping) -> dict[str, str]:
         params.setdefault(key, normalize(value))
     if results.get("mode"):  # how the run was measured (`bench_serve`: by a client)
         params.setdefault("mode", normalize(results["mode"]))
-    return {k: v for k, v in params.items() if k not in IGNORED_PARAMS}
+    # the report's options say how to read the runs, not what they ran
+    return {k: v for k, v in params.items()
+            if k not in IGNORED_PARAMS and not k.startswith("report.")}  # fmt: skip
 
 
 def load_runs(paths: Iterable[str | Path]) -> list[Run]:

@@ -24,11 +24,15 @@ from servelab.step.sequence import finite_number
 
 TARGETS = ("ttft_ms", "tpot_ms", "itl_ms")
 SLO_KEYS = (*TARGETS, "percentile")
+# the typed `report.slo` node (lab/config_schema.py): every key unset is no SLO
+SLO_DEFAULTS: dict = dict.fromkeys(SLO_KEYS)
+SLO_TYPES = dict.fromkeys(SLO_KEYS, float | None)
+DEFAULT_PERCENTILE = 90.0
 RATE_KEY = "workload.rate"
 
 
 def slo_options(node: Mapping | None) -> dict | None:
-    """The checked `report.slo` node (None: no SLO)."""
+    """The checked `report.slo` node; None (no SLO) when it sets no key."""
     if node is None:
         return None
     if not isinstance(node, Mapping):
@@ -36,7 +40,10 @@ def slo_options(node: Mapping | None) -> dict | None:
     unknown = [k for k in node if k not in SLO_KEYS]
     if unknown:
         raise ConfigError(f"unknown report.slo key {unknown[0]!r}; accepted: {', '.join(SLO_KEYS)}")
-    options = {"percentile": 90.0, **{k: v for k, v in node.items() if v is not None}}
+    given = {k: v for k, v in node.items() if v is not None}
+    if not given:
+        return None
+    options = {"percentile": DEFAULT_PERCENTILE, **given}
     for key, value in options.items():
         check_value(f"report.slo.{key}", value, float)
         if not (finite_number(value) or 0) > 0:

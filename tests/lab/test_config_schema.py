@@ -19,7 +19,7 @@ from servelab.lab.config_schema import (
     RunSchema,
     composition_message,
 )
-from servelab.lab.report import REPORT_DEFAULTS
+from servelab.lab.report import REPORT_DEFAULTS, report_options
 from servelab.lab.runner import RUN_DEFAULTS
 
 
@@ -50,8 +50,7 @@ def test_the_schema_is_in_the_config_store_and_made_from_the_python_tables():
     ):
         fields = {f.name: f for f in dataclasses.fields(schema)}
         assert list(fields) == list(defaults)
-        built = schema()
-        assert {k: getattr(built, k) for k in fields} == defaults
+        assert dataclasses.asdict(schema()) == defaults
 
 
 def test_the_composed_defaults_equal_the_python_defaults():
@@ -103,3 +102,28 @@ def test_yaml_booleans_are_booleans_never_truthy_strings():
 def test_a_sized_option_keeps_both_spellings():
     assert composed("engine.kv_cache_memory=8MiB")["engine"]["kv_cache_memory"] == "8MiB"
     assert composed("engine.kv_cache_memory=1048576")["engine"]["kv_cache_memory"] == 1048576
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["report.slo={ttft_ms: 200, tpot_ms: 50}"],
+        ["++report.slo={ttft_ms: 200, tpot_ms: 50}"],
+        ["report.slo.ttft_ms=200", "report.slo.tpot_ms=50"],
+        ["experiment=load_curve", "report.slo.ttft_ms=200", "report.slo.tpot_ms=50"],
+    ],
+)
+def test_report_slo_is_set_from_the_command_line_in_every_spelling(overrides):
+    slo = report_options(composed(*overrides)["report"])["slo"]
+    assert slo == {"ttft_ms": 200, "tpot_ms": 50, "percentile": 90}
+
+
+def test_no_slo_by_default_and_a_misspelt_slo_key_lists_the_valid_ones():
+    assert report_options(composed()["report"])["slo"] is None
+    assert report_options(composed("report.slo=null")["report"])["slo"] is None
+    assert "unknown report.slo option 'ttft'; accepted: itl_ms, percentile, tpot_ms, ttft_ms" in (
+        refusal("report.slo.ttft=200")
+    )
+    assert "report.slo option ttft_ms must be a finite number or null, got 'soon'" in refusal(
+        "report.slo.ttft_ms=soon"
+    )

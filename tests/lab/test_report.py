@@ -206,8 +206,8 @@ def test_cli_writes_into_out_from_several_folders(tmp_path, capsys):
 
 
 def test_a_simulated_sweep_says_its_figures_are_exact_and_decides_on_one_run(tmp_path):
-    """Runs on a virtual clock: the summary names the executor and the hardware profile,
-    says each figure is exact, decides a timed claim on one run each (n=1, no interval,
+    """Runs on a virtual clock: the summary names the executor, the hardware profile and
+    the model, says each figure is exact for the cost model, decides a timed claim on one run each (n=1, no interval,
     never indicative), and leaves out the meaningless `device`."""
     import json
 
@@ -218,14 +218,16 @@ def test_a_simulated_sweep_says_its_figures_are_exact_and_decides_on_one_run(tmp
                              "figures": ["steps"], "claims": CLAIMS[:1]},
                   "run": {"repeat": 0}, "engine": {"device": "cpu"}}  # fmt: skip
         meta = {"overrides": [f"scheduler={name}"],
-                "choices": {"scheduler": name, "executor": "simulated", "hardware": "h100-sxm"}}  # fmt: skip
+                "choices": {"scheduler": name, "executor": "simulated", "hardware": "h100-sxm",
+                            "model": "llama3-8b"}}  # fmt: skip
         provenance = {"executor": {"virtual_clock": True, "hardware": {"name": "h100-sxm"}}}
         save_run(folder, RunResult(None, summarize(requests, steps), requests, steps, provenance),
                  config, meta)  # fmt: skip
         assert json.loads((folder / "results.json").read_text())["provenance"] == provenance
     text = (write_report([tmp_path]) / "summary.md").read_text()
-    assert "Every run: executor=simulated, hardware=h100-sxm. A virtual clock makes each" in text
-    assert "on a virtual clock: each figure is exact" in text
+    assert ("Every run: simulated: executor=simulated, hardware=h100-sxm, model=llama3-8b, "
+            "virtual time; cost model accuracy not measured. A virtual clock makes each") in text
+    assert "On a virtual clock each figure is exact for the cost model" in text
     assert "one run decides a claim; there are no intervals" in text
     claim = next(line for line in text.splitlines() if "fast beats slow" in line)
     assert "holds" in claim and "(n=1)" in claim and "indicative" not in claim

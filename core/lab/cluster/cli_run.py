@@ -11,19 +11,29 @@ from pathlib import Path
 from servelab.lab.cluster.run import run_cluster
 from servelab.lab.provenance import provenance
 from servelab.lab.runner import RunResult, model_name, print_summary, save_run
+from servelab.lab.simulated_label import simulation
+from servelab.lab.sweep import job_line
 
 
-def run_cluster_job(config: dict, meta: dict, folder: Path) -> dict:
+def run_cluster_job(config: dict, meta: dict, folder: Path, in_sweep: bool = False) -> dict:
     # the cluster steps its replicas itself (no warm-up, no progress bar); the saved config
     # is the whole one, as for one engine: servelab-report reads its `report:` node
     served = {k: v for k, v in config.items() if k not in ("run", "report")}
     started = provenance(served, model_name(served))
     result = run_cluster(served)
     started["executor"] = result.executor
+    simulated = simulation(started, meta.get("choices"))
+    if simulated:  # what every table and plot of this run will say of it
+        started["simulated"] = simulated
     records = [_Row(r, _columns(r.request_id, result)) for r in result.requests]
     save_run(folder, RunResult(None, result.summary, records, result.steps, started), config, meta)
+    if in_sweep:  # a sweep's one line per job (servelab.lab.sweep)
+        num = (meta.get("job") or {}).get("num")
+        line = job_line(num, meta["overrides"], folder, result.summary, simulated=simulated)
+        print(line, flush=True)
+        return result.summary
     title = ", ".join(f"{k}={_name(config.get(k))}" for k in ("cluster", "router", "scheduler"))
-    print_summary(result.summary, title=f"{title}\n{folder}")
+    print_summary(result.summary, title=f"{title}\n{folder}", simulated=simulated)
     return result.summary
 
 

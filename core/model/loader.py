@@ -7,7 +7,8 @@ Rules:
 - a checkpoint must provide exactly the model's tensors: missing, unexpected or
   misshapen tensors are one `ConfigError` naming them (a tied model may carry a
   redundant `lm_head.weight`; RoPE `inv_freq` buffers of old checkpoints are ignored);
-- the tokenizer is `tokenizer.json` read with `tokenizers` when present, else None;
+- the tokenizer is `tokenizer.json` read with `tokenizers` when present, else None
+  (a named shape: the tiny shapes' own, `servelab.model.tiny_tokenizer`, else None);
 - with a tensor-parallel `Shard`, the model is built with the rank's heads and
   MLP width and each tensor is read as the rank's slice only (safetensors'
   `get_slice`); random weights are drawn whole, then sliced, so every rank
@@ -29,6 +30,7 @@ from safetensors import safe_open
 from servelab.errors import ConfigError
 from servelab.model.config import NAMED_SHAPES, ModelConfig, named_config, resolve_dtype
 from servelab.model.sharding import Shard
+from servelab.model.tiny_tokenizer import named_tokenizer
 from servelab.model.transformer import Transformer
 
 __all__ = [
@@ -93,7 +95,7 @@ def load_model(
     model = Transformer(local, torch_dtype, device, None if part is None else part.vocab_start)
     if source in NAMED_SHAPES:
         init_random_weights(model, seed, part)
-        return model.eval().requires_grad_(False), config, None
+        return model.eval().requires_grad_(False), config, named_tokenizer(source)
     folder = Path(source)
     load_checkpoint_weights(model, folder, part)
     return model.eval().requires_grad_(False), config, load_tokenizer(folder)

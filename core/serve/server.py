@@ -18,6 +18,7 @@ from pathlib import Path
 from servelab.contracts.kinds import KINDS
 from servelab.engine.build import build_engine
 from servelab.llm import EngineLoop
+from servelab.model.loader import model_source
 from servelab.serve.app import create_app
 from servelab.serve.async_engine import AsyncEngine
 from servelab.serve.config import serve_options
@@ -128,9 +129,10 @@ class Server:
         self.engine = build_engine(engine_config)
         self.aengine = AsyncEngine(EngineLoop(self.engine))
         folder = model_folder(config)
+        node = config.get("model") or "tiny"
+        shape = None if folder else model_source(node)  # a named shape's own chat template
         name = self.options["served_model_name"]
         if name is None:
-            node = config.get("model") or "tiny"
             name = (
                 Path(folder).name
                 if folder
@@ -140,7 +142,7 @@ class Server:
         self.metrics = ServerMetrics(name)
         self.metrics.bind(self.engine)
         self.aengine.on_finish = lambda out: self.metrics.request_done(out.metrics)
-        self.app = create_app(self.aengine, self.options, name, ChatTemplate(folder), self.metrics,
+        self.app = create_app(self.aengine, self.options, name, ChatTemplate(folder, shape), self.metrics,
                               self.choices)  # fmt: skip
         self.uvicorn = None
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from servelab.engine.stop_strings import new_text
+from servelab.model import tiny_tokenizer
 from servelab.serve.protocol import ApiError
 
 
@@ -56,9 +57,10 @@ def token_text(tokenizer, token_id: int) -> str:
 
 class ChatTemplate:
     """The model folder's chat template, or none: `chat_template.jinja` (where
-    transformers now saves it) first, else `chat_template` in tokenizer_config.json."""
+    transformers now saves it) first, else `chat_template` in tokenizer_config.json;
+    for a named shape (no folder), its own (the tiny shapes': ChatML)."""
 
-    def __init__(self, folder: str | Path | None) -> None:
+    def __init__(self, folder: str | Path | None, shape: str | None = None) -> None:
         self.template = None
         self.special: dict[str, str] = {}
         path = Path(folder) / "tokenizer_config.json" if folder else None
@@ -68,6 +70,9 @@ class ChatTemplate:
             template = jinja.read_text()
         else:
             template = config.get("chat_template")
+        if folder is None and shape in tiny_tokenizer.SHAPES:
+            template = tiny_tokenizer.CHAT_TEMPLATE
+            config = {"eos_token": tiny_tokenizer.EOS_TOKEN}
         if isinstance(template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)

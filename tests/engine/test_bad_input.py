@@ -109,7 +109,6 @@ BAD_PROMPTS = [
     ("dict", {"ids": [1]}, "got dict"),
     ("set", {1, 2}, "got set"),
     ("bytes", b"\x01\x02", "got bytes"),
-    ("text-without-tokenizer", "hello", "a text prompt needs a tokenizer"),
     ("empty", [], "the prompt is empty"),
     ("empty-tuple", (), "the prompt is empty"),
     ("bool-id", [4, True], "token ids must be integers, got True (bool)"),
@@ -157,6 +156,15 @@ def test_bad_prompts_reject_only_their_request(llm, clean_tokens, case, bad, mes
     good, rejected = llm.generate([GOOD, bad], params())
     assert rejected.finish_reason == "rejected" and message in rejected.error, rejected.error
     assert good.token_ids == clean_tokens
+    assert_engine_clean(llm)
+
+
+def test_a_text_prompt_without_a_tokenizer_rejects_only_its_request():
+    llm = LLM(model="bench", max_model_len=MAX_MODEL_LEN, kv_cache_memory="4MiB")  # no tokenizer
+    good, rejected = llm.generate([GOOD, "hello"], params())
+    assert rejected.finish_reason == "rejected"
+    assert "a text prompt needs a tokenizer" in rejected.error, rejected.error
+    assert good.finish_reason is not None and good.error is None
     assert_engine_clean(llm)
 
 

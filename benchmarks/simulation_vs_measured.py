@@ -20,6 +20,12 @@ MIT licence, or its profile/comm) the same check runs on APEX's NCCL measurement
 of each GPU there, and the Vidur-fitted H100 profile is priced on APEX's H100 rows:
 
     python benchmarks/simulation_vs_measured.py VIDUR/data/profiling --apex APEX_PLUS
+
+With `--llmservingsim DIR` (a checkout of github.com/casys-kaist/LLMServingSim at a
+commit with llm_profile/perf_models, MIT licence) attention is checked on held-out
+models: the attention figures are fitted on each H100 model's attention.csv in turn and
+every other model's rows priced, by call (prefill, decode) and size band (a prefill
+chunk's tokens, a decode batch's sequences).
 """
 
 from __future__ import annotations
@@ -163,12 +169,33 @@ def apex_checks(apex: Path, vidur: Path | None) -> None:
                   f"{_bands(errors, measured['all_reduce'].bytes)}")  # fmt: skip
 
 
+def attention_checks(root: Path) -> None:
+    from servelab.lab.llmservingsim_data import perf_dir, read_llmservingsim
+
+    ops = read_llmservingsim(perf_dir(root), "H100")
+    models = sorted(set(ops.columns["model"]))
+    base = load_profile("h100-sxm")
+    for fit_model in models:
+        mine = np.array(ops.columns["model"]) == fit_model
+        fitted = fit_ops(base, ops.select(mine))
+        held = OpArrays(ops.select(~mine))
+        errors = relative_errors(held.predict(fitted), held.seconds)
+        print(f"\n## attention, H100: fit on {fit_model}, held out {', '.join(sorted(set(held.model)))}")
+        for call in ("prefill", "decode"):
+            mask = held.call == call
+            table = errors_by_band(errors[mask], held.tokens[mask])
+            cells = " | ".join(f"{b} {e:.1%} (n={n})" for b, (e, n) in table.items())
+            print(f"| {call} | {cells} |")
+        print(f"| all | {np.median(errors):.1%} (n={len(errors)}) |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("vidur", nargs="?", type=Path, help="Vidur's data/profiling")
     parser.add_argument("--apex", type=Path, help="apex_plus (or its profile/comm)")
+    parser.add_argument("--llmservingsim", type=Path, help="LLMServingSim (llm_profile)")
     args = parser.parse_args(argv)
-    if args.vidur is None and args.apex is None:
+    if args.vidur is None and args.apex is None and args.llmservingsim is None:
         print(__doc__)
         return 2
     if args.vidur is not None:
@@ -176,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             compare(args.vidur, device)
     if args.apex is not None:
         apex_checks(args.apex, args.vidur)
+    if args.llmservingsim is not None:
+        attention_checks(args.llmservingsim)
     return 0
 
 

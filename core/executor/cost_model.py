@@ -27,6 +27,12 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
   and read Q / write O: e d (2 K/p keys + 2 K/p q + 2 H/p q). Prefill chunks and
   decodes are separate ops; the padded backend computes every sequence at the
   longest query and key length: one op of n x max_q x max_k;
+- attention's kernel blocks, per layer: a block is one query head of one sequence's tile
+  of up to 128 query rows (a decode: one row) and streams the K/V of every key its rows
+  attend to (e d 2 per key) from memory or L2; the op costs at least each of
+  streamed bytes / (peak bandwidth x `attention_stream_efficiency`), the longest
+  block's keys x `attention_key_time` (a block runs on one SM: one long sequence cannot
+  use the device) and blocks x `attention_block_overhead` (each figure 0: off);
 - element-wise, per layer, bytes only: two RMSNorms (read + write h), two residual
   adds (read 2h, write h), RoPE on q and k (read + write), SiLU x up (read 2I/p,
   write I/p); six launches;
@@ -56,6 +62,7 @@ from servelab.executor.hardware import HardwareProfile
 MATMUL, ATTENTION, MEMORY, ELEMENTWISE = "matmul", "attention", "memory", "elementwise"
 # calls with a fixed cost apiece: matmuls (setup, the last partial wave), attention
 PREFILL, DECODE = "prefill", "decode"
+BLOCK_ROWS = 128  # query rows per attention kernel block (FlashAttention's tile)
 CACHE_SIZE = 1 << 16  # token counts (and sampling rows) whose step pieces are kept priced
 _EMPTY = np.zeros(0)
 _EMPTY.flags.writeable = False
@@ -70,6 +77,10 @@ class Op:
     launches: float = 1.0
     rows: float = 0.0  # the rows (tokens, query rows) the efficiency curve reads
     call: str = ""  # MATMUL | PREFILL | DECODE: which fixed cost per call; "" none
+    # attention's kernel blocks: the bytes they stream, the keys of the longest, how many
+    streamed: float = 0.0
+    span: float = 0.0
+    blocks: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,20 @@ def attention_flops(q, start, head_dim: int, heads: float) -> float:
     q = np.asarray(q, dtype=np.float64)
     s = np.asarray(start, dtype=np.float64)
     return float(4 * head_dim * heads * np.sum(q * s + q * (q + 1) / 2))
+
+
+def prefill_blocks(q, start, heads: float, bytes_per_head: float) -> tuple[float, float, float]:
+    """Streamed bytes, keys of the longest block and blocks of prefill chunks of `q`
+    tokens after `start` cached: each chunk is ceil(q / BLOCK_ROWS) tiles per query head,
+    a tile reading the K/V of the keys its last row attends to (causal)."""
+    q = np.asarray(q, dtype=np.float64)
+    s = np.asarray(start, dtype=np.float64)
+    tiles = np.ceil(q / BLOCK_ROWS)
+    # the tiles' key counts s + 128, s + 256, ..., s + q, summed per chunk
+    full = tiles - 1
+    keys = tiles * s + BLOCK_ROWS * full * (full + 1) / 2 + q
+    streamed = float(bytes_per_head * 2 * heads * np.sum(keys))
+    return streamed, float(np.max(s + q)), float(heads * np.sum(tiles))
 
 
 def matmul_op(name: str, tokens: float, m: float, n: float, e: float) -> Op:
@@ -206,6 +231,10 @@ class CostModel:
             PREFILL: profile.attention_prefill_overhead,
             DECODE: profile.attention_decode_overhead,
         }
+        stream = profile.memory_bandwidth * profile.attention_stream_efficiency
+        self.blocks_priced = bool(stream or profile.attention_key_time
+                                  or profile.attention_block_overhead)  # fmt: skip
+        self.stream_bandwidth = stream or float("inf")
         self._by_tokens: dict[int, tuple] = {}  # see _token_parts
         self._by_step: dict[tuple[int, int], float] = {}  # see _once_time
 
@@ -215,7 +244,20 @@ class CostModel:
         return op.rows / (op.rows + half) if half and op.rows else 1.0
 
     def op_time(self, op: Op) -> float:
-        return self.seconds(op.kind, op.flops, op.bytes, op.rows, op.launches, op.call, op.name)
+        seconds = self.seconds(op.kind, op.flops, op.bytes, op.rows, op.launches, op.call,
+                               op.name)  # fmt: skip
+        if op.blocks and self.blocks_priced:
+            seconds = self.with_blocks(seconds, op)
+        return seconds
+
+    def with_blocks(self, seconds: float, op: Op) -> float:
+        """An attention op's time held up to what its kernel blocks cost: their streamed
+        bytes, the longest block's keys, their count (each term 0 where its figure is)."""
+        prof = self.profile
+        fixed = op.launches * prof.launch_overhead + self.call_cost[op.call]
+        blocks = max(op.streamed / self.stream_bandwidth, op.span * prof.attention_key_time,
+                     op.blocks * prof.attention_block_overhead)  # fmt: skip
+        return max(seconds, blocks + fixed)
 
     def seconds(self, kind: str, flops: float, data: float, rows: float,
                 launches: float = 1.0, call: str = "", name: str = "") -> float:  # fmt: skip
@@ -268,14 +310,23 @@ class CostModel:
             flops = attention_flops(q, s, d, heads)
             data = e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
             rows = float(np.sum(q))
-            ops.append(
-                Op("attention_prefill", ATTENTION, flops, float(data), rows=rows, call=PREFILL)
-            )
+            streamed, span, blocks = prefill_blocks(q, s, heads, e * d)
+            ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows,
+                          call=PREFILL, streamed=streamed, span=span, blocks=blocks))  # fmt: skip
         if len(step.decode_keys):
             keys, rows = float(np.sum(step.decode_keys)), len(step.decode_keys)
             flops, data = self.decode_attention(keys, rows)
-            ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows, call=DECODE))
+            streamed, span, blocks = self.decode_blocks(keys, rows)
+            ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows, call=DECODE,
+                          streamed=streamed, span=span, blocks=blocks))  # fmt: skip
         return ops
+
+    def decode_blocks(self, keys: float, rows: int) -> tuple[float, float, float]:
+        """Streamed bytes, keys of the longest block (the mean sequence's: the hot path
+        knows the sum alone) and blocks of `rows` decodes over `keys` keys in all."""
+        c = self.shape
+        heads = c.num_heads / self.tp
+        return self.e * c.head_dim * 2 * heads * keys, keys / rows, rows * heads
 
     def decode_attention(self, keys: float, rows: int) -> tuple[float, float]:
         """Flops and bytes of `rows` decodes attending over `keys` keys in all."""
@@ -327,8 +378,15 @@ class CostModel:
                 layer += self.op_time(op)
         else:  # only decodes (most steps): attention_ops' one op, priced without building it
             rows = len(step.decode_keys)
-            flops, data = self.decode_attention(float(step.decode_keys.sum()), rows)
-            layer += self.seconds(ATTENTION, flops, data, rows, 1.0, DECODE)
+            keys = float(step.decode_keys.sum())
+            flops, data = self.decode_attention(keys, rows)
+            seconds = self.seconds(ATTENTION, flops, data, rows, 1.0, DECODE)
+            if self.blocks_priced:
+                streamed, span, blocks = self.decode_blocks(keys, rows)
+                seconds = self.with_blocks(seconds, Op("attention_decode", ATTENTION, flops,
+                                           data, rows=rows, call=DECODE, streamed=streamed,
+                                           span=span, blocks=blocks))  # fmt: skip
+            layer += seconds
         for seconds in elementwise:
             layer += seconds
         layer += reduces

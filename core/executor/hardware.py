@@ -38,6 +38,9 @@ FITTED = (
     "matmul_overhead",
     "attention_prefill_overhead",
     "attention_decode_overhead",
+    "attention_stream_efficiency",
+    "attention_key_time",
+    "attention_block_overhead",
     "interconnect_latency",
     "interconnect_half_bytes",
     "interconnect_latency_per_device",
@@ -69,6 +72,12 @@ class HardwareProfile:
     # seconds each attention call costs besides its flops and bytes, per layer
     attention_prefill_overhead: float = 0.0
     attention_decode_overhead: float = 0.0
+    # attention's kernel blocks (one query head of a tile of up to 128 query rows): the
+    # bandwidth of the K/V they stream (achieved / peak), seconds per key the longest
+    # streams, seconds per block (0: off)
+    attention_stream_efficiency: float = 0.0
+    attention_key_time: float = 0.0
+    attention_block_overhead: float = 0.0
     interconnect_bandwidth: float = 0.0  # bytes/s per device and direction (all-reduce)
     interconnect_latency: float = 0.0  # seconds per collective
     interconnect_half_bytes: float = 0.0  # a message of this size reaches half the bandwidth

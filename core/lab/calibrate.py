@@ -236,11 +236,12 @@ def _record(engine) -> tuple[list, set[int]]:
     return plans, slept
 
 
-def write_profile(profile: HardwareProfile, path: Path, note: str) -> None:
+def write_profile(profile: HardwareProfile, path: Path, note: str | None) -> None:
     import yaml
 
     values = dataclasses.asdict(profile)
-    values["sources"] = {**values["sources"], "fitted": note}
+    if note is not None:
+        values["sources"] = {**values["sources"], "fitted": note}
     path.write_text(yaml.safe_dump(values, sort_keys=False))
 
 
@@ -312,6 +313,25 @@ def from_apex(args: argparse.Namespace, base: HardwareProfile) -> int:
     return 0
 
 
+def from_llmservingsim(args: argparse.Namespace, base: HardwareProfile) -> int:
+    """Fits `base`'s attention figures to LLMServingSim's measured attention times."""
+    from servelab.errors import ConfigError
+    from servelab.lab.calibrate_vidur import fit_attention
+    from servelab.lab.llmservingsim_data import LLMSERVINGSIM_GPUS, perf_dir, read_llmservingsim
+
+    gpu = args.llmservingsim_gpu or LLMSERVINGSIM_GPUS.get(base.name)
+    if gpu is None:
+        raise ConfigError(f"no LLMServingSim GPU known for profile {base.name!r}; pass "
+                          f"--llmservingsim-gpu (a folder of perf_models, e.g. H100)")  # fmt: skip
+    root = perf_dir(args.from_llmservingsim)
+    ops = read_llmservingsim(root, gpu)
+    fitted, sources = fit_attention(base, ops, root, "github.com/casys-kaist/LLMServingSim, "
+                                    "llm_profile/perf_models", args.llmservingsim_commit)  # fmt: skip
+    write_profile(fitted.with_fitted(sources={**base.sources, **sources}), args.out, None)
+    print(f"{sources['attention']}\nwrote {args.out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="servelab-calibrate",
@@ -346,8 +366,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--apex-gpu", help="profile/comm/<GPU> to read (default: by --profile)")
     parser.add_argument("--apex-commit", default="unknown",
                         help="the apex_plus commit the data comes from, for the profile's sources")  # fmt: skip
+    parser.add_argument(
+        "--from-llmservingsim", type=Path, metavar="DIR",
+        help="fit the attention figures to LLMServingSim's measured attention times (a "
+        "checkout of a commit with llm_profile/perf_models)",
+    )  # fmt: skip
+    parser.add_argument("--llmservingsim-gpu", help="perf_models/<GPU> (default: by --profile)")
+    parser.add_argument("--llmservingsim-commit", default="unknown",
+                        help="the LLMServingSim commit the data comes from")  # fmt: skip
     args = parser.parse_args(argv)
     base = load_profile(args.profile)
+    if args.from_llmservingsim:
+        return from_llmservingsim(args, base)
     if args.from_vidur:
         return from_vidur(args, base)
     if args.from_apex:

@@ -36,6 +36,9 @@ FIGURES = {
     "attention_half_rows": (0.0, 1e4, 100.0, ATTENTION),
     "attention_prefill_overhead": (0.0, 1e-3, 1e-6, ATTENTION),
     "attention_decode_overhead": (0.0, 1e-3, 1e-6, ATTENTION),
+    "attention_stream_efficiency": (1e-3, 5.0, 1.0, ATTENTION),
+    "attention_key_time": (0.0, 1e-6, 1e-8, ATTENTION),
+    "attention_block_overhead": (0.0, 1e-6, 1e-8, ATTENTION),
 }
 COLLECTIVE = {
     "interconnect_latency": (0.0, 1e-2, 1e-5),
@@ -52,12 +55,13 @@ class OpArrays:
 
     def __init__(self, ops: MeasuredOps) -> None:
         for key in ("kind", "call", "name", "flops", "bytes", "rows", "launches", "seconds",
-                    "tokens", "tp", "model"):  # fmt: skip
+                    "tokens", "tp", "model", "streamed", "span", "blocks"):  # fmt: skip
             setattr(self, key, ops.array(key))
 
     def predict(self, profile: HardwareProfile) -> np.ndarray:
         return op_times(profile, DTYPE, self.kind, self.flops, self.bytes, self.rows,
-                        self.launches, self.call, self.name)  # fmt: skip
+                        self.launches, self.call, self.name, self.streamed, self.span,
+                        self.blocks)  # fmt: skip
 
 
 def _with(profile: HardwareProfile, names: Sequence[str], values: np.ndarray) -> HardwareProfile:
@@ -230,3 +234,21 @@ def fit_from_apex(
         f"{span}); median abs error by file: {', '.join(checks)}"
     )
     return fitted, {"interconnect": text}
+
+
+def fit_attention(profile: HardwareProfile, ops: MeasuredOps, root: Path, source: str,
+                  commit: str) -> tuple[HardwareProfile, dict[str, str]]:  # fmt: skip
+    """The profile with its attention figures fitted to measured attention rows (the other
+    figures as they were), and the `sources` entry naming them with the fit's error."""
+    fitted = fit_ops(profile, ops)
+    table = OpArrays(ops)
+    errors = relative_errors(table.predict(fitted), table.seconds)
+    calls = ", ".join(f"{call} {np.median(errors[table.call == call]):.1%} "
+                      f"({int((table.call == call).sum())} rows)"
+                      for call in sorted(set(table.call.tolist())))  # fmt: skip
+    files = sorted({str(Path(f).relative_to(root)) for f in ops.columns["file"]})
+    text = (
+        f"attention figures fitted by servelab-calibrate on the measured attention times of "
+        f"{source} (MIT licence), commit {commit}: {', '.join(files)}; median abs error {calls}"
+    )
+    return fitted, {"attention": text}

@@ -13,8 +13,10 @@ from servelab.executor.hardware import HardwareProfile
 
 def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.ndarray,
              data: np.ndarray, rows: np.ndarray, launches: np.ndarray,
-             call: np.ndarray, names: np.ndarray) -> np.ndarray:  # fmt: skip
-    """`CostModel.op_time` over arrays of ops (a test holds the two equal)."""
+             call: np.ndarray, names: np.ndarray, streamed: np.ndarray | None = None,
+             span: np.ndarray | None = None, blocks: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """`CostModel.op_time` over arrays of ops (a test holds the two equal); attention's
+    kernel blocks (`streamed`, `span`, `blocks`) where given."""
     peak = profile.flops(dtype)
     rate = np.full_like(flops, np.inf)
     half = np.zeros_like(flops)
@@ -40,4 +42,11 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
     fixed = fixed + np.where(call == MATMUL, profile.matmul_overhead, 0.0)
     fixed = fixed + np.where(call == PREFILL, profile.attention_prefill_overhead, 0.0)
     fixed = fixed + np.where(call == DECODE, profile.attention_decode_overhead, 0.0)
-    return np.maximum(compute, data * wave / bandwidth) + fixed
+    seconds = np.maximum(compute, data * wave / bandwidth) + fixed
+    stream = profile.memory_bandwidth * profile.attention_stream_efficiency
+    if blocks is not None and (stream or profile.attention_key_time
+                               or profile.attention_block_overhead):  # fmt: skip
+        held = np.maximum(streamed / stream if stream else 0.0, span * profile.attention_key_time)
+        held = np.maximum(held, blocks * profile.attention_block_overhead)
+        seconds = np.where(blocks > 0, np.maximum(seconds, held + fixed), seconds)
+    return seconds

@@ -69,6 +69,9 @@ class MeasuredOps:
                 "bytes",
                 "rows",
                 "launches",
+                "streamed",
+                "span",
+                "blocks",
                 "seconds",
                 "file",
             )
@@ -78,7 +81,8 @@ class MeasuredOps:
     def add(self, op: Op, model: str, tp: int, tokens: float, seconds: float, file: str) -> None:
         values = dict(model=model, tp=tp, tokens=tokens, name=op.name, kind=op.kind,
                       call=op.call, flops=op.flops, bytes=op.bytes, rows=op.rows,
-                      launches=op.launches, seconds=seconds, file=file)  # fmt: skip
+                      launches=op.launches, streamed=op.streamed, span=op.span,
+                      blocks=op.blocks, seconds=seconds, file=file)  # fmt: skip
         for key, value in values.items():
             self.columns[key].append(value)
 
@@ -165,15 +169,26 @@ def read_mlp(path: Path, measured: MeasuredOps, model: str) -> int:
     return kept
 
 
-def read_attention(path: Path, measured: MeasuredOps, model: str) -> int:
-    """Adds one attention.csv's rows (prefill chunks of batch 1, decode batches)."""
+def read_attention(path: Path, measured: MeasuredOps, model: str, kv_total: bool = False) -> int:
+    """Adds one attention.csv's rows (prefill chunks of batch 1, decode batches).
+    `kv_cache_size` is Vidur's: the keys cached before a prefill chunk, each decode's
+    keys; with `kv_total` it is LLMServingSim's: a chunk's whole context (itself
+    included), a decode batch's keys in all, split evenly (rows of fewer keys than
+    sequences are skipped: they time empty sequences)."""
     kept = 0
     profile = HardwareProfile("shape-only", 1, {DTYPE: 1.0}, 1.0)
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             shape, tp = _shape(row, "n_q_head"), int(row["num_tensor_parallel_workers"])
             batch, cached = int(row["batch_size"]), float(row["kv_cache_size"])
-            if str(row["is_prefill"]).lower() == "true":
+            prefill = str(row["is_prefill"]).lower() == "true"
+            if kv_total and prefill:
+                cached -= float(row["prefill_chunk_size"])
+            elif kv_total:
+                if cached < batch:
+                    continue
+                cached = float(int(cached) // batch)
+            if prefill:
                 chunk = float(row["prefill_chunk_size"])
                 step = StepShape(np.array([chunk]), np.array([cached]), np.zeros(0), 1)
                 seconds, tokens = _median(row, "attn_prefill"), chunk

@@ -41,5 +41,7 @@ def test_cpu_local_sets_none_of_the_measured_gpu_figures():
     defaults = HardwareProfile("defaults", 1, {}, 1.0)
     for name in ("interconnect_latency_per_device", "interconnect_curve_exponent",
                  "interconnect_half_bytes", "attention_half_rows", "attention_prefill_overhead",
-                 "attention_decode_overhead", "kernel_efficiency", "matmul_overhead"):  # fmt: skip
+                 "attention_decode_overhead", "kernel_efficiency", "matmul_overhead",
+                 "attention_stream_efficiency", "attention_key_time",
+                 "attention_block_overhead"):  # fmt: skip
         assert getattr(profile, name) == getattr(defaults, name), name

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from servelab.errors import ConfigError
-from servelab.model.config import NAMED_SHAPES, ModelConfig, named_config, resolve_dtype
 from servelab.model import tiny_tokenizer
+from servelab.model.config import NAMED_SHAPES, ModelConfig, named_config, resolve_dtype
 from servelab.model.loader import load_model
 from servelab.model.transformer import Transformer
 from tests.helpers_model import PagedDriver

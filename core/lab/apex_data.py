@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from servelab.errors import ConfigError
-from servelab.lab.vidur_data import MeasuredCollectives
+from servelab.lab.vidur_data import MeasuredCollectives, device_folder
 
 KIB = 1024
 US = 1e-6
@@ -56,14 +56,10 @@ def read_collective(path: Path, collective: str, dtype: str = "half") -> Measure
 def read_apex(root: Path, gpu: str) -> dict[str, MeasuredCollectives]:
     """The collectives APEX measured on `gpu` (a folder under `profile/comm`), by name;
     each file that is present."""
-    base = comm_dir(root)
-    folder = base / gpu
-    if not folder.is_dir():
-        found = sorted(p.name for p in base.glob("*") if p.is_dir()) if base.is_dir() else []
-        raise ConfigError(
-            f"no APEX collective profiles at {folder} (expected <dir>/<GPU>/all_reduce.csv, "
-            f"e.g. apex_plus's profile/comm); GPUs there: {', '.join(found) or 'none'}"
-        )
+    folder = device_folder(
+        comm_dir(root), gpu, "APEX collective profiles",
+        "<dir>/<GPU>/all_reduce.csv, e.g. apex_plus's profile/comm",
+    )  # fmt: skip
     out = {}
     for name in PASSES:
         path = folder / f"{name}.csv"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from servelab.errors import ConfigError
-from servelab.lab.vidur_data import MeasuredOps, read_attention
+from servelab.lab.vidur_data import MeasuredOps, device_folder, read_attention
 
 # servelab's profiles -> LLMServingSim's device folders
 LLMSERVINGSIM_GPUS = {"h100-sxm": "H100"}
@@ -33,14 +33,10 @@ def perf_dir(root: Path) -> Path:
 def read_llmservingsim(root: Path, gpu: str) -> MeasuredOps:
     """Every model's attention.csv under `perf_models/<gpu>/`, the model named
     `<org>/<model>/tp<N>` as the folders say."""
-    base = perf_dir(root)
-    folder = base / gpu
-    if not folder.is_dir():
-        found = sorted(p.name for p in base.glob("*") if p.is_dir()) if base.is_dir() else []
-        raise ConfigError(
-            f"no LLMServingSim profiles at {folder} (expected <dir>/<GPU>/<org>/<model>/tp<N>/"
-            f"attention.csv, e.g. llm_profile/perf_models); GPUs there: {', '.join(found) or 'none'}"
-        )
+    folder = device_folder(
+        perf_dir(root), gpu, "LLMServingSim profiles",
+        "<dir>/<GPU>/<org>/<model>/tp<N>/attention.csv, e.g. llm_profile/perf_models",
+    )  # fmt: skip
     measured = MeasuredOps()
     for path in sorted(folder.rglob("attention.csv")):
         read_attention(path, measured, str(path.parent.relative_to(folder)), kv_total=True)

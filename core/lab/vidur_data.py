@@ -225,23 +225,29 @@ def read_all_reduce(path: Path) -> MeasuredCollectives:
                                np.array(seconds), [str(path)])  # fmt: skip
 
 
+def device_folder(base: Path, name: str, what: str, expected: str) -> Path:
+    """`base / name`, a device's folder of a measured data set; when absent, an error
+    naming what was expected there and the devices `base` has."""
+    folder = base / name
+    if not folder.is_dir():
+        found = sorted(p.name for p in base.glob("*") if p.is_dir()) if base.is_dir() else []
+        raise ConfigError(
+            f"no {what} at {folder} (expected {expected}); devices there: "
+            f"{', '.join(found) or 'none'}"
+        )
+    return folder
+
+
 def read_vidur(
     root: Path, device: str, network: str | None
 ) -> tuple[MeasuredOps, MeasuredCollectives | None]:
     """Every model's mlp.csv and attention.csv under `root/compute/<device>/`, and
     `root/network/<network>/all_reduce.csv` (when `network` is given)."""
     root = Path(root)
-    compute = root / "compute" / device
-    if not compute.is_dir():
-        found = (
-            sorted(p.name for p in (root / "compute").glob("*"))
-            if (root / "compute").is_dir()
-            else []
-        )
-        raise ConfigError(
-            f"no Vidur compute profiles at {compute} (expected <dir>/compute/<device>/<org>/"
-            f"<model>/mlp.csv, e.g. vidur's data/profiling); devices there: {', '.join(found) or 'none'}"
-        )
+    compute = device_folder(
+        root / "compute", device, "Vidur compute profiles",
+        "<dir>/compute/<device>/<org>/<model>/mlp.csv, e.g. vidur's data/profiling",
+    )  # fmt: skip
     measured = MeasuredOps()
     for path in sorted(compute.rglob("mlp.csv")):
         read_mlp(path, measured, str(path.parent.relative_to(compute)))

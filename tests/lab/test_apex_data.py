@@ -67,7 +67,7 @@ def test_a_missing_gpu_names_the_ones_there(tmp_path):
         "all_gather",
         [["H100", 1, 2, "half", 8, 7.0]],
     )
-    with pytest.raises(ConfigError, match="GPUs there: H100-SXM-80GB"):
+    with pytest.raises(ConfigError, match="devices there: H100-SXM-80GB"):
         read_apex(tmp_path, "A100-SXM-80GB")
     with pytest.raises(ConfigError, match="no single-node half-precision all_reduce.csv"):
         read_apex(tmp_path, "H100-SXM-80GB")

@@ -94,3 +94,18 @@ def test_a_tree_without_the_source_folders_is_refused(tmp_path):
     cpu_ab = load_benchmark("cpu_ab")
     with pytest.raises(SystemExit, match="not a servelab tree"):
         cpu_ab.mapped_copy(tmp_path, tmp_path / "site")
+
+
+def test_overhead_ab_runs_each_tree_a_b_b_a_and_prints_each_case(tmp_path, capsys):
+    """`benchmarks/overhead_ab.py` on this tree twice (smoke size): four pinned runs
+    of the scheduler-overhead benchmark, one line per case with both sides and B/A."""
+    load_benchmark("cpu_ab")  # overhead_ab imports it as a sibling script
+    overhead_ab = load_benchmark("overhead_ab")
+    code = overhead_ab.main(
+        ["--before", str(ROOT), "--after", str(ROOT), "--core", "0", "--repeats", "1",
+         "--smoke", "-k", "continuous and contiguous"]  # fmt: skip
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = [line for line in out.splitlines() if line.startswith("continuous-contiguous:")]
+    assert len(lines) == 1 and "us/step, B/A" in lines[0] and "(2 runs a side)" in lines[0]

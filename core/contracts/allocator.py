@@ -155,7 +155,12 @@ class KVAllocator(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> dict[str, float]:
         """At least: tokens_used, tokens_reserved, tokens_capacity, blocks_free,
-        host_blocks_free, prefix_hit_tokens, prefix_query_tokens."""
+        host_blocks_free, prefix_hit_tokens, prefix_query_tokens; `evictions`
+        (cached blocks evicted so far) where the allocator has a cache to evict
+        from. Every other figure is the allocator's own: the engine records each
+        one in its step records and run summary as `kv_<name>` (its value after
+        the step), so a plugin's counter reaches the results without the engine
+        knowing it."""
 
     @abc.abstractmethod
     def check_integrity(self) -> None:

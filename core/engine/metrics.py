@@ -99,6 +99,15 @@ class RequestRecord:
         }
 
 
+# the allocator figures the engine reads itself (KVAllocator.usage); any other is the
+# allocator's own, carried into the records as `kv_<name>`
+KNOWN_USAGE = frozenset({
+    "tokens_used", "tokens_reserved", "tokens_capacity", "blocks_free", "blocks_total",
+    "host_blocks_free", "host_blocks_total", "prefix_hit_tokens", "prefix_query_tokens",
+    "evictions",
+})  # fmt: skip
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -181,6 +190,7 @@ class MetricsCollector:
             {
                 "prefix_hit_tokens": usage.get("prefix_hit_tokens", 0),
                 "prefix_query_tokens": usage.get("prefix_query_tokens", 0),
+                "evictions": usage.get("evictions", 0),
                 "swapped_out_bytes": executor.bytes_swapped_out,
                 "swapped_in_bytes": executor.bytes_swapped_in,
                 "preemptions_recompute": stats.get("preemptions_recompute", 0),
@@ -220,7 +230,9 @@ class MetricsCollector:
             preemptions_swap=int(delta.pop("preemptions_swap")),
             recomputed_tokens=int(delta.pop("recomputed_tokens")),
             waiting=int(stats.get("waiting", 0)),
-            extra=delta,  # what is left: any other backend counter, as a per-step increase
+            # what is left: evictions and any other backend counter as a per-step
+            # increase, and the allocator's own figures as their values
+            extra={**delta, **{f"kv_{k}": v for k, v in usage.items() if k not in KNOWN_USAGE}},
         )
         self.steps.append(record)
         return record

@@ -101,6 +101,9 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
     def total(attr: str) -> int:
         return sum(getattr(s, attr) for s in steps)
 
+    # the allocator's own figures (`kv_<name>`): their values after the last step
+    allocator_own = {k: v for k, v in (steps[-1].extra if steps else {}).items() if k[:3] == "kv_"}
+
     step_times = [s.wall_time for s in steps]
     decode_only = [s.wall_time for s in steps if s.prefill_tokens == 0]
     with_prefill = [s.wall_time for s in steps if s.prefill_tokens > 0]
@@ -157,6 +160,8 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
             if total("prefix_query_tokens")
             else 0.0
         ),
+        "evictions": sum(s.extra.get("evictions", 0) for s in steps),
+        **allocator_own,
         # completion time in steps (machine-independent): from the run's first step
         **_finish_steps(done, steps),
         "longest_stall_ms": 1000.0 * stall.seconds,

@@ -55,6 +55,7 @@ class ConformanceReport:
     properties: list[str] = field(default_factory=list)  # property checks that held
     skipped: list[str] = field(default_factory=list)  # combinations the part refused (ConfigError)
     preempted: int = 0  # sequences preempted over every run
+    evictions: int = 0  # cached KV blocks evicted over every run (allocators with a cache)
 
 
 # -- registering the part under test
@@ -123,6 +124,7 @@ def _run_oracle(
         oracle.assert_matches_reference(case, combo, run)
         report.combinations.append(label)
         report.preempted += run.preempted
+        report.evictions += run.evictions
 
 
 def _combos(**axes: dict | list[dict]) -> list[dict]:

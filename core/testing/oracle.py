@@ -223,6 +223,7 @@ class OracleRun:
     num_steps: int
     preempted: int  # sequences preempted, summed over steps
     scheduler_stats: dict[str, float]
+    evictions: int = 0  # cached KV blocks the allocator evicted (its usage's `evictions`)
     prompt_logprobs: list = field(default_factory=list)  # each request's, when asked for
 
 
@@ -329,6 +330,7 @@ def _drive(
         num_steps=steps,
         preempted=sum(s.preempted for s in eng.metrics.steps),
         scheduler_stats=dict(stats),
+        evictions=int(eng.allocator.usage().get("evictions", 0)),
         prompt_logprobs=[o.prompt_logprobs if o else None for o in finished],
     )
 

@@ -63,6 +63,7 @@ class BlockTableAllocator(KVAllocator):
         self.copies = BlockCopies()
         self.prefix_hit_tokens = self.prefix_query_tokens = 0
         self.blocks_swapped_out = self.blocks_swapped_in = self.blocks_copied = 0
+        self.evictions = 0  # cached blocks evicted so far (a subclass's cache counts them)
 
     # -- what a prefix cache provides
     @abc.abstractmethod
@@ -285,6 +286,7 @@ class BlockTableAllocator(KVAllocator):
             "blocks_swapped_out": self.blocks_swapped_out,
             "blocks_swapped_in": self.blocks_swapped_in,
             "blocks_copied": self.blocks_copied,
+            "evictions": self.evictions,
         }
 
 
@@ -323,7 +325,49 @@ def _refs(tables: dict[int, list[int]], num_blocks: int) -> list[int]:
     return refs
 
 
+class EvictionOrder:
+    """Which cached block goes when a free block is needed: the policy half of
+    `paged`'s prefix cache, a documented base to subclass (docs/plugins.md).
+
+    The cache holds blocks no table references any more but whose content a
+    later prompt may reuse. `PagedAllocator` tells the order: `add(block)` when a
+    cached block's last holder lets it go (it becomes evictable), `remove(block)`
+    when a new sequence holds it again, `hit(block)` for every block a new
+    sequence's prefix reuses (held or not), and asks `evict()` for the block to
+    reuse when the plain free list is empty. `len`, `in` and iteration list the
+    evictable blocks. This default is LRU (vLLM's and SGLang's): the block let go
+    longest ago goes first."""
+
+    def __init__(self) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict()  # least recently let go first
+
+    def add(self, block: int) -> None:
+        self.blocks[block] = None
+
+    def remove(self, block: int) -> None:
+        del self.blocks[block]
+
+    def hit(self, block: int) -> None:
+        """A prefix hit on `block` (LRU needs none: `remove` and `add` keep the order)."""
+
+    def evict(self) -> int:
+        return self.blocks.popitem(last=False)[0]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.blocks
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+
 class PagedAllocator(BlockTableAllocator):
+    """`paged`. Its cache's eviction order is `eviction_order()`'s: a subclass
+    that returns another `EvictionOrder` changes which cached block goes first
+    (LFU, a cost-aware order) and nothing else."""
+
     description = "fixed-size blocks on demand; optional hashed prefix sharing; copy-on-write forks"
 
     def __init__(
@@ -343,18 +387,23 @@ class PagedAllocator(BlockTableAllocator):
         self.block_hash: list[int | None] = [None] * self.num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * self.num_blocks
         self.hash_to_block: dict[int, int] = {}
-        self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.free_cached: EvictionOrder = self.eviction_order()  # evictable cached blocks
         self.seq_hashes: dict[int, list[int]] = {}  # chain hashes of a sequence's full blocks
         # sequences whose next write may land in a block another table shares
         # (after a fork or a swap-in); an allocate() settles it with copy-on-write
         self.may_share_tail: set[int] = set()
+
+    def eviction_order(self) -> EvictionOrder:
+        """The order the cache evicts in (LRU); override to change it."""
+        return EvictionOrder()
 
     # -- the cache's block states
     def _take_free(self) -> int:
         if self.free_list:
             block = self.free_list.popleft()
         else:
-            block, _ = self.free_cached.popitem(last=False)  # evict least recently used
+            block = self.free_cached.evict()
+            self.evictions += 1
             self._unpublish(block)
         self.ref_count[block] = 1
         return block
@@ -368,12 +417,12 @@ class PagedAllocator(BlockTableAllocator):
         self.fill[block] = 0
 
     def _uncache(self, block: int) -> None:
-        del self.free_cached[block]
+        self.free_cached.remove(block)
 
     def _keep_cached(self, block: int) -> bool:
         if self.block_hash[block] is None:
             return False
-        self.free_cached[block] = None  # most recently used end
+        self.free_cached.add(block)
         return True
 
     # -- prefix cache
@@ -400,6 +449,7 @@ class PagedAllocator(BlockTableAllocator):
     def _attach(self, seq: Sequence) -> list[int]:
         matched = self._matched_blocks(seq)
         for block in matched:
+            self.free_cached.hit(block)
             self._revive(block)
         self.seq_hashes[seq.seq_id] = [self.block_hash[b] for b in matched]
         return matched

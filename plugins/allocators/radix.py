@@ -75,6 +75,7 @@ class RadixAllocator(BlockTableAllocator):
             self.fill[block] = 0
             self.free_list.append(block)
         self.num_evictable -= len(leaf.blocks)
+        self.evictions += len(leaf.blocks)
 
     def _uncache(self, block: int) -> None:
         self.num_evictable -= 1

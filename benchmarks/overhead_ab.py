@@ -39,12 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_side(args, tree: Path, site: Path, out: Path) -> dict[str, float]:
     """us/step (median of the run's steps) of each case of `tree`'s benchmark."""
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{tree / 'benchmarks'}")
+    # a clean pytest: none of a calling pytest's variables (an xdist worker's included)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{tree / 'benchmarks'}"
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if args.smoke:
         env["SERVELAB_BENCH_SMOKE"] = "1"
     command = ["taskset", "-c", str(args.core), sys.executable, "-m", "pytest", "-q",
-               "-p", "no:cacheprovider", "-o", "addopts=", "-k", args.k,
+               "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", "-k", args.k,
                str(tree / "benchmarks" / "test_scheduler_overhead.py"),
                f"--benchmark-json={out}"]  # fmt: skip
     done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)

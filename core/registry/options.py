@@ -64,6 +64,28 @@ def describe_options(cls: type, kind: str) -> dict[str, Any]:
     return options
 
 
+def declared_variants(cls: type) -> list[dict[str, Any]]:
+    """The option sets a part declares for the oracle and the conformance kit to run it
+    under: its class attribute `oracle_variants` (e.g. an allocator's
+    `({"block_size": 4, "prefix_caching": True},)`, so its cache's code runs), else
+    one set, its defaults. Refused (ConfigError) unless a non-empty sequence of
+    mappings; each set's options are checked where it is used, as a config node's."""
+    declared = getattr(cls, "oracle_variants", None)
+    if declared is None:
+        return [{}]
+    if (
+        isinstance(declared, (str, Mapping))
+        or not isinstance(declared, (list, tuple))
+        or not declared
+        or not all(isinstance(options, Mapping) for options in declared)
+    ):
+        raise ConfigError(
+            f"{cls.__qualname__}.oracle_variants must be a non-empty list or tuple of option "
+            f"dicts, e.g. ({{'prefix_caching': True}},); got {declared!r}"
+        )
+    return [dict(options) for options in declared]
+
+
 def check_options(
     kind: str, name: str, options: Mapping[str, Any], accepted: dict[str, Any]
 ) -> None:

@@ -7,21 +7,23 @@ representative subset of the built-ins, through the token-exact oracle: every re
 tokens must equal transformers' greedy output, `check_integrity()` must hold after every
 step, every request must finish exactly once and every block be free at the end; each kind
 adds its own property checks. A broken rule raises AssertionError naming the combination
-and what broke; a passing check returns a `ConformanceReport`.
+and what broke; a passing check returns a `ConformanceReport`. Called without options, a
+check runs the part in each option set it declares (`oracle_variants`), as the oracle does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.contracts.kinds import KINDS
 from servelab.errors import ConfigError
-from servelab.registry.options import check_options, describe_options
+from servelab.registry.options import check_options, declared_variants, describe_options
 from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.step.sequence import SamplingParams, Sequence, SequenceGroup
 
@@ -56,6 +58,30 @@ class ConformanceReport:
     skipped: list[str] = field(default_factory=list)  # combinations the part refused (ConfigError)
     preempted: int = 0  # sequences preempted over every run
     evictions: int = 0  # cached KV blocks evicted over every run (allocators with a cache)
+
+
+def _each_declared_variant(
+    check: Callable[..., ConformanceReport],
+) -> Callable[..., ConformanceReport]:
+    """A check called without options runs once for each option set the part
+    declares (`oracle_variants`; its defaults when it declares none), and its
+    report adds theirs up; with options, once with those."""
+
+    @functools.wraps(check)
+    def run(cls: type, **options: Any) -> ConformanceReport:
+        if options:
+            return check(cls, **options)
+        reports = [check(cls, **declared) for declared in declared_variants(cls)]
+        total = reports[0]
+        for report in reports[1:]:
+            total.combinations += report.combinations
+            total.properties += [p for p in report.properties if p not in total.properties]
+            total.skipped += report.skipped
+            total.preempted += report.preempted
+            total.evictions += report.evictions
+        return total
+
+    return run
 
 
 # -- registering the part under test
@@ -137,6 +163,7 @@ def _combos(**axes: dict | list[dict]) -> list[dict]:
 # -- the checks
 
 
+@_each_declared_variant
 def check_scheduler(cls: type, **options: Any) -> ConformanceReport:
     """Checks a `Scheduler` (usually a `SchedulerCore` subclass) built with `options`.
 
@@ -168,6 +195,7 @@ def check_scheduler(cls: type, **options: Any) -> ConformanceReport:
     return report
 
 
+@_each_declared_variant
 def check_allocator(cls: type, **options: Any) -> ConformanceReport:
     """Checks a `KVAllocator` built with `options`.
 
@@ -200,6 +228,7 @@ def check_allocator(cls: type, **options: Any) -> ConformanceReport:
     return report
 
 
+@_each_declared_variant
 def check_preemption(cls: type, **options: Any) -> ConformanceReport:
     """Checks a `PreemptionPolicy` built with `options`.
 
@@ -235,6 +264,7 @@ def check_preemption(cls: type, **options: Any) -> ConformanceReport:
     return report
 
 
+@_each_declared_variant
 def check_attention_backend(cls: type, **options: Any) -> ConformanceReport:
     """Checks an `AttentionBackend` built with `options`.
 
@@ -263,6 +293,7 @@ def check_attention_backend(cls: type, **options: Any) -> ConformanceReport:
     return report
 
 
+@_each_declared_variant
 def check_executor(cls: type, **options: Any) -> ConformanceReport:
     """Checks an `Executor` built with `options`.
 
@@ -364,6 +395,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+@_each_declared_variant
 def check_router(cls: type, **options: Any) -> ConformanceReport:
     """Checks a cluster `Router` built with `options` (servelab.testing.router_checks):
     picks in range, the same decisions on the same calls, inputs untouched."""

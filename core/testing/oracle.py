@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from servelab.contracts.scheduler import prefills_whole_prompts
+from servelab.registry.options import declared_variants
 from servelab.registry.plugin_manager import lookup, registered
 from servelab.step.sequence import SamplingParams
 from servelab.testing.hf_reference import build_tiny_hf, hf_greedy
@@ -162,7 +163,8 @@ def cached_case(arch: str = "qwen3", seed: int = 0) -> OracleCase:
 
 # -- combinations, enumerated from the registry
 # Built-in parts are tried in the variants that matter; a part added by a
-# plugin is tried with its default options, so it is covered automatically.
+# plugin is tried in the option sets it declares (`oracle_variants`), else with
+# its default options, so it is covered automatically.
 VARIANTS: dict[str, dict[str, list[dict]]] = {
     "scheduler": {
         "static": [{"admission": "reserve"}],
@@ -186,10 +188,12 @@ VARIANTS: dict[str, dict[str, list[dict]]] = {
 
 
 def variants(kind: str) -> list[dict]:
-    """Every registered part of `kind`, as config nodes, in its `VARIANTS` (default options otherwise)."""
+    """Every registered part of `kind`, as config nodes, in its `VARIANTS`, else in the
+    option sets it declares (`declared_variants`: its defaults when it declares none)."""
     out = []
     for name in sorted(registered(kind)):
-        for options in VARIANTS[kind].get(name, [{}]):
+        declared = VARIANTS[kind].get(name) or declared_variants(lookup(kind, name))
+        for options in declared:
             out.append({"name": name, **options})
     return out
 

@@ -10,7 +10,9 @@ import pytest
 
 from servelab import LLM, SamplingParams
 from servelab.engine.summary import summarize
+from servelab.errors import ConfigError
 from servelab.plugins.allocators.paged import EvictionOrder, PagedAllocator
+from servelab.registry.options import declared_variants
 from servelab.testing.conformance import check_allocator, temporarily_registered
 
 
@@ -34,6 +36,8 @@ class LFUOrder(EvictionOrder):
 
 class LFUAllocator(PagedAllocator):
     description = "paged, its prefix cache evicting the least frequently hit block first"
+    # what the oracle and the conformance kit run it under: a cache, so evictions happen
+    oracle_variants = ({"block_size": 4, "prefix_caching": True},)
 
     def eviction_order(self) -> EvictionOrder:
         return LFUOrder()
@@ -61,17 +65,45 @@ class BuggyOrder(EvictionOrder):
 
 
 class BuggyAllocator(PagedAllocator):
+    oracle_variants = LFUAllocator.oracle_variants
+
     def eviction_order(self) -> EvictionOrder:
         return BuggyOrder()
 
 
+def test_the_oracle_runs_a_part_in_the_option_sets_it_declares():
+    from servelab.testing import oracle  # transformers (the reference): a dev dependency
+
+    case = oracle.cached_case()
+    with temporarily_registered("allocator", LFUAllocator) as name:
+        nodes = [n for n in oracle.variants("allocator") if n["name"] == name]
+        assert nodes == [{"name": name, "block_size": 4, "prefix_caching": True}]
+        combo = {**oracle.combinations()[0], "allocator": nodes[0]}
+        run = oracle.drive(case, combo)
+        oracle.assert_matches_reference(case, combo, run)
+        assert run.evictions > 0  # the declared cache evicted: LFU's own code ran
+    with temporarily_registered("allocator", BuggyAllocator) as name:
+        combo = {**combo, "allocator": {**nodes[0], "name": name}}
+        with pytest.raises(AssertionError):  # the planted bug, through the same path
+            oracle.assert_matches_reference(case, combo, oracle.drive(case, combo))
+
+
+def test_a_bad_declaration_is_a_clear_error():
+    class Bad(PagedAllocator):
+        oracle_variants = {"prefix_caching": True}  # a dict, not a list of dicts
+
+    with pytest.raises(ConfigError, match="oracle_variants must be a non-empty list"):
+        declared_variants(Bad)
+    assert declared_variants(PagedAllocator) == [{}]  # none declared: its defaults
+
+
 @pytest.mark.slow
 def test_the_kit_runs_lfus_evictions_and_fails_a_planted_eviction_bug():
-    report = check_allocator(LFUAllocator, block_size=4, prefix_caching=True)
+    report = check_allocator(LFUAllocator)  # no options: the declared set
     assert report.evictions > 0  # its eviction code ran, under every combination's check
     # the shadow-KV state machine finds it (Hypothesis may group distinct failures)
     with pytest.raises(Exception) as failed:  # noqa: PT011 - the group's members are checked
-        check_allocator(BuggyAllocator, block_size=4, prefix_caching=True)
+        check_allocator(BuggyAllocator)
     errors = getattr(failed.value, "exceptions", (failed.value,))
     assert errors and all(isinstance(e, AssertionError) for e in errors)
 

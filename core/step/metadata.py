@@ -162,9 +162,6 @@ class AttentionMetadata:
         """`from_rows` of rows given as lists: query lengths, context lengths
         after the step, block tables (tests write steps this way)."""
         counts = np.asarray(query_lens, dtype=np.int64).reshape(len(query_lens))
-        if num_one_query_seqs is None:  # every leading one-query row
-            not_one = np.flatnonzero(counts != 1)
-            num_one_query_seqs = int(not_one[0]) if not_one.size else len(counts)
         starts = np.asarray(seq_lens, dtype=np.int64).reshape(len(seq_lens)) - counts
         samples = None if sample_mask is None else np.asarray(sample_mask, dtype=bool)
         return cls.from_rows(

@@ -136,8 +136,7 @@ class StepPlan:
             self.starts = self._rows_starts
             self.counts = _ones(n)
             self.samples = _ones(n, bool)
-            width = max(1, int(bulk.table_lens.max())) if n else 1
-            self.tables = bulk.tables[:, :width].copy()
+            self.tables = bulk.used_tables().copy()
             self.table_lens = bulk.table_lens.copy()
             self.num_decodes = n
             self.stop_at, self.stop_tokens = bulk.stop_at, bulk.stop_tokens
@@ -160,7 +159,7 @@ class StepPlan:
             starts = np.concatenate([self._rows_starts, starts])
             counts = np.concatenate([_ones(len(bulk)), counts])
             num_tokens = np.concatenate([self._rows_starts + 1, num_tokens])
-            tables = _stack_padded(bulk.tables[:, : max(1, int(bulk.table_lens.max()))], tables)
+            tables = _stack_padded(bulk.used_tables(), tables)
             table_lens = np.concatenate([bulk.table_lens, table_lens])
             stop_at = bulk.stop_at.tolist() + stop_at
             stops |= bulk.stop_tokens
@@ -267,14 +266,15 @@ def _stack_padded(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
     return out
 
 
-def block_table_array(block_tables: list[list[int]]) -> np.ndarray:
-    """Ragged block tables as one int32 `[num_seqs, max_blocks]` array, padded
-    with 0 (at least one column), in three numpy calls whatever the batch."""
+def block_table_array(block_tables: list[list[int]], width: int | None = None) -> np.ndarray:
+    """Ragged block tables as one int32 `[num_seqs, width]` array (by default the
+    longest table's length, at least one column), padded with 0, in three numpy
+    calls whatever the batch."""
     num_seqs = len(block_tables)
     lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
-    width = int(lens.max()) if num_seqs else 0
-    array = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
-    if width:
+    longest = int(lens.max()) if num_seqs else 0
+    array = np.zeros((num_seqs, max(longest, 1) if width is None else width), dtype=np.int32)
+    if longest:
         total = int(lens.sum())
         flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int32, count=total)
         # a row-major boolean mask assigns row by row, each row's blocks in order
@@ -293,9 +293,10 @@ class RunningRows:
     few numpy operations a step. The scheduler builds them when all running
     sequences decode, shrinks them as rows finish, grows them as prefills
     complete and drops them on anything else (preemption, fork, abort, swap).
-    `check` asserts the invariants: every row decodes, and `tables[i]` is `seqs[i]`'s block table. A row's position is its
-    sequence's own (`positions` reads them): the rows keep what the sequences
-    do not hold as arrays."""
+    `check` asserts the invariants: every row decodes, and `tables[i]` is
+    `seqs[i]`'s block table. A row's position is its sequence's own
+    (`positions` reads them): the rows keep what the sequences do not hold as
+    arrays."""
 
     def __init__(
         self,
@@ -331,11 +332,8 @@ class RunningRows:
         self.next_input = self.next_input + [s.token_ids[-1] for s in seqs]
         stop_at = [_stop_at(s, self.max_model_len) for s in seqs]
         self.stop_at = np.concatenate([self.stop_at, np.asarray(stop_at, dtype=np.int64)])
-        rows = np.zeros((len(seqs), self.max_blocks), dtype=np.int32)
+        rows = block_table_array(block_tables, self.max_blocks)
         lens = np.fromiter(map(len, block_tables), np.int64, len(seqs))
-        rows[np.arange(self.max_blocks) < lens[:, None]] = np.fromiter(
-            (b for t in block_tables for b in t), np.int32, int(lens.sum())
-        )
         self.tables = np.concatenate([self.tables, rows])
         self.table_lens = np.concatenate([self.table_lens, lens])
         self._note_stop_rules(seqs)
@@ -359,6 +357,12 @@ class RunningRows:
         self.all_greedy = all(map(_greedy, self.seqs))
 
     # -- one step
+    def used_tables(self) -> np.ndarray:
+        """A view of the tables' columns some row uses (at least one); the rows
+        change it in place next step, so a plan copies what it keeps."""
+        width = max(1, int(self.table_lens.max())) if len(self.seqs) else 1
+        return self.tables[:, :width]
+
     def positions(self) -> np.ndarray:
         """Each row's position: the token it computes next (its sequence's
         `num_computed_tokens`), read in one pass."""

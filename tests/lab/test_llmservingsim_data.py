@@ -4,7 +4,6 @@ that the attention fit recovers known figures."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from servelab.executor.cost_model import CostModel, Shape, StepShape
 from servelab.executor.hardware import load_profile
 from servelab.lab.calibrate_vidur import OpArrays, fit_attention
 from servelab.lab.llmservingsim_data import read_llmservingsim
+from tests.lab.test_vidur_data import write_rows
 
 COLUMNS = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers", "max_model_len",
            "batch_size", "prefill_chunk_size", "kv_cache_size", "is_prefill", "attention_backend")  # fmt: skip
@@ -29,21 +29,13 @@ def _row(model: dict, batch, chunk, kv, prefill, ms):
     return {f"time_stats.attn_{key}.median": ms, f"time_stats.attn_{'decode' if prefill else 'prefill'}.median": "", **row}
 
 
-def _write(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 MODELS = {"org/a": {"n_embd": 1024, "n_q_head": 16, "n_kv_head": 4, "tp": 2},
           "org/b": {"n_embd": 2048, "n_q_head": 16, "n_kv_head": 2, "tp": 1}}  # fmt: skip
 
 
 def test_kv_cache_size_is_the_whole_context_and_the_batchs_keys_in_all(tmp_path):
     root = tmp_path / "llm_profile" / "perf_models"
-    _write(root / "H100" / "org" / "a" / "tp2" / "attention.csv", [
+    write_rows(root / "H100" / "org" / "a" / "tp2" / "attention.csv", [
         _row(MODELS["org/a"], 1, 64, 96, True, 0.01),  # 64 new tokens after 32 cached
         _row(MODELS["org/a"], 4, 0, 400, False, 0.02),  # 4 decodes of 100 keys each
         _row(MODELS["org/a"], 8, 0, 4, False, 0.02),  # fewer keys than sequences: skipped
@@ -75,7 +67,7 @@ def _synthetic(tmp_path: Path, truth) -> Path:
                 (op,) = cost.attention_ops(StepShape(np.zeros(0), np.zeros(0), np.full(batch, keys * 1.0), batch))
                 rows.append(_row(m, batch, 0, total, False, cost.op_time(op) * 1e3))
         columns = dict(zip(("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers"), m.values()))
-        _write(root / "H100" / name / f"tp{m['tp']}" / "attention.csv",
+        write_rows(root / "H100" / name / f"tp{m['tp']}" / "attention.csv",
                [{**r, **columns} for r in rows])  # fmt: skip
     return root
 

@@ -29,7 +29,8 @@ TRUTH = dict(
 )  # fmt: skip
 
 
-def _write(path: Path, rows: list[dict]) -> None:
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """`rows` as a CSV file with their keys as the header (the published profiles' shape)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -46,7 +47,7 @@ def _mlp_row(shape: dict, tp: int, tokens: int, ms: dict[str, float], gated=True
 def test_an_mlp_row_becomes_the_cost_models_ops(tmp_path):
     root = tmp_path / "profiling"
     times = {"attn_pre_proj": 0.012, "mlp_act": 0.003}
-    _write(root / "compute" / "h100" / "org" / "tiny" / "mlp.csv", [
+    write_rows(root / "compute" / "h100" / "org" / "tiny" / "mlp.csv", [
         _mlp_row(TINY, 2, 8, times),
         _mlp_row({**TINY, "n_head": 8}, 1, 8, times, gated=False),  # not gated: skipped
     ])  # fmt: skip
@@ -72,13 +73,13 @@ def test_an_mlp_row_becomes_the_cost_models_ops(tmp_path):
 def test_attention_and_all_reduce_rows(tmp_path):
     root = tmp_path / "profiling"
     shape = {"n_embd": 64, "n_q_head": 4, "n_kv_head": 2, "num_tensor_parallel_workers": 1}
-    _write(root / "compute" / "a100" / "org" / "tiny" / "attention.csv", [
+    write_rows(root / "compute" / "a100" / "org" / "tiny" / "attention.csv", [
         {"time_stats.attn_prefill.median": 0.02, "time_stats.attn_decode.median": "", **shape,
          "batch_size": 1, "prefill_chunk_size": 32, "kv_cache_size": 16, "is_prefill": True},
         {"time_stats.attn_prefill.median": "", "time_stats.attn_decode.median": 0.03, **shape,
          "batch_size": 4, "prefill_chunk_size": 0, "kv_cache_size": 100, "is_prefill": False},
     ])  # fmt: skip
-    _write(root / "network" / "a100_dgx" / "all_reduce.csv", [
+    write_rows(root / "network" / "a100_dgx" / "all_reduce.csv", [
         {"time_stats.all_reduce.median": 0.03, "num_workers": 4, "devices_per_node": 4,
          "size": 1024, "collective": "all_reduce", "rank": 0},
         {"time_stats.all_reduce.median": 0.05, "num_workers": 8, "devices_per_node": 4,
@@ -127,7 +128,7 @@ def _synthetic_profiling(root: Path, truth) -> None:
                 ops = linear_and_elementwise_ops(cost.shape, tp, tokens)
                 ms = {k: cost.op_time(op) * 1e3 for k, op in ops.items()}
                 rows.append(_mlp_row(shape, tp, tokens, ms))
-        _write(root / "compute" / "h100" / "org" / name / "mlp.csv", rows)
+        write_rows(root / "compute" / "h100" / "org" / name / "mlp.csv", rows)
     rows = []
     for p in (2, 4, 8):
         for tokens in (1, 4, 16, 64, 256, 1024, 4096, 16384):
@@ -136,7 +137,7 @@ def _synthetic_profiling(root: Path, truth) -> None:
             rows.append({"time_stats.all_reduce.median": model.all_reduce_time(tokens) * 1e3,
                          "num_workers": p, "devices_per_node": p, "size": 2 * tokens * HIDDEN,
                          "collective": "all_reduce"})  # fmt: skip
-    _write(root / "network" / "h100_dgx" / "all_reduce.csv", rows)
+    write_rows(root / "network" / "h100_dgx" / "all_reduce.csv", rows)
 
 
 HIDDEN = 4096

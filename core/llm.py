@@ -63,6 +63,7 @@ class LLM:
         preemption: str | dict = KINDS["preemption"].default,
         attention: str | dict = KINDS["attention"].default,
         executor: str | dict = KINDS["executor"].default,
+        proposer: str | dict = KINDS["proposer"].default,
         hardware: str | dict | None = None,
         **engine_options: Any,
     ) -> None:
@@ -74,6 +75,7 @@ class LLM:
                 "preemption": preemption,
                 "attention": attention,
                 "executor": executor,
+                "proposer": proposer,
                 "hardware": hardware,
                 "engine": with_device_dtype(engine_options),
             }

@@ -88,6 +88,15 @@ class KVAllocator(abc.ABC):
         ones): whoever keeps a copy of the table must read it again."""
         return False
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Speculative decoding's rollback: `seq` keeps K/V for its first
+        `num_tokens` tokens only (its `num_computed_tokens`: the drafts the target
+        rejected were written past them), so the blocks past those tokens are
+        released. A cache only ever holds computed tokens (`commit` publishes by
+        `num_computed_tokens`), so no rejected token reaches it. The default
+        releases nothing: correct (the slots are written again before they are
+        read), but it keeps room the allocator could give others."""
+
     # -- the decode phase (servelab.scheduling.core.DecodePhase): growing and committing
     # every running sequence at once while they all decode. Batch calls, because `allocate`
     # / `commit` per sequence cost Python work per sequence every step; the defaults are

@@ -55,6 +55,11 @@ def servelab_register_executors() -> dict[str, type]:
 
 
 @hookspec
+def servelab_register_proposers() -> dict[str, type]:
+    """Speculative-decoding proposers this plugin provides: `{name: subclass of servelab.contracts.proposer.Proposer}`."""
+
+
+@hookspec
 def servelab_register_routers() -> dict[str, type]:
     """Cluster routers this plugin provides: `{name: subclass of servelab.contracts.router.Router}`."""
 

@@ -14,6 +14,7 @@ from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
 from servelab.contracts.preemption import PreemptionPolicy
+from servelab.contracts.proposer import Proposer
 from servelab.contracts.router import Router
 from servelab.contracts.scheduler import SchedulingPolicy
 from servelab.errors import ConfigError
@@ -70,6 +71,14 @@ KINDS: dict[str, Kind] = {
             "servelab_register_executors",
             frozenset({"model", "hardware", "engine_options"}),
             "model",
+        ),
+        # speculative decoding's drafts; `none` proposes nothing (servelab.contracts.proposer)
+        Kind(
+            "proposer",
+            Proposer,
+            "servelab_register_proposers",
+            frozenset({"vocab_size", "engine_options"}),
+            "none",
         ),
         # above the engine: a cluster builds one router for its replicas (servelab.cluster)
         Kind(

@@ -23,6 +23,7 @@ from servelab.registry.construct import attention_backend, construct  # noqa: F4
 from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.registry.typed import check_value
 from servelab.scheduling.core import SchedulerCore
+from servelab.scheduling.speculation import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,12 @@ def build_engine(config: Mapping) -> Engine:
         max_model_len=max_model_len,
     )
     preemption = construct("preemption", parts["preemption"])
+    proposer = construct(
+        "proposer",
+        parts["proposer"],
+        vocab_size=model_config.vocab_size,
+        engine_options=opts,
+    )
     scheduler = SchedulerCore(
         construct("scheduler", parts["scheduler"]),
         allocator=allocator,
@@ -172,6 +179,7 @@ def build_engine(config: Mapping) -> Engine:
         max_num_seqs=int(opts["max_num_seqs"]),
         max_num_batched_tokens=int(batched),
         max_model_len=max_model_len,
+        speculation=Speculation(proposer, max_model_len),
     )
     if executor.virtual_clock and hasattr(scheduler.policy, "clock"):
         # a policy that reads time (static's batch timeout) reads the executor's

@@ -31,6 +31,7 @@ from servelab.model.sampler import sample_isolating_rows
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.sequence import SamplingParams
+from servelab.step.verify import DraftedHistory, kept_rows
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class StepBatch:
     sample_seqs: list | None = None  # each sample row's sequence (logits processing reads it)
     # (seq, hidden row, first, last): rows first.. score prompt tokens first..last (inclusive)
     prompt_rows: list | None = None
+    # speculative decoding: (first sample row, drafts) of each row with drafts, whose
+    # 1 + len(drafts) consecutive samples verification keeps a prefix of
+    verify: list[tuple[int, list[int]]] | None = None
 
 
 class ModelRunner:
@@ -141,9 +145,15 @@ class ModelRunner:
             num_one_query_seqs=plan.num_decodes,
             staging=staging,
             one_query_slots=plan.decode_slots,
+            draft_counts=plan.draft_counts,
         )
         attn_plan, ids = self._plan_and_ids(meta, input_ids)
-        batch = StepBatch(ids, meta, attn_plan, *_sample_rows(plan))
+        if plan.draft_counts is None:
+            batch = StepBatch(ids, meta, attn_plan, *_sample_rows(plan))
+        else:
+            verify: list[tuple[int, list[int]]] = []
+            batch = StepBatch(ids, meta, attn_plan, *_sample_rows(plan, verify))
+            batch.verify = verify
         batch.prompt_rows = _prompt_rows(plan)
         return batch
 
@@ -213,9 +223,15 @@ class ModelRunner:
                 batch.sample_indices,
                 batch.sample_seqs,
             )
-        sampled = SampledTokens(batch.sample_owners, tokens)
-        if failed:
-            sampled.failed = {batch.sample_owners[row]: exc for row, exc in failed.items()}
+        owners = batch.sample_owners
+        failed_owners = {owners[row]: exc for row, exc in failed.items()}
+        if batch.verify:  # each row with drafts keeps a prefix of its samples
+            kept = kept_rows(tokens, batch.verify)
+            tokens, owners = [tokens[i] for i in kept], [owners[i] for i in kept]
+            logits = logits[torch.tensor(kept, device=logits.device)]
+        sampled = SampledTokens(owners, tokens)
+        if failed_owners:
+            sampled.failed = failed_owners
         if self.logprobs_k >= 0:  # only while a live request asked for logprobs
             sampled.logprobs = token_logprobs(logits, tokens, self.logprobs_k)
         return sampled
@@ -251,12 +267,16 @@ class ModelRunner:
 PROMPT_ROWS_AT_ONCE = 256
 
 
-def _sample_rows(plan: StepPlan) -> tuple:
+def _sample_rows(plan: StepPlan, verify: list | None = None) -> tuple:
     """`StepBatch`'s sampling fields: one sample per sampling row (hidden row =
     its index among them), or n for a prompt that forks now; greedy steps skip
-    the per-row lists. Decode rows never fork: one sample each, in row order."""
+    the per-row lists. Decode rows never fork: one sample each, in row order.
+    A row with d drafts (`verify` collects it) samples at each of its d + 1
+    logits rows, each as a decode there would (`servelab.step.verify`)."""
     if plan.all_greedy and len(plan.seqs) == plan.num_decodes:
         return range(len(plan.seqs)), [], [], [], plan.seq_ids, True, None
+    if verify is not None:
+        return _verify_sample_rows(plan, verify)
     rows: list[int] = []
     params: list[SamplingParams] = []
     positions: list[int] = []
@@ -274,6 +294,43 @@ def _sample_rows(plan: StepPlan) -> tuple:
             indices.append(k if forks > 1 else seq.sample_index)
             owners.append(seq.seq_id)
             seqs.append(seq)
+    if plan.all_greedy:
+        return rows, [], [], [], owners, True, None
+    return rows, params, positions, indices, owners, False, seqs
+
+
+def _verify_sample_rows(plan: StepPlan, verify: list) -> tuple:
+    """`_sample_rows` of a plan with drafts: a row with d drafts has d + 1
+    samples, the j-th at output position +j, its logits processed over the
+    tokens and the drafts before it (a row with drafts decodes: it never forks)."""
+    rows: list[int] = []
+    params: list[SamplingParams] = []
+    positions: list[int] = []
+    indices: list[int] = []
+    owners: list[int] = []
+    seqs: list = []
+    draft_counts = plan.draft_counts
+    assert draft_counts is not None
+    hidden_row = 0
+    for (seq, _, _, samples), drafted in zip(plan.rows(), draft_counts.tolist()):
+        if not samples:
+            continue
+        p = seq.params
+        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
+        if drafted:
+            verify.append((len(rows), seq.draft_tokens[:drafted]))
+        for j in range(drafted + 1 if drafted else forks):
+            rows.append(hidden_row + (j if drafted else 0))
+            params.append(p)
+            positions.append(num_outputs + (j if drafted else 0))
+            indices.append(j if forks > 1 else seq.sample_index)
+            owners.append(seq.seq_id)
+            history = seq
+            if j and drafted and p.processes_logits:
+                history = DraftedHistory(seq, seq.draft_tokens[:j])
+            seqs.append(history)
+        hidden_row += drafted + 1
     if plan.all_greedy:
         return rows, [], [], [], owners, True, None
     return rows, params, positions, indices, owners, False, seqs

@@ -50,6 +50,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.attention.triton_paged",
     "servelab.plugins.executors.model",
     "servelab.plugins.executors.simulated",
+    "servelab.plugins.proposers.none",
+    "servelab.plugins.proposers.ngram",
     "servelab.plugins.routers.round_robin",
     "servelab.plugins.routers.least_load",
     "servelab.plugins.routers.power_of_two",

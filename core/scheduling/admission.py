@@ -212,6 +212,8 @@ class Admission:
             if used is None:
                 break
             budget -= used
+            if budget <= 0:  # spent (a first group of n recomputing samples may overspend it)
+                break
 
     def _checked(
         self, order: Iterable[SequenceGroup], allowed: set[SequenceGroup]

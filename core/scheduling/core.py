@@ -31,6 +31,7 @@ from servelab.scheduling.admission import (
     queue_key,
     stop_if_done,
 )
+from servelab.scheduling.speculation import Speculation
 from servelab.step.plan import RunningRows, SampledTokens, StepPlan
 from servelab.step.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
@@ -161,6 +162,7 @@ class SchedulerCore:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        speculation: Speculation | None = None,
     ) -> None:
         if prefills_whole_prompts(type(policy)) and max_num_batched_tokens < max_model_len:
             raise ConfigError(
@@ -181,6 +183,11 @@ class SchedulerCore:
             self.queues, allocator, max_num_batched_tokens, max_model_len
         )
         self.order_key = self.admission.order_key
+        # speculative decoding (None or an inactive one: none). Its decode rows carry
+        # drafts, so steps plan one group at a time (the decode phase's rows take one token)
+        self.speculation = speculation if speculation is not None and speculation.active else None
+        if self.speculation is not None:
+            self.decode_phase.enabled = False
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_recomputed_tokens = 0
         self.step_count = 0  # schedule() calls so far
@@ -300,6 +307,8 @@ class SchedulerCore:
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         # decodes first, then unfinished prefills; each part best-first
         queue = sorted(self.queues.running, key=lambda g: (not _is_decoding(g), queue_key(g)))
+        if self.speculation is not None:
+            self.speculation.draft([s for g in queue for s in g.unfinished() if s.is_decoding])
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.pop(0)
@@ -312,6 +321,8 @@ class SchedulerCore:
                 kept.append(group)
                 continue
             while not self._can_allocate_all(seqs, counts):
+                if self.speculation is not None and _drop_drafts(seqs, counts):
+                    continue  # drafts are the first thing short memory goes without
                 candidates = [g.unfinished() for g in queue if not g.is_finished] + [seqs]
                 victim_group = self.preemption.select_victim(candidates)[0].group
                 assert victim_group is not None  # a queued sequence belongs to its group
@@ -348,9 +359,17 @@ class SchedulerCore:
         return 0
 
     def _counts(self, seqs: list[Sequence], budget: int) -> list[int]:
-        """The policy's tokens for each running sequence, the budget shared evenly."""
+        """The policy's tokens for each running sequence, the budget shared evenly;
+        a decode's drafts ride along within its share (and are cut to it)."""
         share = budget // len(seqs)
-        return [checked_tokens(self.policy, s, s.num_computed_tokens, share) for s in seqs]
+        counts = [checked_tokens(self.policy, s, s.num_computed_tokens, share) for s in seqs]
+        if self.speculation is not None:
+            for i, seq in enumerate(seqs):
+                if seq.draft_tokens:
+                    drafts = seq.draft_tokens[: share - counts[i]] if counts[i] else []
+                    seq.draft_tokens = drafts
+                    counts[i] += len(drafts)
+        return counts
 
     def _can_allocate_all(self, seqs: list[Sequence], counts: list[int]) -> bool:
         """Room for every sequence's tokens this step, counted together."""
@@ -369,6 +388,8 @@ class SchedulerCore:
         self.decode_phase.drop()
         seqs = group.unfinished()
         kind = self.preemption.preempt(seqs, self.allocator)
+        for seq in seqs:
+            seq.draft_tokens = []
         self.admission.reserved_blocks.pop(group.request_id, None)
         for seq in seqs:
             seq.num_preemptions += 1
@@ -405,7 +426,11 @@ class SchedulerCore:
             ending, rewritten = self._update_decodes(plan, decoded, now, stopped)
             self.decode_phase.update(plan, decoded, ending, rewritten)
         forked = False
-        for seq, _, count, samples in plan.rows(num_decodes):
+        drafts = plan.draft_counts
+        for row, (seq, start, count, samples) in enumerate(plan.rows(num_decodes), num_decodes):
+            if drafts is not None and drafts[row]:
+                self._update_verified(seq, start, int(drafts[row]), sampled, now, stopped)
+                continue
             seq.num_computed_tokens += count
             self.allocator.commit(seq)
             tokens = sampled.get(seq.seq_id) if samples else None
@@ -431,6 +456,40 @@ class SchedulerCore:
         for group in finished:
             self.policy.on_request_end(group)
         return finished
+
+    def _update_verified(
+        self,
+        seq: Sequence,
+        start: int,
+        drafted: int,
+        sampled: SampledTokens,
+        now: float,
+        stopped: set[SequenceGroup],
+    ) -> None:
+        """`update` of a decode with drafts: it computed its last token and `drafted`
+        drafts, and `sampled` holds what verification kept (the accepted drafts and
+        the target's next token, `servelab.step.verify`). The tokens are appended up
+        to a stop inside them; the K/V of the rest is released."""
+        tokens = sampled.get(seq.seq_id) or []
+        assert 1 <= len(tokens) <= drafted + 1, f"verification kept {len(tokens)} tokens"
+        seq.draft_tokens = []
+        appended = 0
+        for token in tokens:
+            seq.append_token(token)
+            seq.token_times.append(now)
+            appended += 1
+            if seq.stop_reason(self.max_model_len) is not None:
+                break
+        # its last token and the drafts kept before the newest token have K/V
+        seq.num_computed_tokens = start + appended
+        self.allocator.truncate(seq, seq.num_computed_tokens)
+        self.allocator.commit(seq)
+        accepted = len(tokens) - 1
+        seq.num_drafted_tokens += drafted
+        seq.num_accepted_tokens += accepted
+        assert self.speculation is not None  # only a proposer gives a row drafts
+        self.speculation.verified(seq, drafted, accepted)
+        stop_if_done(seq, self.max_model_len, self.allocator, stopped)
 
     def _update_decodes(
         self, plan: StepPlan, tokens: list[int], now: float, stopped: set[SequenceGroup]
@@ -496,8 +555,20 @@ class SchedulerCore:
             "preemptions_swap": self.num_preemptions["swap"],
             "recomputed_tokens": self.num_recomputed_tokens,
             **self.admission.prefilled_stats(),
+            **(self.speculation.stats() if self.speculation is not None else {}),
             **self.policy.policy_stats(),
         }
+
+
+def _drop_drafts(seqs: list[Sequence], counts: list[int]) -> bool:
+    """Plans `seqs` without their drafts; False when none had any."""
+    dropped = False
+    for i, seq in enumerate(seqs):
+        if seq.draft_tokens:
+            counts[i] -= len(seq.draft_tokens)
+            seq.draft_tokens = []
+            dropped = True
+    return dropped
 
 
 def _is_decoding(group: SequenceGroup) -> bool:

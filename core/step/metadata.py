@@ -75,6 +75,7 @@ class AttentionMetadata:
         num_one_query_seqs: int | None = None,
         staging: Staging | None = None,
         one_query_slots: np.ndarray | None = None,
+        draft_counts: np.ndarray | None = None,
     ) -> AttentionMetadata:
         """The one builder: a step's rows (`servelab.step.plan.StepPlan`) as
         arrays — row i computes positions `[starts[i], starts[i] + counts[i])`
@@ -84,6 +85,8 @@ class AttentionMetadata:
         leading one-query row (the model runner passes its leading decodes, a
         prefix of those). `one_query_slots`: the slot of each of those rows'
         token, when the caller has them (`StepPlan.decode_slots`).
+        `draft_counts` (speculative decoding): a sampling row with d drafts
+        samples at its last d + 1 positions, so it has d + 1 logits rows.
 
         Where the tensors live: see `to_device`."""
         num_seqs = len(starts)
@@ -118,7 +121,9 @@ class AttentionMetadata:
             slots = np.zeros(0, dtype=np.int64)
         if logits_t is None or (samples is not None and not samples.all()):
             logits_idx = np.cumsum(counts) - 1
-            if samples is not None:
+            if draft_counts is not None:
+                logits_idx = _verified_positions(logits_idx, draft_counts, samples)
+            elif samples is not None:
                 logits_idx = logits_idx[samples]
             logits_t = torch.from_numpy(logits_idx)
         seq_start = np.zeros(num_seqs + 1, dtype=np.int32)
@@ -189,6 +194,20 @@ class AttentionMetadata:
             return tensors
         return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
 
+
+
+def _verified_positions(
+    last: np.ndarray, draft_counts: np.ndarray, samples: np.ndarray | None
+) -> np.ndarray:
+    """The logits rows of a step with drafts: each sampling row's last 1 + d
+    positions (`last[i]` its last token's), in row order."""
+    per_row = draft_counts + 1
+    if samples is not None:
+        per_row = np.where(samples, per_row, 0)
+    total = int(per_row.sum())
+    ends = np.cumsum(per_row)
+    within = np.arange(total) - np.repeat(ends - per_row, per_row)  # 0..d in each row
+    return np.repeat(last - per_row + 1, per_row) + within
 
 
 _ARANGES: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}

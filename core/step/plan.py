@@ -73,6 +73,9 @@ class StepPlan:
         self.samples = _NO_SAMPLES
         self.tables = _NO_TABLES
         self.input_ids: list[int] = []  # the tokens the step computes, packed in row order
+        # speculative decoding: each row's drafts (its tokens past the sequence's own,
+        # verified at every position: `servelab.step.verify`); None when no row has any
+        self.draft_counts: np.ndarray | None = None
         self.num_decodes = 0
         # decode rows' stop limits (finish by length when num_tokens reaches it), and the
         # stop token ids any of them stops on (each row still applies its own rule)
@@ -168,12 +171,19 @@ class StepPlan:
         self.seq_ids = [s.seq_id for s in seqs]
         self.starts, self.counts = starts, counts
         self.input_ids = bulk.next_input[:] if bulk is not None else []
+        drafted = False
         for seq, start, count in rows:
             if count == 1:
                 self.input_ids.append(seq.token_ids[start])
             else:
                 self.input_ids += seq.token_ids[start : start + count]
-        self.samples = starts + counts == num_tokens
+                if start + count > len(seq.token_ids):  # a decode with drafts
+                    self.input_ids += seq.draft_tokens[: start + count - len(seq.token_ids)]
+                    drafted = True
+        ends = starts + counts
+        self.samples = ends >= num_tokens
+        if drafted:
+            self.draft_counts = np.maximum(ends - num_tokens, 0)
         self.tables, self.table_lens = tables, table_lens
         self.num_decodes = len(decodes) + (len(bulk) if bulk is not None else 0)
         self.stop_at = np.asarray(stop_at, dtype=np.int64)

@@ -63,6 +63,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: minus this once the token is in the output
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # False: this request gets no speculative drafts (the engine's proposer skips it)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         """Checks every field: a bad value is a RequestError naming the field,
@@ -116,6 +118,7 @@ class SamplingParams:
                 lambda x: 0 <= x and (not is_integer(self.max_tokens) or x <= self.max_tokens),
             ),
             logit_bias=_bias("logit_bias", self.logit_bias),
+            speculative=_flag("speculative", self.speculative),
         )
 
     @property
@@ -239,6 +242,11 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens served by the prefix cache (latest admission)
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        # speculative decoding: this step's drafts (the scheduler core sets and clears
+        # them), and the drafts verified and accepted so far
+        self.draft_tokens: list[int] = []
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
         self.group: SequenceGroup | None = None
         # timing, filled by the engine
         self.first_scheduled_time: float | None = None

@@ -205,6 +205,14 @@ class BlockTableAllocator(KVAllocator):
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id]
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        # the blocks past num_tokens were taken this step for drafts: private, unfilled
+        table = self.tables.get(seq.seq_id)
+        if table is not None:
+            keep = cdiv(num_tokens, self.block_size)
+            while len(table) > keep:
+                self._release(table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         table = self.tables[parent.seq_id]
         for block in table:

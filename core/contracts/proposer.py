@@ -1,0 +1,115 @@
+"""The proposer contract: speculative decoding's guesses.
+
+A proposer guesses the next tokens of running requests (drafts). The engine's
+core verifies them in the next target forward: each request computes its last
+token and its drafts in one row (causal within the drafts), samples at every
+one of those positions exactly as it would without drafts, and keeps the
+drafts up to the first one the target disagrees with, plus the target's own
+token there. A proposer therefore changes how many forwards a request takes,
+never what it outputs: greedy outputs are exactly those without a proposer,
+and so are seeded sampled outputs (`servelab.step.verify`).
+
+What the core owns, so a proposer cannot get it wrong: the token budget (draft
+tokens count against `max_num_batched_tokens`), the KV their verification
+writes (allocated before the step, released for rejected tokens after it), the
+cap at a request's remaining length, verification itself, and three knobs
+every proposer takes (the base class's constructor options):
+- `k`: the most drafts a request gets in one step;
+- `adaptive_k`: a request's next cap follows its last verification (its
+  accepted drafts plus one, at most `k`): later draft positions are accepted
+  far less often than the first, so drafting on after a rejection mostly costs;
+- `disable_above_batch_size`: no drafts while more requests decode than this
+  (vLLM's `disable_by_batch_size`): a large batch is compute-bound, and
+  verifying drafts there costs more than the forwards it saves.
+
+A proposer never touches the allocator or the sequences: it sees a read-only
+`DraftRequest` per request and returns token ids (a plain list, or a `Draft`).
+It hears back how many drafts were accepted (`on_verified`) and when a request
+leaves (`on_finish`), to keep per-request state.
+
+Engine-supplied context: `vocab_size` (drafts must be ids below it) and
+`engine_options` (dtype, device, seed, threads: what a proposer with a model
+of its own loads it with).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence as ReadOnlyList
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class ProposerError(RuntimeError):
+    """A proposer broke its contract (drafts of the wrong count or outside the vocabulary)."""
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One running request as a proposer sees it, read-only."""
+
+    seq_id: int  # the sequence (one of a request's n samples): drafts are per sequence
+    request_id: str
+    token_ids: ReadOnlyList[int]  # prompt and output so far; the last one is the newest sample
+    num_prompt_tokens: int
+    max_drafts: int  # return at most this many (k, the request's adaptive cap, its length left)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+
+@dataclass
+class Draft:
+    """A proposer's guess for one request: `tokens`, each a single guess (a point
+    mass). Verification keeps a draft exactly when the target's own sample at its
+    position equals it, which for point-mass drafts accepts with the probability
+    rejection sampling gives (the target's probability of the token) and keeps the
+    target's distribution."""
+
+    tokens: list[int]
+
+
+class Proposer(abc.ABC):
+    """Guesses the next tokens of running requests; see the module docstring.
+
+    A subclass implements `propose`; one with options of its own takes them as
+    keyword arguments and passes the rest (`**common`) to this constructor.
+    """
+
+    description: ClassVar[str] = ""
+    # False only for `none`: the core then never asks, and a step is exactly one
+    # without speculative decoding
+    proposes: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        k: int = 4,
+        adaptive_k: bool = False,
+        disable_above_batch_size: int | None = None,
+        vocab_size: int = 0,
+        engine_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k must be an integer >= 1 (the most drafts per step), got {k!r}")
+        if disable_above_batch_size is not None and disable_above_batch_size < 1:
+            raise ValueError(
+                "disable_above_batch_size must be >= 1 or null (never disabled), "
+                f"got {disable_above_batch_size!r}"
+            )
+        self.k = k
+        self.adaptive_k = adaptive_k
+        self.disable_above_batch_size = disable_above_batch_size
+        self.vocab_size = vocab_size
+        self.engine_options = dict(engine_options or {})
+
+    @abc.abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[Draft | list[int] | None]:
+        """Drafts for each request, in order: a list of token ids (at most its
+        `max_drafts`; empty or None: no drafts this step) or a `Draft`."""
+
+    def on_verified(self, seq_id: int, drafted: int, accepted: int) -> None:
+        """The target accepted `accepted` of the `drafted` drafts of `seq_id`."""
+
+    def on_finish(self, seq_id: int) -> None:
+        """`seq_id` left (finished, aborted or preempted): forget what it kept."""

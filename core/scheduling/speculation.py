@@ -1,0 +1,125 @@
+"""`Speculation`: the scheduler core's side of speculative decoding.
+
+It asks the proposer for drafts once a step, for the sequences about to decode
+(`draft`), checks what comes back against the contract, caps each sequence's
+drafts (the proposer's `k`, the adaptive cap, the tokens the sequence may still
+produce) and leaves them on `Sequence.draft_tokens`, where the core plans them
+(a decode row of 1 + drafts tokens) and trims them to the step's budget. After
+the forward it hears each verification (`verified`), counts it and tells the
+proposer. The proposer sees each sequence through a read-only `DraftRequest`.
+"""
+
+from __future__ import annotations
+
+from servelab.contracts.proposer import Draft, DraftRequest, Proposer, ProposerError
+from servelab.step.sequence import Sequence, SequenceStatus
+
+
+class Speculation:
+    """The drafts of one engine's steps, and their counts (vLLM's spec-decode metrics)."""
+
+    def __init__(self, proposer: Proposer, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.k = proposer.k
+        self.caps: dict[int, int] = {}  # seq_id -> its adaptive cap (adaptive_k)
+        self.asked: dict[int, Sequence] = {}  # the sequences the proposer may keep state for
+        # counts: verifications (a row with drafts), drafts offered, drafts accepted,
+        # and accepted drafts by position (index 0: the first draft)
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k
+
+    @property
+    def active(self) -> bool:
+        return self.proposer.proposes
+
+    def draft(self, seqs: list[Sequence]) -> None:
+        """Sets each sequence's `draft_tokens` for this step (sequences that are
+        about to decode); no drafts above the proposer's batch-size limit."""
+        self._forget_departed()
+        for seq in seqs:
+            seq.draft_tokens = []
+        limit = self.proposer.disable_above_batch_size
+        if not seqs or (limit is not None and len(seqs) > limit):
+            return
+        asked, requests = [], []
+        for seq in seqs:
+            room = self._room(seq)
+            if room > 0 and seq.params.speculative:
+                asked.append(seq)
+                self.asked[seq.seq_id] = seq
+                requests.append(
+                    DraftRequest(
+                        seq.seq_id, seq.request_id, seq.token_ids, seq.num_prompt_tokens, room
+                    )
+                )
+        if not requests:
+            return
+        answers = self.proposer.propose(requests)
+        if not isinstance(answers, (list, tuple)) or len(answers) != len(requests):
+            raise ProposerError(
+                f"{type(self.proposer).__name__}.propose returned {_describe(answers)} for "
+                f"{len(requests)} requests; it must return one entry per request "
+                "(a list of token ids, a Draft, or None)"
+            )
+        vocab = self.proposer.vocab_size
+        for seq, request, answer in zip(asked, requests, answers):
+            tokens = answer.tokens if isinstance(answer, Draft) else answer
+            if not tokens:
+                continue
+            tokens = list(tokens)
+            if len(tokens) > request.max_drafts or not all(
+                type(t) is int and 0 <= t < vocab for t in tokens
+            ):
+                raise ProposerError(
+                    f"{type(self.proposer).__name__}.propose gave request "
+                    f"{seq.request_id!r} drafts {tokens[:8]!r}{'...' if len(tokens) > 8 else ''}; "
+                    f"drafts must be at most max_drafts={request.max_drafts} integer token "
+                    f"ids in [0, {vocab})"
+                )
+            seq.draft_tokens = tokens
+
+    def _room(self, seq: Sequence) -> int:
+        """The most drafts `seq` may take: its cap, and one fewer than the tokens it
+        may still produce (a verification adds its drafts plus the target's token)."""
+        stop_at = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        return min(self.caps.get(seq.seq_id, self.k), stop_at - seq.num_tokens - 1)
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """`seq` had `drafted` drafts verified, `accepted` of them kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for pos in range(min(accepted, self.k)):
+            self.accepted_per_pos[pos] += 1
+        if self.proposer.adaptive_k:
+            self.caps[seq.seq_id] = min(self.k, accepted + 1)
+        self.proposer.on_verified(seq.seq_id, drafted, accepted)
+
+    def _forget_departed(self) -> None:
+        """Tells the proposer of the sequences it was asked for that left the running
+        ones since (finished, aborted, preempted), whichever way they left."""
+        departed = [s for s in self.asked.values() if s.status is not SequenceStatus.RUNNING]
+        for seq in departed:
+            del self.asked[seq.seq_id]
+            self.caps.pop(seq.seq_id, None)
+            self.proposer.on_finish(seq.seq_id)
+
+    def stats(self) -> dict[str, float]:
+        """The counts, named as the run summary and the server's metrics take them."""
+        out: dict[str, float] = {
+            "spec_num_drafts": self.num_drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+        }
+        for pos, count in enumerate(self.accepted_per_pos):
+            out[f"spec_accepted_pos_{pos}"] = count
+        return out
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"{len(value)} entries"
+    return f"a {type(value).__name__}"

@@ -52,6 +52,10 @@ class RequestRecord:
     client: str | None = None  # who sent it (add_request's client)
     # [step, "swap" | "recompute"] per preemption of the request's first sample
     preemption_events: list[list] = field(default_factory=list)
+    # speculative decoding, over its samples: drafts verified, drafts kept, verifications
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verifications: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -196,6 +200,8 @@ class MetricsCollector:
                 "preemptions_recompute": stats.get("preemptions_recompute", 0),
                 "preemptions_swap": stats.get("preemptions_swap", 0),
                 "recomputed_tokens": stats.get("recomputed_tokens", 0),
+                # speculative decoding's counts (only with a proposer): per-step increases
+                **{k: v for k, v in stats.items() if k[:5] == "spec_"},
                 # only a backend that keeps counters is asked for them
                 **(
                     {f"attn_{k}": v for k, v in backend.stats().items()}
@@ -251,6 +257,8 @@ class MetricsCollector:
         previous = None
         # every sequence that got a token, once (a prompt that forks owns n entries in a
         # row); every step, every row: no list built to be dropped
+        if plan.draft_counts is not None:  # a verified row got several tokens
+            self._note_verified(step, plan, sampled)
         for seq_id in sampled.owners:
             if seq_id != previous and seq_id not in closed:
                 steps = known(seq_id)
@@ -265,6 +273,18 @@ class MetricsCollector:
             if seq_id not in closed:
                 first_step.setdefault(seq_id, step)
         closed.clear()
+
+    def _note_verified(self, step: int, plan: StepPlan, sampled: SampledTokens) -> None:
+        """The steps of a verified row's tokens past its first (`_note_step` notes that)."""
+        assert plan.draft_counts is not None
+        verified = {s.seq_id for s, d in zip(plan.seqs, plan.draft_counts.tolist()) if d}
+        extra: dict[int, int] = {}
+        for seq_id in sampled.owners:
+            if seq_id in verified:
+                extra[seq_id] = extra.get(seq_id, -1) + 1
+        for seq_id, count in extra.items():
+            if count and seq_id not in self._closed:
+                self._token_steps.setdefault(seq_id, []).extend([step] * count)
 
     def note_transferred_token(self, seq_id: int, step: int) -> None:
         """A sequence arrives with its first token sampled on another instance: that
@@ -300,6 +320,9 @@ class MetricsCollector:
             recomputed_tokens=sum(s.num_recomputed_tokens for s in group.seqs),
             client=first.client,
             preemption_events=events,
+            drafted_tokens=sum(s.num_drafted_tokens for s in group.seqs),
+            accepted_tokens=sum(s.num_accepted_tokens for s in group.seqs),
+            verifications=sum(s.num_verifications for s in group.seqs),
         )
         self.requests.append(record)
         return record
@@ -314,4 +337,6 @@ class MetricsCollector:
         first = self._first_step.pop(seq_id, current_step if scheduled else None)
         steps = self._token_steps.pop(seq_id, [])
         events = self._events.pop(seq_id, [])
-        return first, steps + [current_step] * (num_tokens - len(steps)), events
+        # a stop inside a verified run keeps fewer tokens than the step sampled
+        steps = steps[:num_tokens] + [current_step] * (num_tokens - len(steps))
+        return first, steps, events

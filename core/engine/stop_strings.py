@@ -53,12 +53,30 @@ def find_stop(seq: Sequence, tokenizer) -> str | None:
     searched = scan.tail + (new.rstrip(REPLACEMENT) if unfinished else new)
     # no stop string ends the first min_tokens output tokens (vLLM's rule)
     if seq.num_output_tokens > seq.params.min_tokens and any(stop in searched for stop in stops):
+        _cut_after_match(seq, tokenizer, scan.read + 1)
         return _text_before_first_stop(tokenizer.decode(seq.output_token_ids), stops)
     if new and not unfinished:
         keep = max(len(s) for s in stops) - 1
         scan.tail = searched[max(0, len(searched) - keep) :]
         scan.prefix, scan.read = scan.read, seq.num_output_tokens
     return None
+
+
+def _cut_after_match(seq: Sequence, tokenizer, first: int) -> None:
+    """Drops the output tokens after the one that completed the match. A step
+    gives a sequence several tokens when it kept drafts (speculative decoding):
+    the token that completes a match is the last, as it is one token at a time.
+    `first`: the fewest output tokens that can hold a new match."""
+    stops, start = seq.params.stop, seq.num_prompt_tokens
+    outputs = seq.output_token_ids
+    for count in range(max(first, seq.params.min_tokens + 1), len(outputs)):
+        text = tokenizer.decode(outputs[:count])
+        if any(stop in text for stop in stops):
+            del seq.token_ids[start + count :]
+            del seq.token_times[count:]
+            if seq.logprobs is not None:
+                del seq.logprobs[count:]
+            return
 
 
 def _text_before_first_stop(text: str, stops: list[str]) -> str | None:

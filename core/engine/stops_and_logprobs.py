@@ -38,7 +38,7 @@ def apply_stops_and_logprobs(
     own scan raised (they fail alone, counted in `failures`), all already out of
     the scheduler's queues."""
     if sampled.logprobs is not None:
-        _record_logprobs(groups, sampled.owners, sampled.logprobs)
+        _record_logprobs(groups, sampled.owners, sampled.logprobs, sampled.runs)
     if tokenizer is None:
         return [], []
     done: list[SequenceGroup] = []
@@ -57,7 +57,9 @@ def apply_stops_and_logprobs(
     return done, failed
 
 
-def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[dict]) -> None:
+def _record_logprobs(
+    groups: list[SequenceGroup], owners: list[int], rows: list[dict], runs: frozenset[int]
+) -> None:
     wanted = {s.seq_id: (g, s) for g in groups if g.params.logprobs is not None for s in g.seqs}
     if not wanted:
         return
@@ -69,8 +71,12 @@ def _record_logprobs(groups: list[SequenceGroup], owners: list[int], rows: list[
         group, seq = wanted[owner]
         k = group.params.logprobs
         trimmed = [{**row, "top": row["top"][:k]} for row in got]
-        # a prompt that forked this step: the parent's entry, then its children's
-        targets = [seq] + (group.seqs[-(len(got) - 1) :] if len(got) > 1 else [])
+        # a prompt that forked this step: the parent's entry, then its children's;
+        # a decode whose drafts were kept (`runs`): all its own
+        if owner in runs:
+            targets = [seq] * len(got)
+        else:
+            targets = [seq] + (group.seqs[-(len(got) - 1) :] if len(got) > 1 else [])
         for target, row in zip(targets, trimmed):  # children hold copies of the parent's list
             if target.logprobs is not None:  # a list: its request asked for logprobs
                 target.logprobs.append(row)

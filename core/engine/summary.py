@@ -167,5 +167,37 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
         "longest_stall_ms": 1000.0 * stall.seconds,
         "longest_stall_steps": stall.steps,
         "longest_stall_prefill_tokens": stall.prefill_tokens,
+        **_speculation(steps),
     }
     return summary
+
+
+def _speculation(steps: Sequence[StepRecord]) -> dict[str, float]:
+    """Speculative decoding's figures, for a run with a proposer (its steps carry
+    the counts): drafts offered and kept, the share kept, the mean accepted
+    length (tokens a verification produces: kept drafts + the target's own, as
+    vLLM's "mean acceptance length"), and the share of verifications that kept
+    draft i, by position."""
+    if not steps or "spec_num_drafts" not in steps[-1].extra:
+        return {}
+    counts: dict[str, float] = {}
+    for s in steps:
+        for k, v in s.extra.items():
+            if k[:5] == "spec_":
+                counts[k] = counts.get(k, 0) + v
+    verifications = counts.pop("spec_num_drafts")
+    drafted = counts.pop("spec_num_draft_tokens")
+    accepted = counts.pop("spec_num_accepted_tokens")
+    errors = counts.pop("spec_proposer_errors", 0)
+    out = {
+        "spec_verifications": verifications,
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_pct": _pct(accepted, drafted),
+        "spec_mean_accepted_length": 1 + accepted / verifications if verifications else math.nan,
+        "spec_proposer_errors": errors,
+    }
+    for key in sorted(counts, key=lambda k: int(k.rsplit("_", 1)[1])):
+        position = int(key.rsplit("_", 1)[1])
+        out[f"spec_accepted_pct_pos{position}"] = _pct(counts[key], verifications)
+    return out

@@ -230,6 +230,8 @@ class ModelRunner:
             tokens, owners = [tokens[i] for i in kept], [owners[i] for i in kept]
             logits = logits[torch.tensor(kept, device=logits.device)]
         sampled = SampledTokens(owners, tokens)
+        if batch.verify:
+            sampled.runs = frozenset(batch.sample_owners[first] for first, _ in batch.verify)
         if failed_owners:
             sampled.failed = failed_owners
         if self.logprobs_k >= 0:  # only while a live request asked for logprobs

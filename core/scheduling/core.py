@@ -487,6 +487,7 @@ class SchedulerCore:
         accepted = len(tokens) - 1
         seq.num_drafted_tokens += drafted
         seq.num_accepted_tokens += accepted
+        seq.num_verifications += 1
         assert self.speculation is not None  # only a proposer gives a row drafts
         self.speculation.verified(seq, drafted, accepted)
         stop_if_done(seq, self.max_model_len, self.allocator, stopped)

@@ -11,8 +11,12 @@ proposer. The proposer sees each sequence through a read-only `DraftRequest`.
 
 from __future__ import annotations
 
+import logging
+
 from servelab.contracts.proposer import Draft, DraftRequest, Proposer, ProposerError
 from servelab.step.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 class Speculation:
@@ -30,6 +34,8 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        self.proposer_errors = 0  # steps whose proposal raised or broke the contract
+        self._logged: set[type] = set()  # error types logged already (once each)
 
     @property
     def active(self) -> bool:
@@ -57,6 +63,20 @@ class Speculation:
                 )
         if not requests:
             return
+        try:
+            drafts = self._checked_drafts(requests)
+        except Exception as exc:  # a proposer's bug costs its speed-up, never a request
+            self.proposer_errors += 1
+            if type(exc) not in self._logged:
+                self._logged.add(type(exc))
+                log.error("servelab: the proposer failed (%s: %s); these requests decode "
+                          "without drafts", type(exc).__name__, exc, exc_info=exc)  # fmt: skip
+            return
+        for seq, tokens in zip(asked, drafts):
+            seq.draft_tokens = tokens
+
+    def _checked_drafts(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """The proposer's drafts for `requests`, each checked against the contract."""
         answers = self.proposer.propose(requests)
         if not isinstance(answers, (list, tuple)) or len(answers) != len(requests):
             raise ProposerError(
@@ -65,21 +85,20 @@ class Speculation:
                 "(a list of token ids, a Draft, or None)"
             )
         vocab = self.proposer.vocab_size
-        for seq, request, answer in zip(asked, requests, answers):
-            tokens = answer.tokens if isinstance(answer, Draft) else answer
-            if not tokens:
-                continue
-            tokens = list(tokens)
+        drafts = []
+        for request, answer in zip(requests, answers):
+            tokens = list((answer.tokens if isinstance(answer, Draft) else answer) or ())
             if len(tokens) > request.max_drafts or not all(
                 type(t) is int and 0 <= t < vocab for t in tokens
             ):
                 raise ProposerError(
                     f"{type(self.proposer).__name__}.propose gave request "
-                    f"{seq.request_id!r} drafts {tokens[:8]!r}{'...' if len(tokens) > 8 else ''}; "
-                    f"drafts must be at most max_drafts={request.max_drafts} integer token "
-                    f"ids in [0, {vocab})"
+                    f"{request.request_id!r} drafts {tokens[:8]!r}"
+                    f"{'...' if len(tokens) > 8 else ''}; drafts must be at most "
+                    f"max_drafts={request.max_drafts} integer token ids in [0, {vocab})"
                 )
-            seq.draft_tokens = tokens
+            drafts.append(tokens)
+        return drafts
 
     def _room(self, seq: Sequence) -> int:
         """The most drafts `seq` may take: its cap, and one fewer than the tokens it
@@ -110,6 +129,7 @@ class Speculation:
     def stats(self) -> dict[str, float]:
         """The counts, named as the run summary and the server's metrics take them."""
         out: dict[str, float] = {
+            "spec_proposer_errors": self.proposer_errors,
             "spec_num_drafts": self.num_drafts,
             "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_tokens,

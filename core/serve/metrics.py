@@ -63,6 +63,20 @@ class _EngineState:
         hits = usage.get("prefix_hit_tokens", 0)
         yield counter("vllm:prefix_cache_queries", "prefix-cache queried tokens", queried)
         yield counter("vllm:prefix_cache_hits", "prefix-cache hit tokens", hits)
+        if "spec_num_drafts" in stats:  # speculative decoding, as vLLM names its counts
+            yield counter("vllm:spec_decode_num_drafts", "verifications of drafts",
+                          stats["spec_num_drafts"])  # fmt: skip
+            yield counter("vllm:spec_decode_num_draft_tokens", "draft tokens verified",
+                          stats["spec_num_draft_tokens"])  # fmt: skip
+            yield counter("vllm:spec_decode_num_accepted_tokens", "draft tokens accepted",
+                          stats["spec_num_accepted_tokens"])  # fmt: skip
+            family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "draft tokens accepted, by draft position",
+                                         labels=["model_name", "position"])  # fmt: skip
+            for key, value in stats.items():
+                if key.startswith("spec_accepted_pos_"):
+                    family.add_metric([self.model_name, key.rsplit("_", 1)[1]], value)
+            yield family
         # servelab's own
         for key, value in queues.items():
             yield GaugeMetricFamily(f"servelab_requests_{key}", f"requests {key}", value=value)

@@ -420,6 +420,9 @@ class SampledTokens:
         # seq_id -> its error, for the sequences whose own sampling raised: their entries
         # are stand-ins, and the engine fails their requests (the others' tokens are exact)
         self.failed: dict[int, Exception] = {}
+        # the owners whose several entries are one sequence's tokens (a decode whose
+        # drafts were kept: `servelab.step.verify`), not a prompt forking now
+        self.runs: frozenset[int] = frozenset()
         self._by_seq: dict[int, list[int]] | None = None
 
     def get(self, seq_id: int) -> list[int] | None:

@@ -247,6 +247,7 @@ class Sequence:
         self.draft_tokens: list[int] = []
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_verifications = 0
         self.group: SequenceGroup | None = None
         # timing, filled by the engine
         self.first_scheduled_time: float | None = None

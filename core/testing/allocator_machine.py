@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelab.contracts.allocator import KVAllocator
 from servelab.step.sequence import SamplingParams, Sequence
 from servelab.testing.deps import require
 
@@ -145,6 +146,38 @@ class AllocatorMachine(stateful.RuleBasedStateMachine):
         seq.token_ids += extra
         if not self.grow(seq, seq.num_tokens):
             del seq.token_ids[-len(extra) :]
+
+    @precondition(lambda self: self.on_device)
+    @rule(
+        data=st.data(),
+        drafts=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+        accepted=st.integers(0, 5),
+    )
+    def speculate(self, data, drafts, accepted):
+        """A decode with drafts (speculative decoding): room for the drafts, their
+        K/V written, then only `accepted` of them kept: the rest are rolled back
+        (`truncate`) before the commit, and the target's own token, which differs
+        from the first rejected draft, follows the kept ones (not computed yet)."""
+        seq = data.draw(st.sampled_from(self.on_device))
+        before, end = seq.num_tokens, seq.num_tokens + len(drafts)
+        if end >= MAX_MODEL_LEN or not self.alloc.can_allocate(seq, end):
+            return
+        self.alloc.allocate(seq, end)
+        self.replay()
+        seq.token_ids += drafts
+        self.write(seq, end)
+        keep = min(accepted, len(drafts))
+        del seq.token_ids[before + keep :]
+        seq.num_computed_tokens = before + keep
+        self.alloc.truncate(seq, seq.num_computed_tokens)
+        if type(self.alloc).truncate is not KVAllocator.truncate:  # it releases: exactly
+            held, needed = (
+                len(self.alloc.block_table(seq)),
+                -(-(before + keep) // self.alloc.block_size),
+            )
+            assert held == needed, f"truncate kept {held} blocks, the kept tokens need {needed}"
+        self.commit(seq)
+        seq.token_ids.append((drafts[keep] + 1) % 4 if keep < len(drafts) else 0)
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())

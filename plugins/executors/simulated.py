@@ -35,6 +35,7 @@ from servelab.executor.sizing import parse_bytes
 from servelab.model.config import DTYPES
 from servelab.model.loader import load_shape, model_source
 from servelab.step.plan import SampledTokens, StepPlan
+from servelab.step.verify import kept_tokens
 
 MASK64 = (1 << 64) - 1
 SCALAR_ROWS = 48  # decode rows up to which stand-in tokens are drawn with Python ints
@@ -149,6 +150,9 @@ class SimulatedExecutor(Executor):
         step, owners, tokens = self.read_plan(plan)
         self.time += self.cost.step_time(step)
         sampled = SampledTokens(owners, tokens)
+        if plan.draft_counts is not None:
+            drafted = plan.draft_counts.tolist()
+            sampled.runs = frozenset(s.seq_id for s, d in zip(plan.seqs, drafted) if d)
         if plan.logprobs_k >= 0:
             sampled.logprobs = self.stand_in_logprobs(tokens, plan.logprobs_k)
         for seq, start, count, _ in plan.rows(plan.num_decodes):  # prompt logprobs: stand-ins
@@ -193,10 +197,20 @@ class SimulatedExecutor(Executor):
                 keys = np.array(row_keys, dtype=np.uint64)
                 drawn = stand_in_tokens(keys, positions, vocab).tolist()
             tokens = self.avoid_eos(drawn, vocab)
-        for seq, _, _, samples in plan.rows(n):
+        drafts = plan.draft_counts.tolist() if plan.draft_counts is not None else None
+        for row, (seq, _, _, samples) in enumerate(plan.rows(n), n):
             if not samples:
                 continue
             num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+            if drafts is not None and drafts[row]:  # a decode with drafts: verified
+                key = self.key_of(seq.seq_id, seq.request_id, seq.sample_index)
+                targets = [
+                    stand_in_token(key, num_outputs + j, vocab) for j in range(drafts[row] + 1)
+                ]
+                kept = kept_tokens(self.avoid_eos(targets, vocab), seq.draft_tokens)
+                owners += [seq.seq_id] * len(kept)
+                tokens += kept
+                continue
             p = seq.params
             forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
             for k in range(forks):

@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from servelab import LLM, RequestError, SamplingParams
 from servelab.lab.workload import MIXED_LENGTHS
 from servelab.plugins.allocators.paged import PagedAllocator
+from servelab.registry.plugin_manager import get_plugin_manager
+from servelab.testing.proposers import TestProposers
 
 KIB = 1024  # the float64 tiny model stores 1 KiB of K/V per token
 MAX_MODEL_LEN = 64
@@ -91,6 +93,15 @@ def requests(draw):
     return items
 
 
+@pytest.fixture(scope="module", autouse=True)
+def test_proposers():
+    manager = get_plugin_manager()
+    plugin = TestProposers()
+    manager.register(plugin, name="test-memory-proposers")
+    yield
+    manager.unregister(plugin)
+
+
 @pytest.mark.parametrize("admission", ["on_demand", "reserve"])
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_nothing_lost_under_memory_pressure(policy, admission):
@@ -110,8 +121,12 @@ def test_nothing_lost_under_memory_pressure(policy, admission):
         ),
         budget=st.integers(MAX_MODEL_LEN, 80),
         abort=st.dictionaries(st.integers(0, 6), st.integers(0, 12), max_size=2),
+        # speculative decoding changes when tokens are computed, never which
+        proposer=st.sampled_from(
+            ["none", {"name": "ngram", "k": 3}, {"name": "repeat_last", "k": 2}]
+        ),
     )
-    def check(reqs, scheduler, allocator, budget, abort):
+    def check(reqs, scheduler, allocator, budget, abort, proposer):
         sched = {"name": scheduler, "admission": admission}
         if scheduler == "chunked":
             sched["chunk_size"] = 8
@@ -121,6 +136,7 @@ def test_nothing_lost_under_memory_pressure(policy, admission):
             preemption=policy,
             kv_cache_memory=budget * KIB,
             max_num_batched_tokens=24 if scheduler == "chunked" else MAX_MODEL_LEN,
+            proposer=proposer,
         )
         abort = {i: s for i, s in abort.items() if i < len(reqs)}
         rejected: dict[str, str] = {}
@@ -142,8 +158,11 @@ def test_nothing_lost_under_memory_pressure(policy, admission):
         if admission == "reserve":
             assert count == 0, "reserve admission must never preempt"
         preemptions.append(count)
+        verified.append(stats.get("spec_num_drafts", 0))
 
+    verified: list[int] = []
     check()
+    assert sum(1 for v in verified if v) >= 2, verified  # drafts were verified under pressure
     if admission == "on_demand":
         assert sum(1 for c in preemptions if c > 0) >= len(preemptions) // 2, preemptions
     if policy == "swap" and admission == "on_demand":

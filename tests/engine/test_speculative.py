@@ -1,0 +1,331 @@
+"""Speculative decoding at the engine: outputs equal those without a proposer
+(greedy and seeded sampling, with every sampling feature), unseeded sampling
+keeps the target's distribution (a chi-square test), stops inside a kept run
+cut the output where a plain run stops, prefix caching is unaffected, a broken
+proposer costs only its speed-up, and the counts reach the records."""
+
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+from scipy.stats import chi2_contingency
+
+from servelab import LLM, SamplingParams
+from servelab.contracts.proposer import DraftRequest, Proposer
+from servelab.engine.summary import summarize
+from servelab.plugins.proposers.ngram import NgramIndex
+from servelab.registry.plugin_manager import get_plugin_manager
+from servelab.testing.conformance import temporarily_registered
+from servelab.testing.proposers import TestProposers
+
+KIB = 1024
+
+
+@pytest.fixture(scope="module", autouse=True)
+def test_proposers():
+    manager = get_plugin_manager()
+    plugin = TestProposers()
+    manager.register(plugin, name="test-speculative-proposers")
+    yield
+    manager.unregister(plugin)
+
+
+def tiny(proposer="none", **kwargs) -> LLM:
+    options = dict(model="tiny", dtype="float64", max_model_len=128, num_threads=1)
+    options.update(kwargs)
+    return LLM(proposer=proposer, **options)
+
+
+def tokens(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+REPEATING = [[5, 6, 7, 8] * 6, [9, 9, 9, 9, 9, 9], list(range(20, 60)), [3, 4, 3, 4, 3, 4, 3]]
+
+
+# -- ngram's index against a brute-force search
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    limit=st.integers(1, 5),
+    split=st.integers(0, 40),
+)
+def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix(
+    tokens, min_n, extra, limit, split
+):
+    max_n = min_n + extra
+    index = NgramIndex(min_n, max_n)
+    index.extend(tokens[: max(1, min(split, len(tokens)))])  # indexed in two parts, as it grows
+    index.extend(tokens)
+    want: list[int] = []
+    for n in range(max_n, min_n - 1, -1):
+        if n > len(tokens):
+            continue
+        suffix = tokens[-n:]
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1 : e + 1] == suffix]
+        if ends:
+            want = tokens[ends[-1] + 1 : ends[-1] + 1 + limit]
+            break
+    assert index.continuation(tokens, limit) == want
+
+
+# -- outputs unchanged
+SAMPLING = [
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True,
+                   repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3,
+                   logit_bias={9: 3.0, 5: 2.0}, min_tokens=5, logprobs=3),  # fmt: skip
+    SamplingParams(temperature=0.0, max_tokens=16, n=3, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=1.0, seed=11, max_tokens=16, n=2, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "repeat_last", "reference"])
+@pytest.mark.parametrize("params", SAMPLING, ids=lambda p: f"t{p.temperature},n{p.n}")
+def test_outputs_and_logprobs_equal_those_without_a_proposer(proposer, params):
+    """`reference` drafts the plain run's own first samples (wrong at random
+    positions): under sampling too, most are kept, as the target samples them."""
+    plain = tiny().generate(REPEATING, params)
+    node = {"name": proposer, "k": 4}
+    if proposer == "reference":
+        node.update(prompts=REPEATING, outputs=[o.token_ids for o in plain], wrong=0.2)
+    spec_llm = tiny(node)
+    spec = spec_llm.generate(REPEATING, params)
+    assert tokens(spec) == tokens(plain)
+    for a, b in zip(spec, plain):
+        for ca, cb in zip(a.outputs, b.outputs):
+            if params.logprobs is not None:
+                assert [e["token_id"] for e in ca.logprobs] == ca.token_ids
+                assert [e["logprob"] for e in ca.logprobs] == pytest.approx(
+                    [e["logprob"] for e in cb.logprobs], abs=1e-9
+                )
+    stats = spec_llm.engine.scheduler.stats()
+    # ngram finds nothing to copy in a random model's sampled text; the others always draft
+    assert stats["spec_num_drafts"] > 0 or (proposer == "ngram" and not params.greedy)
+    if proposer == "reference" and params.n == 1:  # it knows the first sample only
+        assert stats["spec_num_accepted_tokens"] > stats["spec_num_draft_tokens"] // 3
+
+
+def test_stop_strings_inside_a_kept_run_cut_where_a_plain_run_stops():
+    """A tiny model's text, with stop strings taken from its own greedy output: a
+    kept run of drafts that runs past a match is cut at the matching token."""
+    prompts = ["The user says hello", "Batching is what makes", "def schedule(waiting"]
+    free = tiny().generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    cut = 0
+    for prompt, out in zip(prompts, free):
+        text = out.text
+        for at in (len(text) // 3, len(text) // 2):
+            stop = text[at : at + 2]
+            if not stop.strip():
+                continue
+            params = SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], logprobs=1)
+            want = tiny().generate([prompt], params)[0]
+            got = tiny({"name": "reference", "k": 5, "wrong": 0.0,
+                        "prompts": [out.prompt_token_ids], "outputs": [out.token_ids]},
+                       ).generate([prompt], params)[0]  # fmt: skip
+            assert (got.text, got.token_ids, got.finish_reason) == (
+                want.text, want.token_ids, want.finish_reason,
+            )  # fmt: skip
+            assert len(got.outputs[0].logprobs) == len(got.token_ids)
+            cut += want.finish_reason == "stop"
+    assert cut >= 3
+
+
+# -- sampling keeps the target's distribution
+A, B = 40, 41  # two tokens logit_bias makes likely: drafts of them are often right
+
+
+def sampled_counts(llm) -> tuple[list[int], list[int]]:
+    """Over the tokens a verification produced (every output token past the
+    first): their category (A, B, any other), and whether each equals the one
+    before it (a proposer that repeats the last token tempts a broken verifier
+    to keep repeats)."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True,
+                            logit_bias={A: 9.0, B: 8.5})  # fmt: skip
+    categories, repeats = [0, 0, 0], [0, 0]
+    for out in llm.generate([[7, 8, 9, 10]] * 400, params):
+        ids = out.token_ids
+        for before, token in zip(ids, ids[1:]):
+            categories[0 if token == A else 1 if token == B else 2] += 1
+            repeats[token == before] += 1
+    return categories, repeats
+
+
+def same_distribution(plain, spec) -> bool:
+    """Chi-square tests of homogeneity (p > 0.001, fixed here) on both counts."""
+    return all(chi2_contingency([a, b]).pvalue > 1e-3 for a, b in zip(plain, spec))
+
+
+def test_unseeded_sampling_keeps_the_target_distribution():
+    """With and without drafts, the outputs are two samples of one distribution.
+    Deterministic: one engine seed (the tiny weights and the unseeded draws come from it;
+    the draws differ, as the arms consume them differently)."""
+    plain = sampled_counts(tiny(seed=1, max_num_seqs=64))
+    spec_llm = tiny({"name": "repeat_last", "k": 3}, seed=1, max_num_seqs=64)
+    spec = sampled_counts(spec_llm)
+    stats = spec_llm.engine.scheduler.stats()
+    kept = stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
+    assert 0.15 < kept < 0.85, kept  # both paths ran: kept drafts and rejections
+    assert min(plain[0] + plain[1]) > 50 and min(spec[0] + spec[1]) > 50, (plain, spec)
+    assert same_distribution(plain, spec), (plain, spec)
+
+
+def test_the_chi_square_test_sees_a_verifier_that_keeps_unchecked_drafts(monkeypatch):
+    """The test above can fail: a verifier that keeps every draft unchecked (the
+    drafts, then the target's token after them) is caught."""
+    import servelab.executor.model_runner as model_runner
+
+    def keep_drafts(samples: list[int], groups: list) -> list[int]:
+        for first, drafts in groups:
+            samples[first : first + len(drafts)] = drafts
+        return list(range(len(samples)))
+
+    monkeypatch.setattr(model_runner, "kept_rows", keep_drafts)
+    plain = sampled_counts(tiny(seed=1, max_num_seqs=64))
+    broken = sampled_counts(tiny({"name": "repeat_last", "k": 3}, seed=1, max_num_seqs=64))
+    assert not same_distribution(plain, broken), (plain, broken)
+
+
+# -- prefix caching
+@pytest.mark.parametrize("allocator", [{"name": "paged", "block_size": 4, "prefix_caching": True},
+                                       {"name": "radix", "page_size": 4}])  # fmt: skip
+def test_prefix_cache_hits_are_the_same_with_every_proposer(allocator):
+    system = list(range(40, 72))
+    prompts = [system + [100 + i, 101 + i] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    rates = {}
+    outputs = {}
+    for proposer in ("none", "ngram", "repeat_last"):
+        llm = tiny(proposer if proposer == "none" else {"name": proposer, "k": 4},
+                   allocator=allocator, max_num_seqs=2)  # fmt: skip
+        outputs[proposer] = tokens(llm.generate(prompts, params))
+        usage = llm.engine.allocator.usage()
+        rates[proposer] = (usage["prefix_hit_tokens"], usage["prefix_query_tokens"])
+    assert rates["ngram"] == rates["none"] == rates["repeat_last"], rates
+    assert rates["none"][0] >= 4 * 32
+    assert outputs["ngram"] == outputs["none"] == outputs["repeat_last"]
+
+
+# -- the core's knobs
+def test_disable_above_batch_size_and_per_request_opt_out():
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 8, 12, 16)]
+    llm = tiny({"name": "repeat_last", "k": 2, "disable_above_batch_size": 2}, max_num_seqs=8)
+    llm.generate(REPEATING, params)  # four decode at once: no drafts until two are left
+    many = llm.engine.scheduler.stats()["spec_num_drafts"]
+    llm2 = tiny({"name": "repeat_last", "k": 2}, max_num_seqs=8)
+    llm2.generate(REPEATING, params)
+    assert 0 < many < llm2.engine.scheduler.stats()["spec_num_drafts"]
+    opted_out = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, speculative=False)
+    llm3 = tiny({"name": "repeat_last", "k": 2})
+    out = llm3.generate(REPEATING, opted_out)
+    assert llm3.engine.scheduler.stats()["spec_num_drafts"] == 0
+    assert all(o.metrics["drafted_tokens"] == 0 for o in out)
+
+
+def test_adaptive_k_follows_the_last_verification():
+    class Counting(Proposer):
+        asked: list[int] = []
+
+        def propose(self, requests: list[DraftRequest]):
+            self.asked += [r.max_drafts for r in requests]
+            return [[r.last_token] * r.max_drafts for r in requests]
+
+    with temporarily_registered("proposer", Counting) as name:
+        llm = tiny({"name": name, "k": 4, "adaptive_k": True})
+        llm.generate([list(range(20, 40))], SamplingParams(temperature=0.0, max_tokens=30,
+                                                           ignore_eos=True))  # fmt: skip
+        proposer = llm.engine.scheduler.speculation.proposer
+    assert proposer.asked[0] == 4
+    assert min(proposer.asked) == 1  # a rejection of the first draft: one draft next time
+
+
+def test_a_broken_proposer_costs_only_its_speed_up(caplog):
+    class Broken(Proposer):
+        calls = 0
+
+        def propose(self, requests):
+            self.calls += 1
+            if self.calls % 3 == 1:
+                return [[10**6]] * len(requests)  # outside the vocabulary
+            if self.calls % 3 == 2:
+                raise ValueError("a bug in the proposer")
+            return [[r.last_token] for r in requests]
+
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = tokens(tiny().generate(REPEATING, params))
+    with temporarily_registered("proposer", Broken) as name:
+        llm = tiny({"name": name, "k": 2})
+        assert tokens(llm.generate(REPEATING, params)) == want
+        assert tokens(llm.generate(REPEATING, params)) == want  # the next call works
+    stats = llm.engine.scheduler.stats()
+    assert stats["spec_proposer_errors"] > 0 and stats["spec_num_drafts"] > 0
+    assert "outside" not in caplog.text or "max_drafts" in caplog.text
+    usage = llm.engine.allocator.usage()
+    assert usage["blocks_free"] == usage["blocks_total"]
+
+
+# -- the records
+def test_counts_reach_requests_steps_and_the_summary():
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = tiny({"name": "ngram", "k": 3})
+    outputs = llm.generate(REPEATING, params)
+    metrics = llm.engine.metrics
+    stats = llm.engine.scheduler.stats()
+    assert sum(o.metrics["drafted_tokens"] for o in outputs) == stats["spec_num_draft_tokens"]
+    assert sum(o.metrics["accepted_tokens"] for o in outputs) == stats["spec_num_accepted_tokens"]
+    for record in metrics.requests:
+        assert len(record.token_steps) == len(record.token_times) == record.output_tokens
+        assert record.token_steps == sorted(record.token_steps)
+    summary = summarize(metrics.requests, metrics.steps)
+    assert summary["spec_draft_tokens"] == stats["spec_num_draft_tokens"]
+    assert summary["spec_mean_accepted_length"] == pytest.approx(
+        1 + stats["spec_num_accepted_tokens"] / stats["spec_num_drafts"]
+    )
+    # fewer steps than tokens: kept drafts save forwards
+    assert summary["steps"] < sum(o.metrics["output_tokens"] for o in outputs)
+    assert sum(s.extra["spec_num_draft_tokens"] for s in metrics.steps) == summary[
+        "spec_draft_tokens"
+    ]
+
+
+def test_without_a_proposer_nothing_changes_in_the_records():
+    llm = tiny()
+    llm.generate(REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=4))
+    summary = summarize(llm.engine.metrics.requests, llm.engine.metrics.steps)
+    assert not any(k.startswith("spec_") for k in summary)
+    assert llm.engine.scheduler.speculation is None
+
+
+def test_proposer_options_are_checked():
+    from servelab.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="k must be"):
+        tiny({"name": "ngram", "k": 0})
+    with pytest.raises((ConfigError, ValueError), match="min_n"):
+        tiny({"name": "ngram", "min_n": 3, "max_n": 2})
+    with pytest.raises(ConfigError, match="unknown proposer|ngram"):
+        tiny("ngramm")
+
+
+def test_drafts_never_exceed_the_budget_or_the_length_left():
+    seen = []
+
+    class Greedy(Proposer):
+        def propose(self, requests):
+            seen.extend((r.max_drafts, len(r.token_ids) - r.num_prompt_tokens) for r in requests)
+            return [[random.randrange(512) for _ in range(r.max_drafts)] for r in requests]
+
+    with temporarily_registered("proposer", Greedy) as name:
+        llm = tiny({"name": name, "k": 6}, scheduler={"name": "chunked", "chunk_size": 8},
+                   max_num_batched_tokens=10)  # fmt: skip
+        out = llm.generate(REPEATING, SamplingParams(temperature=0.0, max_tokens=9,
+                                                     ignore_eos=True))  # fmt: skip
+    assert all(len(o.token_ids) == 9 for o in out)
+    assert all(m <= min(6, 9 - produced - 1) for m, produced in seen)
+    assert max(s.prefill_tokens + s.decode_tokens for s in llm.engine.metrics.steps) <= 10

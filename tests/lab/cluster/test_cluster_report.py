@@ -66,3 +66,16 @@ def test_replicas_plot_is_drawn_and_listed(sweep):
         assert image.width > 400 and image.height > 200
         low, high = image.convert("L").getextrema()
         assert low < high
+
+
+def test_a_single_cluster_run_prints_its_balance(tmp_path, capsys):
+    meta = {"overrides": ["router=round_robin"],
+            "choices": {"executor": "simulated", "router": "round_robin"}}  # fmt: skip
+    run_cluster_job({**CASE, "router": "round_robin"}, meta, tmp_path / "run")
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [cell.strip() for cell in line.split("│")[1:-1]]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    assert rows["replicas"] == "4" and rows["requests_per_replica"] == "8 8 8 8"
+    assert rows["load_imbalance"] == "1" and rows["sent_to_busy_while_idle"] == "0"

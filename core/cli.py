@@ -165,6 +165,10 @@ def main() -> None:
     elif sys.argv[1:3] == ["bench", "serve"]:  # `servelab bench serve key=value ...`
         del sys.argv[1:3]
         task = _bench_app
+    hint = flag_hint(sys.argv[1:])
+    if hint:
+        print(f"servelab: error: {hint}", file=sys.stderr)
+        raise SystemExit(2)
     app = hydra.main(version_base="1.3", config_path="pkg://servelab.conf", config_name="config")(
         task
     )
@@ -177,6 +181,36 @@ def main() -> None:
         message = open_node_message(err, sys.argv[1:]) or composition_message(err)
         print(f"servelab: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+# Hydra's own flags (`servelab --help` lists them); every other `--flag` is an option
+# written as another tool's: servelab's options are key=value
+HYDRA_FLAGS = frozenset({"help", "hydra-help", "version", "cfg", "resolve", "package", "info",
+                         "run", "multirun", "shell-completion", "config-path", "config-name",
+                         "config-dir", "experimental-rerun"})  # fmt: skip
+
+
+def flag_hint(argv: list[str]) -> str | None:
+    """For the first `--name value` (or `--name=value`) that is not Hydra's own flag, the
+    key=value to write instead (`--max-num-seqs 8`: engine.max_num_seqs=8); None if none."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--") or arg == "--":
+            continue
+        name, sep, value = arg[2:].partition("=")
+        if name in HYDRA_FLAGS:
+            continue
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if not sep and following and not following.startswith("-") and "=" not in following:
+            value = following
+        key = name.replace("-", "_")
+        if "." not in key:
+            from servelab.engine.build import ENGINE_DEFAULTS
+
+            key = f"engine.{key}" if key in ENGINE_DEFAULTS else key
+        return (f"options are key=value, not --flags: write {key}={value or '...'} instead of "
+                f"{' '.join([arg, value] if value and not sep else [arg])} "
+                "(servelab --help lists the config groups and every option)")  # fmt: skip
+    return None
 
 
 def open_node_message(err: BaseException, argv: list[str]) -> str | None:

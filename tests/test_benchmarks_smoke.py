@@ -100,3 +100,18 @@ def test_tp_allreduce_reports_both_sizes_and_leaves_no_worker():
     assert [line.split()[0] for line in lines] == ["tp=1", "tp=2"], result.stdout
     # the embeddings' and two per layer (tiny: 2 layers), then the logits' gather
     assert "(5 per step)" in lines[1] and "gather" in lines[1], lines[1]
+
+
+def test_router_balance_compares_the_routers_paired_by_seed():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "router_balance.py"), "--cases", "low",
+         "--seeds", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
+            if line.split() and "paired" not in line
+            and line.split()[0] in ("least_load", "prefix_affinity", "prefix_affinity:0")}  # fmt: skip
+    assert len(rows) == 3
+    assert rows["prefix_affinity:0"][-3:] == ["4.000", "±", "0.000"]  # all 32 on one replica
+    assert result.stdout.count("- least_load, paired:") == 2

@@ -81,6 +81,9 @@ class Dispatcher:
         self.ledger = ReplicaLedger(num_replicas)
         self.feed = feed or self.ledger.states
         self.decisions: list[tuple[str, int]] = []
+        # requests sent to a replica with outstanding requests while another had none: the
+        # ones that may wait behind others although a replica was idle (the router's balance)
+        self.sent_to_busy_while_idle = 0
 
     def dispatch(self, request: RoutedRequest) -> int:
         states = self.feed(request)
@@ -90,6 +93,10 @@ class Dispatcher:
             raise RuntimeError(
                 f"router {name!r} returned {replica!r}; a replica index is 0..{len(states) - 1}"
             )
+        if states[replica].outstanding_requests and any(
+            not s.outstanding_requests for s in states
+        ):
+            self.sent_to_busy_while_idle += 1
         self.router.on_routed(request, replica)
         self.ledger.routed(request, replica)
         self.decisions.append((request.request_id, replica))

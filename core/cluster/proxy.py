@@ -7,7 +7,7 @@ its end finished). What the router sees of a prompt: a completions prompt given 
 ids is those ids; text (a completions prompt or chat messages) is its characters' code
 points, since the proxy holds no tokenizer (SGLang's router matches prefixes on text too).
 `/metrics` exports the proxy's own figures (requests routed per replica, in flight,
-failures, time to first byte); `/v1/models` and `/health` answer from the first replica.
+failures, requests sent to a busy replica while another was idle, time to first byte); `/v1/models` and `/health` answer from the first replica.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ class ProxyMetrics:
             "servelab_route_in_flight", "requests in flight", ["replica"], registry=r
         )
         self.failed = Counter("servelab_route_failures", "replica errors", ["replica"], registry=r)
+        self.sent_to_busy = Counter(
+            "servelab_route_sent_to_busy_while_idle",
+            "requests sent to a replica with requests in flight while another had none",
+            registry=r,
+        )
         self.first_byte = Histogram("servelab_route_first_byte_seconds", "time to first byte",
                                     registry=r)  # fmt: skip
         for i in range(num_replicas):
@@ -101,7 +106,10 @@ def create_proxy_app(
             return JSONResponse({"error": {"message": "the body is not JSON", "type": "invalid_request_error"}},
                                 status_code=400)  # fmt: skip
         request_id = f"route-{next(counter)}"
+        busy_before = dispatcher.sent_to_busy_while_idle
         index = dispatcher.dispatch(routed_view(request_id, body, time.monotonic()))
+        if dispatcher.sent_to_busy_while_idle > busy_before:
+            metrics.sent_to_busy.inc()
         label = str(index)
         metrics.routed.labels(label).inc()
         metrics.in_flight.labels(label).inc()

@@ -91,15 +91,61 @@ def factor_order(configs: Sequence[Configuration]) -> list[Configuration]:
 
 
 def log_axis(ax, which: str = "x") -> None:
-    """A log axis labelled in plain numbers at its major ticks, and at some minor
-    ones only where the data spans under a decade (else they overlap, and a
-    narrow axis would show no number at all)."""
-    from matplotlib.ticker import LogFormatter, ScalarFormatter
+    """A log axis labelled in plain numbers (`0.5`, `2`, `100`) at 3 to 8 ticks whatever
+    its span: 1-2-5 steps, denser (1-2-3-5, then linear) on a narrow span, sparser (1-3,
+    decades) on a wide one; the other log ticks unlabelled, for the grid."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     axis = ax.xaxis if which == "x" else ax.yaxis
     (ax.set_xscale if which == "x" else ax.set_yscale)("log")
-    axis.set_major_formatter(ScalarFormatter())
-    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
+    axis.set_major_locator(readable_log_locator())
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_locator(LogLocator(subs="auto"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+LOG_STEPS = ((1.0,), (1.0, 3.0), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0),
+             (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0))  # fmt: skip
+
+
+def readable_log_ticks(low: float, high: float, least: int = 4, most: int = 8) -> list[float]:
+    """Ticks in [low, high] for a log axis: the sparsest of LOG_STEPS that gives at least
+    `least` (more than `most` decades: every k-th decade); linear steps where none does."""
+    if not (0 < low < high and math.isfinite(high)):
+        return []
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+
+    def ticks(steps: tuple[float, ...]) -> list[float]:
+        found = (float(f"{m * 10.0**e:.6g}") for e in range(first, last + 1) for m in steps)
+        return [t for t in found if low <= t <= high]
+
+    decades = ticks((1.0,))
+    if len(decades) > most:
+        stride = math.ceil(len(decades) / most)
+        return decades[::stride]
+    for steps in LOG_STEPS:
+        found = ticks(steps)
+        if len(found) >= least:
+            return found if len(found) <= most else decades
+    from matplotlib.ticker import MaxNLocator
+
+    linear = MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high)
+    return [float(f"{t:.6g}") for t in linear if low <= t <= high]
+
+
+def readable_log_locator():
+    """readable_log_ticks as a matplotlib locator of the axis's view limits (built here:
+    matplotlib is imported only when a plot is drawn)."""
+    from matplotlib.ticker import Locator
+
+    class ReadableLogLocator(Locator):
+        def __call__(self):
+            return self.tick_values(*self.axis.get_view_interval())
+
+        def tick_values(self, vmin, vmax):
+            return readable_log_ticks(*sorted((vmin, vmax)))
+
+    return ReadableLogLocator()
 
 
 def legend_below(fig, axes, columns: int = 3) -> None:

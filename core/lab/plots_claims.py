@@ -32,22 +32,53 @@ def _ratio_limits(claims: Sequence[ClaimResult], bound: float) -> tuple[float, f
 
 
 FOLDS = (1 / 16, 1 / 8, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 8, 16)
+# which fold-changes a crowded axis keeps first: doublings and halvings, then the rest
+FOLD_PRIORITY = (2, 1 / 2, 4, 1 / 4, 8, 1 / 8, 16, 1 / 16, 1.5, 2 / 3, 3, 1 / 3, 1.25, 0.8,
+                 1.1, 0.9)  # fmt: skip
+LABEL_GAP_PX = 6  # at least this much space between two tick labels
 
 
-def ratio_axis(ax, low: float, high: float, bound: float) -> None:
-    """A log x axis from low to high, ticked at plain fold-changes and the bound."""
-    from matplotlib.ticker import FixedLocator, NullLocator
+def ratio_axis(ax, low: float, high: float) -> None:
+    """A log x axis from low to high; its ticks are set by `ratio_ticks` once the figure's
+    layout gives the axis its width."""
+    from matplotlib.ticker import NullLocator
 
     ax.set_xscale("log")
     ax.set_xlim(low, high)
-    ticks = [f for f in FOLDS if low <= f <= high]
-    while len(ticks) > 7:  # keep 1 and thin the rest evenly
-        ticks = [t for i, t in enumerate(ticks) if i % 2 == 0 or t == 1.0]
-    # the bound is ticked; a fold-change tick within 8% of it would print over it
-    ticks = sorted({*(t for t in ticks if abs(math.log(t / bound)) > 0.08 or t == 1.0), bound})
-    ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
+
+
+def ratio_ticks(ax, bound: float) -> None:
+    """Ticks the bound, then 1, then plain fold-changes, each only where its label keeps
+    LABEL_GAP_PX from every label already placed (labels measured as drawn)."""
+    renderer = ax.figure.canvas.get_renderer()
+    low, high = ax.get_xlim()
+    box = ax.get_window_extent(renderer)
+    span = math.log(high / low)
+    from matplotlib import rcParams
+    from matplotlib.font_manager import FontProperties
+
+    font = FontProperties(size=rcParams["xtick.labelsize"])
+
+    def extent(value: float) -> tuple[float, float]:
+        width = renderer.get_text_width_height_descent(f"{value:.3g}", font, ismath=False)[0]
+        x = box.x0 + box.width * math.log(value / low) / span
+        return x - width / 2 - LABEL_GAP_PX / 2, x + width / 2 + LABEL_GAP_PX / 2
+
+    placed: dict[float, tuple[float, float]] = {}
+    for value in (bound, 1.0, *FOLD_PRIORITY):
+        if not low <= value <= high or value in placed:
+            continue
+        left, right = extent(value)
+        if all(right <= a or left >= b for a, b in placed.values()):
+            placed[value] = (left, right)
+    ticks = sorted(placed)
     ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+
+
+def row_label(text: str) -> str:
+    """A long "A vs B" row label on two lines, so the panel keeps its width."""
+    return text.replace(" vs ", "\nvs ", 1) if len(text) > 40 else text
 
 
 def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
@@ -61,6 +92,7 @@ def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
     panels = dict(list(panels.items())[:MAX_CLAIM_PANELS])
     plt = pyplot()
     heights = [len(group) + 2.2 for group in panels.values()]
+    ratio_axes = []
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.42 * sum(heights) + 0.8),
                              squeeze=False, gridspec_kw={"height_ratios": heights})  # fmt: skip
     for ax, ((heading, figure, op, bound), group) in zip(axes[:, 0], panels.items()):
@@ -79,8 +111,9 @@ def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
         ax.axvline(bound, color="black", linestyle="--", linewidth=1.2)
         if ratio:
             ax.axvline(1.0, color="0.5", linewidth=0.8)
-            ratio_axis(ax, *_ratio_limits(group, bound), bound)
-        ax.set_yticks(range(len(group)), [c.bars[0][0] for c in group], fontsize=9)
+            ratio_axis(ax, *_ratio_limits(group, bound))
+            ratio_axes.append((ax, bound))
+        ax.set_yticks(range(len(group)), [row_label(c.bars[0][0]) for c in group], fontsize=9)
         ax.set_ylim(len(group) - 0.5, -0.5)
         ax.grid(True, axis="x", which="both", alpha=0.3)
         what = f"{figure} ratio (log; grey: 1, no change)" if ratio else figure
@@ -92,5 +125,7 @@ def plot_claims(claims: Sequence[ClaimResult], path: Path) -> bool:
     fig.suptitle(f"Claims: {drawn} against the bound\n"
                  "(green: holds, red: fails, grey: inconclusive, orange: indicative)")  # fmt: skip
     fig.tight_layout()
+    for ax, bound in ratio_axes:  # the layout has set each axis's width: tick what fits
+        ratio_ticks(ax, bound)
     save(fig, path)
     return True

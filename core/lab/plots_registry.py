@@ -48,6 +48,7 @@ def _builtin() -> None:
         plots_fairness,
         plots_goodput,
         plots_load,
+        plots_replicas,
         plots_workload,
     )
 
@@ -68,6 +69,7 @@ def _builtin() -> None:
         "goodput": lambda job, p: plots_goodput.plot_goodput(
             job.configs, p, job.settings.get("slo")
         ),
+        "replicas": lambda job, p: plots_replicas.plot_replicas(job.configs, p),
     }
     for name, function in builtin.items():
         PLOTS.setdefault(name, function)

@@ -77,6 +77,14 @@ KEY_FIGURES = (
     "prefix_hit_rate",
     "longest_stall_ms",
 )
+# shown too whenever a run has them: how a cluster's router spread the requests
+CLUSTER_FIGURES = (
+    "load_imbalance",
+    "requests_per_replica",
+    "sent_to_busy_while_idle",
+    "decode_load_imbalance",
+    "requests_per_decode_replica",
+)
 HIGHER_IS_BETTER = frozenset(
     {
         "output_tok_s",
@@ -270,10 +278,12 @@ def report(
     out.mkdir(parents=True, exist_ok=True)
 
     slo_figures = ["slo_attainment_pct", "goodput_rps"] if settings["slo"] else []
-    shown = list(
-        dict.fromkeys([settings["sort"], *KEY_FIGURES, *slo_figures, *settings["figures"]])
-    )
-    every = list(dict.fromkeys([*shown, *_summary_keys(runs)]))
+    cluster = [name for name in CLUSTER_FIGURES if any(name in run.summary for run in runs)]
+    shown = list(dict.fromkeys(
+        [settings["sort"], *KEY_FIGURES, *slo_figures, *cluster, *settings["figures"]]
+    ))  # fmt: skip
+    text = set(_text_keys(runs))  # shown as they are (summary_rows adds them as text)
+    every = [name for name in dict.fromkeys([*shown, *_summary_keys(runs)]) if name not in text]
     plots = wanted_plots(settings)
     settings["simulated"] = report_note(configs)  # every plot's title names a simulation
     with Progress("servelab-report", len(configs) + len(plots) + 1, progress) as bar:
@@ -333,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "again on the stored runs",
     )  # fmt: skip
     parser.add_argument("--out", help="where to write (default: the only PATH)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # paths and options before or after --out
     paths = [p for p in args.paths if not is_override(p)]
     if not paths:
         parser.error("no run folder given")

@@ -111,7 +111,7 @@ def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacit
         if not config.finished:
             cells += ["failed"] + [""] * (len(figures) - 1)
         else:
-            cells += [_cell(estimate(config, name)) for name in figures]
+            cells += [_figure_cell(config, name) for name in figures]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [(config, run) for config in configs for run in config.runs if run.error]
     if failed:
@@ -124,6 +124,15 @@ def markdown(settings, configs, fixed, claims, figures, plots, warnings, capacit
 def _cell(value) -> str:
     text = rounded(value)
     return f"{text} *exact*" if value.exact else text
+
+
+def _figure_cell(config: Configuration, name: str) -> str:
+    """A figure's estimate, or a text figure's values (e.g. the requests per replica:
+    `8 8 8 8`), each distinct one once."""
+    values = [run.summary.get(name) for run in config.finished]
+    if values and all(isinstance(v, str) for v in values):
+        return "; ".join(dict.fromkeys(values))
+    return _cell(estimate(config, name))
 
 
 def capacity_lines(slo: Mapping, capacities: Sequence[dict]) -> list[str]:

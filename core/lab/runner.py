@@ -330,6 +330,9 @@ SUMMARY_SECTIONS = {
     ),
     "batching": ("steps", "step_ms_mean", "padding_waste_pct", "idle_slot_pct", "prefill_tokens"),
 }  # fmt: skip
+# a cluster run's own figures (lab/cluster/run.py): how the router spread the requests
+CLUSTER_SECTION = ("replicas", "router", "requests_per_replica", "load_imbalance",
+                   "sent_to_busy_while_idle")  # fmt: skip
 
 
 def print_summary(
@@ -343,7 +346,10 @@ def print_summary(
     table = Table(title=title)
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for section, keys in SUMMARY_SECTIONS.items():
+    sections = dict(SUMMARY_SECTIONS)
+    if "replicas" in summary:
+        sections["cluster"] = tuple(k for k in CLUSTER_SECTION if k in summary)
+    for section, keys in sections.items():
         table.add_section()
         table.add_row(f"[bold]{section}", "")
         for key in keys:

@@ -141,7 +141,8 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
         except ValidationError as err:
             raise validation_error(err.errors()) from None
         if getattr(req, "model", None) not in (None, model_name):
-            raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
+            raise ApiError(404, f"The model `{req.model}` does not exist: this server serves "
+                                f"`{model_name}` (or leave `model` out).", "model")  # fmt: skip
         return req
 
     async def chat_prompt(req: ChatRequest) -> str:

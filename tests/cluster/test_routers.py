@@ -94,7 +94,10 @@ def test_power_of_two_picks_the_lighter_of_its_two_probes():
 
 
 def test_prefix_affinity_follows_the_cached_prefix_then_load():
-    router = construct("router", {"name": "prefix_affinity", "block_size": 4}, num_replicas=3)
+    router = construct(
+        "router", {"name": "prefix_affinity", "block_size": 4, "min_saved_tokens": 16},
+        num_replicas=3,
+    )
     system = list(range(100, 116))  # four full blocks
     first = router.route(request(0, system + [1, 2]), states(0, 0, 0))
     assert first == 0  # nothing cached: least loaded, lowest index
@@ -108,13 +111,40 @@ def test_prefix_affinity_follows_the_cached_prefix_then_load():
 def test_prefix_affinity_gives_way_to_balance():
     router = construct(
         "router",
-        {"name": "prefix_affinity", "block_size": 4, "balance_abs_tokens": 100, "balance_rel": 2.0},
+        {"name": "prefix_affinity", "block_size": 4, "balance_abs_tokens": 100, "balance_rel": 2.0,
+         "min_saved_tokens": 0},
         num_replicas=2,
     )
     prompt = list(range(16))
     router.on_routed(request(0, prompt), 0)
     assert router.route(request(1, prompt), states(150, 60)) == 0  # 90 apart: affinity holds
     assert router.route(request(2, prompt), states(500, 60)) == 1  # 440 apart and > 2x: balance
+
+
+def test_prefix_affinity_sends_to_a_busier_replica_only_what_its_cache_saves():
+    """A busier replica than the least loaded gets a request for its cache only when the
+    cache saves at least `min_saved_tokens` (default 256) prompt tokens more than the least
+    loaded replica's: a shared 40-token system prompt (32 tokens in full 16-token blocks) is
+    not worth waiting behind another request; a 320-token history is."""
+    router = construct("router", "prefix_affinity", num_replicas=4)
+    system = list(range(1000, 1040))
+    first = request(0, system + list(range(12)))
+    assert router.route(first, states(0, 0, 0, 0)) == 0
+    router.on_routed(first, 0)
+    # equal loads: the cached system prompt is free, so it still counts
+    assert router.route(request(1, system + list(range(50, 62))), states(0, 0, 0, 0)) == 0
+    # replica 0 busy, 32 cached tokens saved there: the idle replica 1 serves it
+    assert router.route(request(2, system + list(range(50, 62))), states(64, 0, 0, 0)) == 1
+    history = system + list(range(2000, 2280))  # 320 tokens: 20 full blocks
+    router.on_routed(request(3, history), 2)
+    follow_up = request(4, history + list(range(30)))
+    # 320 tokens saved on replica 2, 32 at most elsewhere: 288 >= 256, affinity holds
+    assert router.route(follow_up, states(0, 0, 400, 0)) == 2
+    stricter = construct(
+        "router", {"name": "prefix_affinity", "min_saved_tokens": 336}, num_replicas=4
+    )
+    stricter.on_routed(request(3, history), 2)
+    assert stricter.route(follow_up, states(0, 0, 400, 0)) == 0  # 320 saved < 336: by load
 
 
 def test_prefix_affinity_forgets_least_recently_routed_blocks():
@@ -131,5 +161,7 @@ def test_bad_option_is_a_clear_error():
 
     with pytest.raises(ConfigError, match="cache_threshold"):
         construct("router", {"name": "prefix_affinity", "cache_threshold": 2.0}, num_replicas=2)
+    with pytest.raises(ConfigError, match="min_saved_tokens must be >= 0, got -1"):
+        construct("router", {"name": "prefix_affinity", "min_saved_tokens": -1}, num_replicas=2)
     with pytest.raises(ConfigError, match="registered: least_load, power_of_two"):
         construct("router", "nearest", num_replicas=2)

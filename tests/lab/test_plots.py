@@ -126,3 +126,60 @@ def test_the_workload_plot_words_an_offline_batch_and_draws_a_spread_rate(
         assert words == [] and len(rate.lines) == 1
     else:
         assert words == ["all 6 requests arrive at once\n(an offline batch)"] and not rate.lines
+
+
+def drawn_labels(fig, ax, which: str = "x") -> list:
+    """The tick labels `ax` shows once drawn: (text, its box on the canvas), left to right."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    low, high = sorted(axis.get_view_interval())
+    return [(t.get_text(), t.get_window_extent(renderer))
+            for t, tick in zip(axis.get_ticklabels(), axis.get_ticklocs())
+            if t.get_text() and t.get_visible() and low <= tick <= high]  # fmt: skip
+
+
+def test_claim_ratio_tick_labels_never_overlap(monkeypatch, tmp_path):
+    """The prefix-caching preset's claim (bound 0.3, an exact 0.224) on its long row labels:
+    the bound's label sat on 0.25's ("0.20.3") and 1's on 1.25's ("11.25")."""
+    from servelab.lab import plots_claims
+
+    figures = []
+    monkeypatch.setattr(plots_claims, "save", lambda fig, path: figures.append(fig))
+    label = "allocator.prefix_caching=true vs allocator.prefix_caching=false"
+    claims = [
+        type("C", (), {"bars": [(label, Estimate(0.224, 0.0, 0.224, 0.224, 5, exact=True))],
+                       "text": "prefix caching cuts the prompt tokens computed to at most 0.3",
+                       "figure": "prefill_tokens", "op": "ratio_at_most", "bound": 0.3,
+                       "verdict": "holds"}),
+        type("C", (), {"bars": [(label, Estimate(0.613, 0.1, 0.49, 0.76, 5))],
+                       "text": "time to first token falls", "figure": "ttft_mean_ms",
+                       "op": "ratio_below", "bound": 1.0, "verdict": "holds"}),
+    ]  # fmt: skip
+    assert plots_claims.plot_claims(claims, tmp_path / "claims.png")
+    fig = figures[0]
+    for ax in fig.axes:
+        labels = drawn_labels(fig, ax)
+        texts = [text for text, _ in labels]
+        assert len(texts) >= 3 and "1" in texts, texts
+        for (a, box_a), (b, box_b) in zip(labels, labels[1:]):
+            assert box_a.x1 + 2 < box_b.x0, f"{a!r} and {b!r} overlap"
+    assert "0.3" in [text for text, _ in drawn_labels(fig, fig.axes[0])]  # the bound is ticked
+
+
+@pytest.mark.parametrize("low,high", [(0.6, 12.0), (0.5, 3.2), (15.0, 220.0), (1.0, 1e4),
+                                      (0.9, 1.3), (1e-3, 1e6)])  # fmt: skip
+def test_log_axes_label_between_three_and_nine_ticks_in_plain_numbers(low, high):
+    from servelab.lab.plots import log_axis, pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([low, high], [0, 1])
+    log_axis(ax, "x")
+    labels = drawn_labels(fig, ax)
+    plt.close(fig)
+    texts = [text for text, _ in labels]
+    assert 3 <= len(texts) <= 9, texts
+    assert all("e" not in t and not t.endswith(".0") for t in texts), texts
+    for (a, box_a), (b, box_b) in zip(labels, labels[1:]):
+        assert box_a.x1 < box_b.x0, f"{a!r} and {b!r} overlap"

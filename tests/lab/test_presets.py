@@ -99,14 +99,34 @@ def test_paged_vs_contiguous(tmp_path):
 
 
 def test_prefix_caching(tmp_path):
-    overrides = ("workload.num_requests=12",)
-    runs = run_preset(tmp_path, "prefix_caching", *overrides)
+    """At the preset's size: its KV cache fills and evicts with caching, and the eviction
+    costs no hit (least recently used first: the requests' own tails, never the shared
+    prompt every new request reads), while the run without caching never preempts."""
+    from servelab.lab.workload import make_workload
+
+    runs = run_preset(tmp_path, "prefix_caching")
     cached, plain = runs["true"], runs["false"]
     assert cached["prefix_hit_tokens"] > 0 and plain["prefix_hit_tokens"] == 0
     # every prompt token is either computed or served from the cache
     assert cached["prefill_tokens"] + cached["prefix_hit_tokens"] == plain["prefill_tokens"]
-    assert cached["prefill_tokens"] < 0.6 * plain["prefill_tokens"]
+    assert cached["prefill_tokens"] < 0.3 * plain["prefill_tokens"]
     assert cached["output_digest"] == plain["output_digest"]
+    assert cached["evictions"] > 0 and plain["evictions"] == 0
+    assert plain["preemptions"] == cached["preemptions"] == 0
+    assert plain["peak_kv_util_pct"] > 50  # the cache is sized to the work, not 64 MiB idle
+    # the shared 512 tokens hit for every request that has them (a prompt over 512 tokens:
+    # the others are 32 to 64), except those of the first wave of 4, which run together
+    conf = files("servelab.conf")
+    node: dict = {}
+    for part in (conf / "workload" / "synthetic.yaml", conf / "workload" / "shared_prefix.yaml"):
+        node.update(OmegaConf.to_container(OmegaConf.load(part)))
+    node.update(OmegaConf.to_container(
+        OmegaConf.load(conf / "experiment" / "prefix_caching.yaml").workload))  # fmt: skip
+    node.pop("defaults", None)
+    requests = make_workload(node, vocab_size=256)
+    shared = [len(r.prompt_token_ids) > 512 for r in requests]
+    assert len(requests) == 64 and sum(shared) == 48
+    assert cached["prefix_hit_tokens"] == 512 * (sum(shared) - sum(shared[:4]))
 
 
 def test_chunked_prefill(tmp_path):

@@ -42,6 +42,15 @@ def test_command_line_options_override_the_stored_ones_without_rerunning(stored,
     capsys.readouterr()
 
 
+def test_options_may_follow_out(stored, tmp_path, capsys):
+    out = tmp_path / "elsewhere"
+    report_main(["--out", str(out), str(stored), "report.title=After out"])
+    assert (out / "summary.md").read_text().startswith("# After out\n")
+    report_main([str(stored), "--out", str(out), "report.title=Also after out"])
+    assert (out / "summary.md").read_text().startswith("# Also after out\n")
+    capsys.readouterr()
+
+
 def test_the_options_merge_into_the_stored_node_as_hydra_would():
     stored = {"title": "T", "slo": {"ttft_ms": 100, "percentile": 95}, "claims": [{"x": 1}]}
     merged = apply_overrides(stored, ["report.slo.tpot_ms=20", "++report.sort=ttft_p50_ms"], KEYS)

@@ -113,7 +113,10 @@ def test_unimplemented_fields_say_not_supported(server, fields, param):
 
 def test_unknown_model_is_404_and_unknown_route_has_the_openai_shape(server):
     r = post(server, "/v1/completions", {"model": "nope", "prompt": "hi"})
-    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    served = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and "does not exist" in message
+    assert f"this server serves `{served}`" in message  # the name to send instead
     r = httpx.get(server.url + "/v1/nowhere", timeout=10)
     assert r.status_code == 404 and set(r.json()["error"]) >= {"message", "type", "code"}
 

@@ -1,6 +1,6 @@
 """What a cluster run is made of, shared by the colocated run (lab/cluster/run.py) and the
 prefill/decode one (lab/cluster/run_disaggregated.py): the result, one replica's config
-and engines, the workload node, the executor's provenance. Kept apart from both so
+and engines, the workload node, the executor's provenance, the routed-requests figures. Kept apart from both so
 neither imports the other (run.py picks one of them per config).
 """
 
@@ -48,3 +48,14 @@ def build_replicas(config: Mapping, count: int) -> list:
 
 def executor_provenance(engine) -> dict:
     return {"virtual_clock": bool(engine.executor.virtual_clock), **engine.executor.describe()}
+
+
+def load_imbalance(routed: list[int]) -> float:
+    """Most requests routed to one replica over the mean (1.0: even)."""
+    mean = sum(routed) / len(routed) if routed else 0.0
+    return max(routed) / mean if mean else 1.0
+
+
+def per_replica(routed: list[int]) -> str:
+    """The requests routed to each replica, in replica order: `13 8 4 7`."""
+    return " ".join(str(n) for n in routed)

@@ -3,8 +3,10 @@ router=least_load executor=simulated hardware=h100-sxm ...`): build the replicas
 router, serve the workload on one virtual clock, summarize.
 
 The summary is the single-engine summary over every replica's requests and steps (TTFT,
-ITL, throughput...) plus what only a cluster has: the router, the replica count, the load
-imbalance (most routed requests on one replica over the mean); `prefix_hit_rate` is then
+ITL, throughput...) plus what only a cluster has: the router, the replica count, the
+requests routed to each replica, the load imbalance (most routed requests on one replica
+over the mean), the requests sent to a busy replica while another was idle;
+`prefix_hit_rate` is then
 the cluster's (prefix-cached prompt tokens over those looked up, every replica together).
 
 `ClusterResult`, `engine_config` and the other pieces both kinds of run share live in
@@ -25,6 +27,8 @@ from servelab.lab.cluster.replica_set import (
     build_replicas,
     engine_config,
     executor_provenance,
+    load_imbalance,
+    per_replica,
     workload_node,
 )
 from servelab.lab.cluster.simulated import SimulatedCluster
@@ -61,7 +65,7 @@ def collect(
     steps = sorted((s for e in engines for s in e.metrics.steps), key=lambda s: s.start_time)
     summary = summarize(records, steps)
     summary["output_digest"] = output_digest(cluster.tokens)  # equal digests: equal outputs
-    summary.update(cluster_figures(engines, cluster.dispatcher.ledger.routed_count))
+    summary.update(cluster_figures(engines, cluster.dispatcher))
     summary["router"] = getattr(router, "name", type(router).__name__)
     return ClusterResult(
         summary,
@@ -74,11 +78,25 @@ def collect(
     )
 
 
-def cluster_figures(engines: list, routed: list[int]) -> dict[str, float]:
-    """Replica count and load imbalance (most requests routed to one replica over the mean);
-    the prefix hit rate over every replica's steps is the summary's `prefix_hit_rate`."""
-    mean = sum(routed) / len(routed) if routed else 0.0
-    return {"replicas": len(engines), "load_imbalance": max(routed) / mean if mean else 1.0}
+def cluster_figures(engines: list, dispatcher: Dispatcher) -> dict[str, float | str]:
+    """Replica count, the requests routed to each replica, the load imbalance (most requests
+    routed to one replica over the mean) and the requests sent to a busy replica while
+    another was idle; the prefix hit rate over every replica's steps is the summary's
+    `prefix_hit_rate`."""
+    routed = dispatcher.ledger.routed_count
+    return {
+        "replicas": len(engines),
+        "load_imbalance": load_imbalance(routed),
+        "requests_per_replica": per_replica(routed),
+        "sent_to_busy_while_idle": dispatcher.sent_to_busy_while_idle,
+    }
 
 
-__all__ = ["ClusterResult", "engine_config", "run_cluster", "collect", "cluster_figures"]
+
+__all__ = [
+    "ClusterResult",
+    "engine_config",
+    "run_cluster",
+    "collect",
+    "cluster_figures",
+]

@@ -23,6 +23,8 @@ from servelab.lab.cluster.replica_set import (
     ClusterResult,
     build_replicas,
     executor_provenance,
+    load_imbalance,
+    per_replica,
     workload_node,
 )
 from servelab.lab.runner import output_digest
@@ -112,11 +114,9 @@ def instance_figures(cluster: DisaggregatedCluster) -> dict[str, float]:
         "replicas": len(cluster.engines),  # GPUs: prefill and decode instances together
         "prefill_replicas": len(prefill),
         "decode_replicas": len(decode),
-        "load_imbalance": _imbalance(prefill),
-        "decode_load_imbalance": _imbalance(decode),
+        "load_imbalance": load_imbalance(prefill),
+        "decode_load_imbalance": load_imbalance(decode),
+        "requests_per_replica": per_replica(prefill),  # the prefill instances'
+        "requests_per_decode_replica": per_replica(decode),
+        "sent_to_busy_while_idle": cluster.prefill_dispatcher.sent_to_busy_while_idle,
     }
-
-
-def _imbalance(routed: list[int]) -> float:
-    mean = sum(routed) / len(routed) if routed else 0.0
-    return max(routed) / mean if mean else 1.0

@@ -30,11 +30,20 @@ def test_proposers():
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    return make_case("qwen3", tmp_path_factory.mktemp("qwen3"))
+    made = make_case("qwen3", tmp_path_factory.mktemp("qwen3"))
+    # another tiny model over the same vocabulary drafts for it (mostly wrong)
+    made.draft_folder = make_case("qwen3", tmp_path_factory.mktemp("draft"), seed=1).folder
+    return made
 
 
 def proposers(case) -> dict[str, dict]:
     return {
+        "draft": {
+            "name": "draft",
+            "model": str(case.draft_folder),
+            "k": 3,
+            "kv_cache_memory": 64 * 1024,
+        },  # fmt: skip
         "ngram": {"name": "ngram", "k": 3, "min_n": 1, "max_n": 2},
         "reference": {
             "name": "reference",
@@ -58,13 +67,25 @@ def check(case, combo, proposer: str, **engine):
     return run
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "reference"])
+@pytest.mark.parametrize("proposer", ["ngram", "reference", "draft"])
 @pytest.mark.parametrize("combo", ALL, ids=combo_id)
 def test_every_combination_with_every_proposer(case, combo, proposer):
     check(case, combo, proposer)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "reference"])
+def test_a_draft_model_equal_to_the_target_is_always_right(case):
+    """The target drafting for itself: every draft is kept, and the run ends in
+    about (k + 1) times fewer decode steps."""
+    combo = {"scheduler": {"name": "continuous"}, "allocator": {"name": "paged", "block_size": 4},
+             "preemption": {"name": "recompute"}, "attention": {"name": "per_request"}}  # fmt: skip
+    node = {"name": "draft", "model": str(case.folder), "k": 3, "kv_cache_memory": 1 << 20}
+    run = drive(case, {**combo, "proposer": node}, kv_cache_memory=1 << 20)
+    assert_matches_reference(case, combo, run)
+    stats = run.scheduler_stats
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "reference", "draft"])
 def test_parallel_samples(case, proposer):
     """n = 3 greedy samples: each the reference; forks share blocks (copy-on-write)."""
     combo = {"scheduler": {"name": "continuous"}, "allocator": {"name": "paged", "block_size": 4},

@@ -78,9 +78,20 @@ def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix(
 SAMPLING = [
     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True,
-                   repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3,
-                   logit_bias={9: 3.0, 5: 2.0}, min_tokens=5, logprobs=3),  # fmt: skip
+    SamplingParams(
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        seed=3,
+        max_tokens=20,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        logit_bias={9: 3.0, 5: 2.0},
+        min_tokens=5,
+        logprobs=3,
+    ),  # fmt: skip
     SamplingParams(temperature=0.0, max_tokens=16, n=3, ignore_eos=True, logprobs=2),
     SamplingParams(temperature=1.0, seed=11, max_tokens=16, n=2, ignore_eos=True),
 ]
@@ -214,7 +225,9 @@ def test_prefix_cache_hits_are_the_same_with_every_proposer(allocator):
 
 # -- the core's knobs
 def test_disable_above_batch_size_and_per_request_opt_out():
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 8, 12, 16)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 8, 12, 16)
+    ]
     llm = tiny({"name": "repeat_last", "k": 2, "disable_above_batch_size": 2}, max_num_seqs=8)
     llm.generate(REPEATING, params)  # four decode at once: no drafts until two are left
     many = llm.engine.scheduler.stats()["spec_num_drafts"]
@@ -289,9 +302,9 @@ def test_counts_reach_requests_steps_and_the_summary():
     )
     # fewer steps than tokens: kept drafts save forwards
     assert summary["steps"] < sum(o.metrics["output_tokens"] for o in outputs)
-    assert sum(s.extra["spec_num_draft_tokens"] for s in metrics.steps) == summary[
-        "spec_draft_tokens"
-    ]
+    assert (
+        sum(s.extra["spec_num_draft_tokens"] for s in metrics.steps) == summary["spec_draft_tokens"]
+    )
 
 
 def test_without_a_proposer_nothing_changes_in_the_records():

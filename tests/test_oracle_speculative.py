@@ -3,19 +3,28 @@ proposer, on every combination the oracle runs, gives exactly transformers'
 greedy tokens (and so those of `proposer=none`), with the allocator's integrity
 checked after every step and every block free at the end.
 
-Two proposers run the whole matrix: `ngram` (the built-in; on the oracle's
-random prompts its drafts are mostly rejected, at every position) and
-`reference` (drafts the true outputs, wrong at random positions: long accepted
-runs ending at EOS, at a stop token or at max_tokens inside a run, across block
-boundaries, under preemption)."""
+Four proposers run the whole matrix: `ngram` (the built-in; on the oracle's
+random prompts its drafts are mostly rejected, at every position), `draft` (a
+second tiny model drafts, with its own KV cache), `eagle` (a random EAGLE head
+over the target's hidden states) and `reference` (drafts the true outputs,
+wrong at random positions: long accepted runs ending at EOS, at a stop token or
+at max_tokens inside a run, across block boundaries, under preemption)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from servelab.registry.plugin_manager import get_plugin_manager
-from servelab.testing.oracle import assert_matches_reference, combo_id, drive, make_case
-from servelab.testing.proposers import TestProposers
+from servelab.testing.hf_reference import build_tiny_hf
+from servelab.testing.oracle import (
+    assert_matches_reference,
+    combo_id,
+    drive,
+    engine_options,
+    make_case,
+)
+from servelab.testing.proposers import TestProposers, write_random_eagle_head
 from tests.test_oracle import ALL
 
 
@@ -33,6 +42,8 @@ def case(tmp_path_factory):
     made = make_case("qwen3", tmp_path_factory.mktemp("qwen3"))
     # another tiny model over the same vocabulary drafts for it (mostly wrong)
     made.draft_folder = make_case("qwen3", tmp_path_factory.mktemp("draft"), seed=1).folder
+    # a random EAGLE head over it (mostly wrong drafts; every step of the head runs)
+    made.eagle_folder = write_random_eagle_head(made.folder, tmp_path_factory.mktemp("eagle"))
     return made
 
 
@@ -43,7 +54,8 @@ def proposers(case) -> dict[str, dict]:
             "model": str(case.draft_folder),
             "k": 3,
             "kv_cache_memory": 64 * 1024,
-        },  # fmt: skip
+        },
+        "eagle": {"name": "eagle", "model": str(case.eagle_folder), "k": 3},
         "ngram": {"name": "ngram", "k": 3, "min_n": 1, "max_n": 2},
         "reference": {
             "name": "reference",
@@ -67,7 +79,7 @@ def check(case, combo, proposer: str, **engine):
     return run
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "reference", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "reference", "draft", "eagle"])
 @pytest.mark.parametrize("combo", ALL, ids=combo_id)
 def test_every_combination_with_every_proposer(case, combo, proposer):
     check(case, combo, proposer)
@@ -85,7 +97,43 @@ def test_a_draft_model_equal_to_the_target_is_always_right(case):
     assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "reference", "draft"])
+@pytest.mark.parametrize(
+    "allocator",
+    [
+        {"name": "paged", "block_size": 4},
+        {"name": "paged", "block_size": 4, "prefix_caching": True},
+    ],
+)
+def test_the_hidden_states_a_proposer_reads_are_the_targets(case, allocator):
+    """What `on_hidden_states` hands a proposer (EAGLE's features) equals
+    transformers' final hidden states of the same tokens, position by position,
+    with chunked prefill, preemption and verification (kept positions only)."""
+    from servelab import LLM
+
+    combo = {"scheduler": {"name": "chunked", "chunk_size": 8, "admission": "on_demand"},
+             "allocator": allocator,
+             "preemption": {"name": "recompute"}, "attention": {"name": "per_request"}}  # fmt: skip
+    llm = LLM(model=str(case.folder), proposer={"name": "recording", "k": 2}, **combo,
+              **engine_options(combo, kv_cache_memory=96 * 1024))  # fmt: skip
+    outputs = llm.generate(case.prompts, case.params)
+    recorded = llm.engine.scheduler.speculation.proposer.features
+    stats = llm.engine.scheduler.stats()
+    assert stats["spec_num_drafts"] > 0 and stats["preemptions_recompute"] > 0
+    reference = build_tiny_hf("qwen3", 0)
+    for out in outputs:
+        tokens = out.prompt_token_ids + out.token_ids
+        with torch.no_grad():
+            want = reference.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        # the sequence whose recorded positions lie within this request's tokens and match
+        matches = [
+            f for f in recorded.values()
+            if f and max(f) < len(tokens) - 1
+            and all(torch.allclose(v, want[p], rtol=0, atol=1e-9) for p, v in f.items())
+        ]  # fmt: skip
+        assert matches, f"request {out.request_id}: no recorded features equal transformers'"
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "reference", "draft", "eagle"])
 def test_parallel_samples(case, proposer):
     """n = 3 greedy samples: each the reference; forks share blocks (copy-on-write)."""
     combo = {"scheduler": {"name": "continuous"}, "allocator": {"name": "paged", "block_size": 4},

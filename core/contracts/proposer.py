@@ -81,6 +81,9 @@ class Proposer(abc.ABC):
     # False only for `none`: the core then never asks, and a step is exactly one
     # without speculative decoding
     proposes: ClassVar[bool] = True
+    # True: the target's final hidden states reach `on_hidden_states` after each step
+    # (a model-based proposer that reads them, as EAGLE's head does)
+    needs_hidden_states: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -110,6 +113,13 @@ class Proposer(abc.ABC):
 
     def on_verified(self, seq_id: int, drafted: int, accepted: int) -> None:
         """The target accepted `accepted` of the `drafted` drafts of `seq_id`."""
+
+    def on_hidden_states(self, seq_id: int, first: int, states: Any) -> None:
+        """With `needs_hidden_states`: the target's final hidden states (after its
+        final norm: what its LM head reads), `[count, hidden]`, of `seq_id`'s
+        positions `first .. first + count - 1` computed in the last step, only
+        positions whose K/V the target kept. A sequence computed again (after a
+        recompute) sends positions from its start again."""
 
     def on_finish(self, seq_id: int) -> None:
         """`seq_id` left (finished, aborted or preempted): forget what it kept."""

@@ -263,10 +263,23 @@ class ModelRunner:
         hidden = self.run_model(batch)
         if batch.prompt_rows:
             self.record_prompt_logprobs(hidden, batch)
-        return self.sample(hidden, batch)
+        sampled = self.sample(hidden, batch)
+        if plan.wants_hidden:  # a proposer reads them (speculative decoding)
+            sampled.hidden = rows_hidden(plan, hidden)
+        return sampled
 
 
 PROMPT_ROWS_AT_ONCE = 256
+
+
+def rows_hidden(plan: StepPlan, hidden: torch.Tensor) -> dict[int, tuple[int, torch.Tensor]]:
+    """Each row's final hidden states, by sequence: (its first position, [count, hidden])."""
+    out = {}
+    at = 0
+    for seq, start, count, _ in plan.rows():
+        out[seq.seq_id] = (start, hidden[at : at + count])
+        at += count
+    return out
 
 
 def _sample_rows(plan: StepPlan, verify: list | None = None) -> tuple:

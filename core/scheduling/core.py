@@ -277,6 +277,7 @@ class SchedulerCore:
         return self._finish_plan(plan)
 
     def _finish_plan(self, plan: StepPlan) -> StepPlan:
+        plan.wants_hidden = self.speculation is not None and self.speculation.wants_hidden
         plan.close(self.allocator.block_table, self.allocator.block_size, self.max_model_len)
         plan.copies = self.allocator.take_copies()
         if self._holds_slots:  # finished sequences of groups that keep their slots
@@ -425,12 +426,17 @@ class SchedulerCore:
                 decoded = decoded[:num_decodes]
             ending, rewritten = self._update_decodes(plan, decoded, now, stopped)
             self.decode_phase.update(plan, decoded, ending, rewritten)
+            if sampled.hidden is not None:
+                for seq in plan.seqs[:num_decodes]:
+                    self._deliver_hidden(seq, sampled, 1)
         forked = False
         drafts = plan.draft_counts
         for row, (seq, start, count, samples) in enumerate(plan.rows(num_decodes), num_decodes):
             if drafts is not None and drafts[row]:
                 self._update_verified(seq, start, int(drafts[row]), sampled, now, stopped)
                 continue
+            if sampled.hidden is not None:
+                self._deliver_hidden(seq, sampled, count)
             seq.num_computed_tokens += count
             self.allocator.commit(seq)
             tokens = sampled.get(seq.seq_id) if samples else None
@@ -484,6 +490,8 @@ class SchedulerCore:
         seq.num_computed_tokens = start + appended
         self.allocator.truncate(seq, seq.num_computed_tokens)
         self.allocator.commit(seq)
+        if sampled.hidden is not None:  # the kept positions' only
+            self._deliver_hidden(seq, sampled, seq.num_computed_tokens - start)
         accepted = len(tokens) - 1
         seq.num_drafted_tokens += drafted
         seq.num_accepted_tokens += accepted
@@ -491,6 +499,15 @@ class SchedulerCore:
         assert self.speculation is not None  # only a proposer gives a row drafts
         self.speculation.verified(seq, drafted, accepted)
         stop_if_done(seq, self.max_model_len, self.allocator, stopped)
+
+    def _deliver_hidden(self, seq: Sequence, sampled: SampledTokens, count: int) -> None:
+        """Hands the proposer the target's hidden states of `seq`'s first `count`
+        positions computed this step."""
+        assert self.speculation is not None and sampled.hidden is not None
+        found = sampled.hidden.get(seq.seq_id)
+        if found is not None:
+            start, states = found
+            self.speculation.proposer.on_hidden_states(seq.seq_id, start, states[:count])
 
     def _update_decodes(
         self, plan: StepPlan, tokens: list[int], now: float, stopped: set[SequenceGroup]

@@ -41,6 +41,10 @@ class Speculation:
     def active(self) -> bool:
         return self.proposer.proposes
 
+    @property
+    def wants_hidden(self) -> bool:
+        return self.proposer.needs_hidden_states
+
     def draft(self, seqs: list[Sequence]) -> None:
         """Sets each sequence's `draft_tokens` for this step (sequences that are
         about to decode); no drafts above the proposer's batch-size limit."""

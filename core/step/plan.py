@@ -76,6 +76,9 @@ class StepPlan:
         # speculative decoding: each row's drafts (its tokens past the sequence's own,
         # verified at every position: `servelab.step.verify`); None when no row has any
         self.draft_counts: np.ndarray | None = None
+        # the proposer reads the target's final hidden states: the executor returns
+        # each row's (`SampledTokens.hidden`)
+        self.wants_hidden = False
         self.num_decodes = 0
         # decode rows' stop limits (finish by length when num_tokens reaches it), and the
         # stop token ids any of them stops on (each row still applies its own rule)
@@ -423,6 +426,9 @@ class SampledTokens:
         # the owners whose several entries are one sequence's tokens (a decode whose
         # drafts were kept: `servelab.step.verify`), not a prompt forking now
         self.runs: frozenset[int] = frozenset()
+        # when the plan `wants_hidden`: seq_id -> (first position, the final hidden
+        # states [count, hidden] of the positions its row computed)
+        self.hidden: dict[int, tuple[int, object]] | None = None
         self._by_seq: dict[int, list[int]] | None = None
 
     def get(self, seq_id: int) -> list[int] | None:

@@ -11,7 +11,10 @@ produced, each draft replaced by a wrong token with probability `wrong`
 
 from __future__ import annotations
 
+import json
+import os
 import random
+from pathlib import Path
 from typing import Any
 
 from servelab.contracts.hookspecs import hookimpl
@@ -63,9 +66,78 @@ class RepeatLastProposer(Proposer):
         return [[r.last_token] * r.max_drafts for r in requests]
 
 
+class RecordingProposer(RepeatLastProposer):
+    """`repeat_last` that records the target's hidden states it is handed:
+    `features[(request_id, sample index)][position]`, the latest for each position."""
+
+    description = "repeat_last, recording the target's hidden states (testing)"
+    needs_hidden_states = True
+
+    def __init__(self, **common) -> None:
+        super().__init__(**common)
+        self.features: dict[int, dict[int, Any]] = {}
+
+    def on_hidden_states(self, seq_id: int, first: int, states: Any) -> None:
+        found = self.features.setdefault(seq_id, {})
+        for i, row in enumerate(states):
+            found[first + i] = row.clone()
+
+
+def write_random_eagle_head(target: Path, folder: Path, seed: int = 0) -> Path:
+    """An EAGLE head folder (the `eagle` proposer's format) of random weights
+    shaped for the checkpoint at `target`: its drafts are mostly wrong, but
+    every step of the head runs."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((target / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    tensors = {
+        "fc.weight": rand(hidden, 2 * hidden),
+        "layer.input_layernorm.weight": 1 + rand(hidden),
+        "layer.post_attention_layernorm.weight": 1 + rand(hidden),
+        "layer.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+        "layer.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+        "layer.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+        "layer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "layer.self_attn.q_norm.weight": 1 + rand(head_dim),
+        "layer.self_attn.k_norm.weight": 1 + rand(head_dim),
+        "layer.mlp.gate_proj.weight": rand(inter, hidden),
+        "layer.mlp.up_proj.weight": rand(inter, hidden),
+        "layer.mlp.down_proj.weight": rand(hidden, inter),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    head_config = {
+        "architectures": ["ServelabEagleHead"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
+        "rope_theta": config.get("rope_theta", 10000.0),
+        "target": os.path.relpath(target, folder),
+    }
+    (folder / "config.json").write_text(json.dumps(head_config, indent=2))
+    return folder
+
+
 class TestProposers:
-    """A runtime plugin registering the testing proposers (`reference`, `repeat_last`)."""
+    """A runtime plugin registering the testing proposers (`reference`,
+    `repeat_last`, `recording`)."""
 
     @hookimpl
     def servelab_register_proposers(self):
-        return {"reference": ReferenceProposer, "repeat_last": RepeatLastProposer}
+        return {
+            "reference": ReferenceProposer,
+            "repeat_last": RepeatLastProposer,
+            "recording": RecordingProposer,
+        }

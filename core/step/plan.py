@@ -22,7 +22,7 @@ import itertools
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -428,7 +428,7 @@ class SampledTokens:
         self.runs: frozenset[int] = frozenset()
         # when the plan `wants_hidden`: seq_id -> (first position, the final hidden
         # states [count, hidden] of the positions its row computed)
-        self.hidden: dict[int, tuple[int, object]] | None = None
+        self.hidden: dict[int, tuple[int, Any]] | None = None
         self._by_seq: dict[int, list[int]] | None = None
 
     def get(self, seq_id: int) -> list[int] | None:

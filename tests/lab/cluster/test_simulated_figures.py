@@ -78,11 +78,18 @@ def fingerprint(case: str) -> dict:
     }
 
 
+# fields added after the golden values, zero in runs without a proposer: left out when
+# zero, so the digests show nothing else moved
+SPECULATIVE_FIELDS = frozenset({"drafted_tokens", "accepted_tokens", "verifications"})
+
+
 def digest(records: list, kind: type) -> str:
     """A hash of every field of every record, floats to the last bit (`float.hex`)."""
     h = hashlib.sha256()
     for record in records:
         for f in fields(kind):
+            if f.name in SPECULATIVE_FIELDS and getattr(record, f.name) == 0:
+                continue
             h.update(f"{f.name}={exact(getattr(record, f.name))};".encode())
     return h.hexdigest()[:16]
 

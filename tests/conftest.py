@@ -61,6 +61,7 @@ SLOW = (
     "tests/lab/test_repeats.py",
     "tests/plugins/test_allocator_stateful.py",
     "tests/testing/test_conformance.py",
+    "tests/testing/test_conformance_proposer.py",
     "tests/test_gpu_check.py::test_dry_run_runs_every_phase_and_writes_the_report",
     "tests/executor/test_compile_graphs.py",
     "tests/executor/test_compile.py",

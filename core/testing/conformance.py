@@ -18,10 +18,11 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.contracts.kinds import KINDS
+from servelab.contracts.proposer import Draft, DraftRequest, Proposer
 from servelab.errors import ConfigError
 from servelab.registry.options import check_options, declared_variants, describe_options
 from servelab.registry.plugin_manager import get_plugin_manager
@@ -44,7 +45,9 @@ TIGHT_KV_MEMORY = 96 * 1024  # 96 tokens of the oracle model's KV: on-demand run
 # fits, even in the contiguous layout where the scheduler counts one spare
 # copy-on-write block per group; the token budget holds both samples'
 # re-prefill after a recompute preemption.
-PARALLEL_SAMPLING = dict(n=2, kv_cache_memory=192 * 1024, max_num_batched_tokens=128)
+PARALLEL_SAMPLING: dict[str, Any] = dict(
+    n=2, kv_cache_memory=192 * 1024, max_num_batched_tokens=128
+)
 
 
 @dataclass
@@ -456,9 +459,10 @@ def check_proposer(cls: type, **options: Any) -> ConformanceReport:
     report = ConformanceReport("proposer", _qualname(cls))
     with temporarily_registered("proposer", cls):  # the contract's methods, as itself
         pass
+    proposer = cast("type[Proposer]", cls)  # it is one: registering it checked that
     watch = _ProposerWatch(report.part)
     name = f"under_test_{cls.__name__}"
-    with temporarily_registered("proposer", _watched(cls, watch), name=name):
+    with temporarily_registered("proposer", _watched(proposer, watch), name=name):
         node = _node("proposer", name, cls, options)
 
         def drive(case: Any, combo: dict, **drive_options: Any) -> Any:
@@ -508,7 +512,7 @@ def check_proposer(cls: type, **options: Any) -> ConformanceReport:
             **PARALLEL_SAMPLING,
         )  # fmt: skip
         report.properties.append("parallel sampling (n=2)")
-    if not cls.proposes:
+    if not proposer.proposes:
         report.properties.append(
             "proposes=False: the core never asks it, every step is one without drafts"
         )
@@ -588,12 +592,11 @@ def _drive_watched(
     return run
 
 
-def _watched(cls: type, watch: _ProposerWatch) -> type:
+def _watched(cls: type[Proposer], watch: _ProposerWatch) -> type:
     """`cls` with its calls watched: `propose` checked against the contract
     (what it broke goes to `watch`; a token list it changed is put back, so the
     run goes on to the end and the rule is the failure), and any exception the
     proposer raises recorded before the core sees it."""
-    from servelab.contracts.proposer import DraftRequest
     from servelab.testing.oracle import VOCAB
 
     def propose(self: Any, requests: list[DraftRequest]) -> Any:
@@ -662,8 +665,6 @@ def _check_untouched(requests: list[Any], before: list[list[int]], watch: _Propo
 def _check_answers(
     owner: str, requests: list[Any], answers: Any, vocab: int, watch: _ProposerWatch
 ) -> None:
-    from servelab.contracts.proposer import Draft
-
     if not isinstance(answers, (list, tuple)) or len(answers) != len(requests):
         got = (
             f"{len(answers)} entries"

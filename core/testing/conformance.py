@@ -18,10 +18,11 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from servelab.contracts.hookspecs import hookimpl
 from servelab.contracts.kinds import KINDS
+from servelab.contracts.proposer import Draft, DraftRequest, Proposer
 from servelab.errors import ConfigError
 from servelab.registry.options import check_options, declared_variants, describe_options
 from servelab.registry.plugin_manager import get_plugin_manager
@@ -44,7 +45,9 @@ TIGHT_KV_MEMORY = 96 * 1024  # 96 tokens of the oracle model's KV: on-demand run
 # fits, even in the contiguous layout where the scheduler counts one spare
 # copy-on-write block per group; the token budget holds both samples'
 # re-prefill after a recompute preemption.
-PARALLEL_SAMPLING = dict(n=2, kv_cache_memory=192 * 1024, max_num_batched_tokens=128)
+PARALLEL_SAMPLING: dict[str, Any] = dict(
+    n=2, kv_cache_memory=192 * 1024, max_num_batched_tokens=128
+)
 
 
 @dataclass
@@ -58,6 +61,8 @@ class ConformanceReport:
     skipped: list[str] = field(default_factory=list)  # combinations the part refused (ConfigError)
     preempted: int = 0  # sequences preempted over every run
     evictions: int = 0  # cached KV blocks evicted over every run (allocators with a cache)
+    draft_tokens: int = 0  # drafts verified over every run (proposers)
+    accepted_tokens: int = 0  # of which the target kept (proposers)
 
 
 def _each_declared_variant(
@@ -79,6 +84,8 @@ def _each_declared_variant(
             total.skipped += report.skipped
             total.preempted += report.preempted
             total.evictions += report.evictions
+            total.draft_tokens += report.draft_tokens
+            total.accepted_tokens += report.accepted_tokens
         return total
 
     return run
@@ -131,17 +138,20 @@ def _run_oracle(
     combos: list[dict],
     *,
     refusable: bool = False,
+    drive: Callable[..., Any] | None = None,
     **drive_options: Any,
 ) -> None:
     """Runs each combination through the oracle; with `refusable`, a combination
     the part refuses with ConfigError (e.g. an attention backend's `check`) is
-    recorded as skipped."""
+    recorded as skipped. `drive` stands in for the oracle's (a check that
+    watches the part during each run)."""
     oracle = _oracle()
     case = oracle.cached_case()
+    drive = drive or oracle.drive
     for combo in combos:
         label = oracle.combo_id(combo)
         try:
-            run = oracle.drive(case, combo, **drive_options)
+            run = drive(case, combo, **drive_options)
         except ConfigError as exc:
             if not refusable:
                 raise
@@ -185,7 +195,12 @@ def check_scheduler(cls: type, **options: Any) -> ConformanceReport:
                 attention=PER_REQUEST,
             ),
         )
-        _check_exactly_once_with_aborts(report, node)
+        aborting = [(PAGED, RECOMPUTE), (PAGED_PREFIX, SWAP)]
+        _check_exactly_once_with_aborts(
+            report,
+            [_combos(scheduler=node, allocator=a, preemption=p, attention=PER_REQUEST)[0]
+             for a, p in aborting],
+        )  # fmt: skip
         _run_oracle(
             report,
             _combos(scheduler=node, allocator=PAGED_PREFIX, preemption=SWAP, attention=PER_REQUEST),
@@ -344,23 +359,23 @@ def _check_clock(executor: Any) -> None:
 # -- property checks
 
 
-def _check_exactly_once_with_aborts(report: ConformanceReport, node: dict) -> None:
+def _check_exactly_once_with_aborts(
+    report: ConformanceReport,
+    combos: list[dict],
+    drive: Callable[..., Any] | None = None,
+) -> None:
     """Tight budget, one request aborted while waiting and one mid-way: every
     request finishes exactly once (`drive` asserts it), the aborted ones as
-    "abort", every other one with transformers' tokens."""
+    "abort", every other one with transformers' tokens. `drive` stands in for
+    the oracle's (a check that watches the part during each run)."""
     oracle = _oracle()
+    drive = drive or oracle.drive
     case = oracle.cached_case()
     longest_prompt = max(range(len(case.prompts)), key=lambda i: len(case.prompts[i]))
     longest_output = max(range(len(case.params)), key=lambda i: case.params[i].max_tokens)
     abort = {0: longest_prompt, 3: longest_output}
-    for allocator, preemption in [(PAGED, RECOMPUTE), (PAGED_PREFIX, SWAP)]:
-        combo = {
-            "scheduler": node,
-            "allocator": allocator,
-            "preemption": preemption,
-            "attention": PER_REQUEST,
-        }
-        run = oracle.drive(case, combo, abort=abort, kv_cache_memory=TIGHT_KV_MEMORY)
+    for combo in combos:
+        run = drive(case, combo, abort=abort, kv_cache_memory=TIGHT_KV_MEMORY)
         label = oracle.combo_id(combo)
         assert longest_prompt in run.aborted, f"[{label}] aborting a waiting request failed"
         for index in run.aborted:
@@ -408,3 +423,293 @@ def check_router(cls: type, **options: Any) -> ConformanceReport:
         report.properties += check_routing(lambda n: construct("router", node, num_replicas=n))
         report.combinations += [f"{name}: {n} replicas" for n in REPLICA_COUNTS]
     return report
+
+
+# -- proposers
+
+RADIX = {"name": "radix"}  # page_size 1: a prefix shared down to single tokens
+RADIX_PAGES = {"name": "radix", "page_size": 4}
+
+
+@_each_declared_variant
+def check_proposer(cls: type, **options: Any) -> ConformanceReport:
+    """Checks a speculative-decoding `Proposer` built with `options`.
+
+    Oracle runs under the kit's tight KV budget (preemption happens, with drafts
+    in flight): the continuous scheduler with the paged (plain and
+    prefix-cached), radix and contiguous allocators, the chunked one with the
+    prefix-cached paged allocator and radix pages of 4 tokens, each under
+    recompute and swap, and the static one; then aborts (a waiting request, a
+    running one) and parallel sampling (n=2).
+    Every request's tokens must be transformers' (verification keeps only what
+    the target says), integrity must hold after every step, and every block be
+    free at the end.
+
+    Then the contract, which the core enforces by dropping a step's drafts (so a
+    broken proposer would only be slow, silently): every call to `propose` is
+    watched, and it must leave each `DraftRequest.token_ids` as it found it,
+    return one entry per request, at most `max_drafts` Python-int ids in the
+    vocabulary for each, and not raise; nor may `on_verified` or `on_finish`
+    raise. A proposer that proposes must also have drafted at least once over
+    the runs: one that never drafts only costs its calls, and the kit would have
+    checked nothing of its drafts.
+    """
+    from servelab.testing.oracle import drive as oracle_drive
+
+    report = ConformanceReport("proposer", _qualname(cls))
+    with temporarily_registered("proposer", cls):  # the contract's methods, as itself
+        pass
+    proposer = cast("type[Proposer]", cls)  # it is one: registering it checked that
+    watch = _ProposerWatch(report.part)
+    name = f"under_test_{cls.__name__}"
+    with temporarily_registered("proposer", _watched(proposer, watch), name=name):
+        node = _node("proposer", name, cls, options)
+
+        def drive(case: Any, combo: dict, **drive_options: Any) -> Any:
+            return _drive_watched(oracle_drive, watch, report, case, combo, **drive_options)
+
+        def with_proposer(combos: list[dict]) -> list[dict]:
+            return [{**combo, "proposer": node} for combo in combos]
+
+        _run_oracle(
+            report,
+            with_proposer(
+                _combos(
+                    scheduler=CONTINUOUS,
+                    allocator=[PAGED, PAGED_PREFIX, RADIX, CONTIGUOUS],
+                    preemption=[RECOMPUTE, SWAP],
+                    attention=PER_REQUEST,
+                )
+                + _combos(
+                    scheduler=CHUNKED,
+                    allocator=[PAGED_PREFIX, RADIX_PAGES],
+                    preemption=[RECOMPUTE, SWAP],
+                    attention=PER_REQUEST,
+                )
+                + _combos(scheduler=STATIC, allocator=PAGED, preemption=RECOMPUTE,
+                          attention=PER_REQUEST)
+            ),
+            drive=drive,
+            kv_cache_memory=TIGHT_KV_MEMORY,
+        )  # fmt: skip
+        _check_exactly_once_with_aborts(
+            report,
+            with_proposer(
+                _combos(scheduler=CONTINUOUS, allocator=PAGED_PREFIX, preemption=SWAP,
+                        attention=PER_REQUEST)
+                + _combos(scheduler=CHUNKED, allocator=RADIX, preemption=RECOMPUTE,
+                          attention=PER_REQUEST)
+            ),
+            drive=drive,
+        )  # fmt: skip
+        _run_oracle(
+            report,
+            with_proposer(
+                _combos(scheduler=CONTINUOUS, allocator=[PAGED_PREFIX, RADIX],
+                        preemption=[SWAP, RECOMPUTE], attention=PER_REQUEST)
+            ),
+            drive=drive,
+            **PARALLEL_SAMPLING,
+        )  # fmt: skip
+        report.properties.append("parallel sampling (n=2)")
+    if not proposer.proposes:
+        report.properties.append(
+            "proposes=False: the core never asks it, every step is one without drafts"
+        )
+        return report
+    assert report.draft_tokens > 0, (
+        f"{report.part} ({_options_text(options)}) proposed no draft in any of the "
+        f"{len(report.combinations)} runs ({watch.calls} calls to propose): the core verified "
+        "nothing, so none of its drafts was checked, and as it is it only costs its calls. "
+        "Make it draft on the oracle's requests (random prompts of a random tiny model, which "
+        "often repeats itself), e.g. with options that make it less selective"
+    )
+    report.properties += [
+        "propose leaves DraftRequest.token_ids as it found them",
+        "one entry per request, at most max_drafts token ids each, all in the vocabulary",
+        "propose, on_verified and on_finish never raise",
+        f"{report.draft_tokens} drafts verified, {report.accepted_tokens} accepted, "
+        f"{report.preempted} preemptions",
+    ]
+    return report
+
+
+class _ProposerWatch:
+    """What the proposer under test did against its contract, over every engine
+    the kit builds with it (each builds its own instance): the first breach of
+    each rule, and how often the rule was broken."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.first: dict[str, str] = {}  # rule -> its first breach, described
+        self.count: dict[str, int] = {}
+        self.calls = 0
+
+    def breaks(self, rule: str, what: str) -> None:
+        self.first.setdefault(rule, what)
+        self.count[rule] = self.count.get(rule, 0) + 1
+
+    def failure(self, label: str) -> AssertionError | None:
+        if not self.first:
+            return None
+        breaches = [
+            what + (f" (and {self.count[rule] - 1} more times)" if self.count[rule] > 1 else "")
+            for rule, what in self.first.items()
+        ]
+        return AssertionError(
+            f"[{label}] {self.part} breaks the proposer contract: " + "; ".join(breaches)
+        )
+
+
+def _drive_watched(
+    drive: Callable[..., Any],
+    watch: _ProposerWatch,
+    report: ConformanceReport,
+    case: Any,
+    combo: dict,
+    **drive_options: Any,
+) -> Any:
+    """The oracle's `drive`, then the contract: a rule the proposer broke is the
+    failure (rather than what it caused: a token mismatch, a crashed engine)."""
+    label = _oracle().combo_id(combo)
+    try:
+        run = drive(case, combo, **drive_options)
+    except Exception as exc:
+        failure = watch.failure(label)
+        if failure is not None:
+            raise failure from exc
+        raise
+    failure = watch.failure(label)
+    if failure is not None:
+        raise failure
+    errors = int(run.scheduler_stats.get("spec_proposer_errors", 0))
+    assert errors == 0, (
+        f"[{label}] the core rejected {report.part}'s drafts in {errors} steps (its "
+        "`ProposerError`s are logged): they were dropped, so the proposer only slowed the run"
+    )
+    report.draft_tokens += int(run.scheduler_stats.get("spec_num_draft_tokens", 0))
+    report.accepted_tokens += int(run.scheduler_stats.get("spec_num_accepted_tokens", 0))
+    return run
+
+
+def _watched(cls: type[Proposer], watch: _ProposerWatch) -> type:
+    """`cls` with its calls watched: `propose` checked against the contract
+    (what it broke goes to `watch`; a token list it changed is put back, so the
+    run goes on to the end and the rule is the failure), and any exception the
+    proposer raises recorded before the core sees it."""
+    from servelab.testing.oracle import VOCAB
+
+    def propose(self: Any, requests: list[DraftRequest]) -> Any:
+        watch.calls += 1
+        before = [list(r.token_ids) for r in requests]
+        try:
+            answers = cls.propose(self, requests)
+        except Exception as exc:
+            watch.breaks(
+                "raises",
+                f"propose raised {type(exc).__name__}: {exc} (a proposer must not raise; the "
+                "core drops that step's drafts)",
+            )
+            raise
+        finally:
+            _check_untouched(requests, before, watch)
+        _check_answers(cls.__qualname__, requests, answers, VOCAB, watch)
+        return answers
+
+    def on_verified(self: Any, seq_id: int, drafted: int, accepted: int) -> None:
+        try:
+            cls.on_verified(self, seq_id, drafted, accepted)
+        except Exception as exc:
+            watch.breaks("raises", f"on_verified raised {type(exc).__name__}: {exc}")
+            raise
+
+    def on_finish(self: Any, seq_id: int) -> None:
+        try:
+            cls.on_finish(self, seq_id)
+        except Exception as exc:
+            watch.breaks("raises", f"on_finish raised {type(exc).__name__}: {exc}")
+            raise
+
+    namespace = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "propose": propose,
+        "on_verified": on_verified,
+        "on_finish": on_finish,
+    }
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _check_untouched(requests: list[Any], before: list[list[int]], watch: _ProposerWatch) -> None:
+    for request, tokens in zip(requests, before):
+        now = list(request.token_ids)
+        if now == tokens:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(now, tokens)) if a != b), None)
+        change = (
+            f"its {len(tokens)} tokens became {len(now)}"
+            if at is None
+            else f"its token at position {at} went from {tokens[at]} to {now[at]}"
+        )
+        watch.breaks(
+            "token_ids",
+            f"propose changed DraftRequest.token_ids of request {request.request_id!r} (seq "
+            f"{request.seq_id}): {change}; they are the sequence's own tokens, read-only to a "
+            "proposer (copy them to change them)",
+        )
+        if isinstance(request.token_ids, list):  # put them back: the run goes on
+            request.token_ids[:] = tokens
+
+
+def _check_answers(
+    owner: str, requests: list[Any], answers: Any, vocab: int, watch: _ProposerWatch
+) -> None:
+    if not isinstance(answers, (list, tuple)) or len(answers) != len(requests):
+        got = (
+            f"{len(answers)} entries"
+            if isinstance(answers, (list, tuple))
+            else (f"a {type(answers).__name__}")
+        )
+        watch.breaks(
+            "one entry per request",
+            f"{owner}.propose returned {got} for {len(requests)} requests; it must return "
+            "one entry per request, in order (a list of token ids, a Draft, or None)",
+        )
+        return
+    for request, answer in zip(requests, answers):
+        tokens = answer.tokens if isinstance(answer, Draft) else answer
+        where = f"{owner}.propose gave request {request.request_id!r} (seq {request.seq_id})"
+        if tokens is None:
+            continue
+        if not isinstance(tokens, (list, tuple)):
+            watch.breaks(
+                "entry type",
+                f"{where} a {type(tokens).__name__}; an entry is a list of token ids, a Draft "
+                "or None (a tensor or array: call .tolist())",
+            )
+            continue
+        if len(tokens) > request.max_drafts:
+            watch.breaks(
+                "max_drafts",
+                f"{where} {len(tokens)} drafts, more than its max_drafts={request.max_drafts} "
+                "(the core's cap: k, the adaptive cap and the tokens the request may still "
+                "produce)",
+            )
+        wrong = [t for t in tokens if type(t) is not int or not 0 <= t < vocab]
+        if wrong:
+            bad = wrong[0]
+            what = (
+                "outside the vocabulary"
+                if type(bad) is int
+                else f"of type {type(bad).__module__}.{type(bad).__qualname__}"
+            )
+            watch.breaks(
+                "token ids",
+                f"{where} the draft token {bad!r}, {what}: token ids are Python ints in "
+                f"[0, vocab_size={vocab})",
+            )
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items()) or "its default options"

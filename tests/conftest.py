@@ -94,6 +94,8 @@ SLOW = (
 SWEEPS = (
     "tests/test_oracle.py::test_qwen3_every_combination",
     "tests/test_oracle.py::test_other_architectures",
+    "tests/test_oracle_speculative.py::test_every_combination_with_drafts",
+    "tests/test_oracle_speculative.py::test_every_built_in_proposer",
     "tests/test_config_compose.py::test_every_component_combination_builds",
     "tests/test_config_compose.py::test_every_option_composes",
     "tests/test_config_compose.py::test_every_preset_job_composes_and_builds",

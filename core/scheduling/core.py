@@ -507,7 +507,7 @@ class SchedulerCore:
         found = sampled.hidden.get(seq.seq_id)
         if found is not None:
             start, states = found
-            self.speculation.proposer.on_hidden_states(seq.seq_id, start, states[:count])
+            self.speculation.tell_hidden_states(seq.seq_id, start, states[:count])
 
     def _update_decodes(
         self, plan: StepPlan, tokens: list[int], now: float, stopped: set[SequenceGroup]

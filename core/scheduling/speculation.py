@@ -70,11 +70,7 @@ class Speculation:
         try:
             drafts = self._checked_drafts(requests)
         except Exception as exc:  # a proposer's bug costs its speed-up, never a request
-            self.proposer_errors += 1
-            if type(exc) not in self._logged:
-                self._logged.add(type(exc))
-                log.error("servelab: the proposer failed (%s: %s); these requests decode "
-                          "without drafts", type(exc).__name__, exc, exc_info=exc)  # fmt: skip
+            self._failed(exc)
             return
         for seq, tokens in zip(asked, drafts):
             seq.draft_tokens = tokens
@@ -119,7 +115,7 @@ class Speculation:
             self.accepted_per_pos[pos] += 1
         if self.proposer.adaptive_k:
             self.caps[seq.seq_id] = min(self.k, accepted + 1)
-        self.proposer.on_verified(seq.seq_id, drafted, accepted)
+        self._tell(self.proposer.on_verified, seq.seq_id, drafted, accepted)
 
     def _forget_departed(self) -> None:
         """Tells the proposer of the sequences it was asked for that left the running
@@ -128,7 +124,26 @@ class Speculation:
         for seq in departed:
             del self.asked[seq.seq_id]
             self.caps.pop(seq.seq_id, None)
-            self.proposer.on_finish(seq.seq_id)
+            self._tell(self.proposer.on_finish, seq.seq_id)
+
+    def tell_hidden_states(self, seq_id: int, first: int, states) -> None:
+        """Hands the proposer the target's hidden states (`on_hidden_states`)."""
+        self._tell(self.proposer.on_hidden_states, seq_id, first, states)
+
+    def _tell(self, hook, *args) -> None:
+        """Calls one of the proposer's hooks: an error there costs drafts (the
+        proposer's state may be off), never a request."""
+        try:
+            hook(*args)
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self.proposer_errors += 1
+        if type(exc) not in self._logged:
+            self._logged.add(type(exc))
+            log.error("servelab: the proposer failed (%s: %s); requests go on, with fewer "
+                      "drafts", type(exc).__name__, exc, exc_info=exc)  # fmt: skip
 
     def stats(self) -> dict[str, float]:
         """The counts, named as the run summary and the server's metrics take them."""

@@ -270,6 +270,9 @@ def test_a_broken_proposer_costs_only_its_speed_up(caplog):
                 raise ValueError("a bug in the proposer")
             return [[r.last_token] for r in requests]
 
+        def on_verified(self, seq_id, drafted, accepted):
+            raise KeyError(seq_id)
+
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = tokens(tiny().generate(REPEATING, params))
     with temporarily_registered("proposer", Broken) as name:

@@ -85,6 +85,8 @@ CLUSTER_FIGURES = (
     "decode_load_imbalance",
     "requests_per_decode_replica",
 )
+# shown too whenever a run has them: speculative decoding's (docs/speculative.md)
+SPECULATION_FIGURES = ("spec_acceptance_pct", "spec_mean_accepted_length")
 HIGHER_IS_BETTER = frozenset(
     {
         "output_tok_s",
@@ -100,6 +102,8 @@ HIGHER_IS_BETTER = frozenset(
         "requests",
         "goodput_rps",
         "slo_attainment_pct",
+        "spec_acceptance_pct",
+        "spec_mean_accepted_length",
     }
 )
 
@@ -278,7 +282,11 @@ def report(
     out.mkdir(parents=True, exist_ok=True)
 
     slo_figures = ["slo_attainment_pct", "goodput_rps"] if settings["slo"] else []
-    cluster = [name for name in CLUSTER_FIGURES if any(name in run.summary for run in runs)]
+    cluster = [
+        name
+        for name in (*CLUSTER_FIGURES, *SPECULATION_FIGURES)
+        if any(name in run.summary for run in runs)
+    ]
     shown = list(dict.fromkeys(
         [settings["sort"], *KEY_FIGURES, *slo_figures, *cluster, *settings["figures"]]
     ))  # fmt: skip

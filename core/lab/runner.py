@@ -333,6 +333,9 @@ SUMMARY_SECTIONS = {
 # a cluster run's own figures (lab/cluster/run.py): how the router spread the requests
 CLUSTER_SECTION = ("replicas", "router", "requests_per_replica", "load_imbalance",
                    "sent_to_busy_while_idle")  # fmt: skip
+# a run with a proposer's own figures (docs/speculative.md)
+SPECULATION_SECTION = ("spec_draft_tokens", "spec_acceptance_pct", "spec_mean_accepted_length",
+                       "spec_proposer_errors")  # fmt: skip
 
 
 def print_summary(
@@ -349,6 +352,8 @@ def print_summary(
     sections = dict(SUMMARY_SECTIONS)
     if "replicas" in summary:
         sections["cluster"] = tuple(k for k in CLUSTER_SECTION if k in summary)
+    if "spec_draft_tokens" in summary:
+        sections["speculative decoding"] = SPECULATION_SECTION
     for section, keys in sections.items():
         table.add_section()
         table.add_row(f"[bold]{section}", "")

@@ -310,6 +310,23 @@ def test_counts_reach_requests_steps_and_the_summary():
     )
 
 
+def test_the_printed_summary_has_a_speculative_section_only_with_a_proposer():
+    from rich.console import Console
+
+    from servelab.lab.runner import print_summary
+
+    def printed(proposer) -> str:
+        llm = tiny(proposer)
+        llm.generate(REPEATING, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        console = Console(record=True, width=120)
+        print_summary(summarize(llm.engine.metrics.requests, llm.engine.metrics.steps),
+                      console=console)  # fmt: skip
+        return console.export_text()
+
+    assert "spec_mean_accepted_length" in printed({"name": "ngram", "k": 3})
+    assert "speculative decoding" not in printed("none")
+
+
 def test_without_a_proposer_nothing_changes_in_the_records():
     llm = tiny()
     llm.generate(REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=4))

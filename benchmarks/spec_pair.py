@@ -14,7 +14,9 @@ it); `verify` and `evaluate` train first when needed. The folder is
 `SCRIPT_VERSION` and the Python, torch and tokenizers versions), or `--out`:
 
     manifest.json        settings, seed, digest, parameter counts, held-out
-                         figures, wall times, sha256 of every weight file
+                         figures, wall times, sha256 of every weight file and
+                         of the workloads (rewritten, without retraining, when
+                         their code's `WORKLOADS_VERSION` changes)
     target/, draft/      Hugging Face Qwen3 checkpoints (config.json,
                          model.safetensors, tokenizer.json, tokenizer_config.json,
                          generation_config.json), `load_model(path)` reads them
@@ -75,7 +77,13 @@ from spec_pair_training import (  # noqa: E402
     train_eagle,
     train_lm,
 )
-from spec_pair_workloads import code_completion, code_edit, read_jsonl, write_jsonl  # noqa: E402
+from spec_pair_workloads import (  # noqa: E402
+    WORKLOADS_VERSION,
+    code_completion,
+    code_edit,
+    read_jsonl,
+    write_jsonl,
+)
 
 SCRIPT_VERSION = 1
 CACHE_ROOT = Path("~/.cache/servelab/spec_pair")
@@ -185,9 +193,42 @@ def train(settings: Settings, seed: int, folder: Path) -> dict:
     manifest = read_manifest(folder)
     if manifest is not None:
         _log(f"reusing {folder}")
+        if manifest.get("workloads", {}).get("version") != WORKLOADS_VERSION:
+            manifest = refresh_workloads(settings, seed, folder, manifest)
         return manifest
     with torch_threads(settings.threads):
         return _build(settings, seed, folder)
+
+
+def write_workloads(folder: Path, heldout_files: list, tokenizer, settings: Settings, seed: int):
+    """Both workloads into `folder/workloads`; returns their manifest entry
+    (`WORKLOADS_VERSION` and each file's sha256)."""
+    entry: dict = {"version": WORKLOADS_VERSION}
+    for name, make in (("code_completion", code_completion), ("code_edit", code_edit)):
+        path = folder / "workloads" / f"{name}.jsonl"
+        write_jsonl(path, make(heldout_files, tokenizer, settings.requests, seed))
+        entry[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return entry
+
+
+def refresh_workloads(settings: Settings, seed: int, folder: Path, manifest: dict) -> dict:
+    """Rewrites the workloads of a complete folder whose workloads an older
+    version of their code wrote: they need the tokenizer, not a retraining."""
+    from tokenizers import Tokenizer
+
+    _log(f"writing workloads version {WORKLOADS_VERSION}")
+    _, heldout_files = read_split(
+        settings.heldout_percent, settings.max_train_bytes, settings.max_heldout_bytes
+    )
+    tokenizer = Tokenizer.from_file(str(folder / "target" / "tokenizer.json"))
+    manifest = {
+        **manifest,
+        "workloads": write_workloads(folder, heldout_files, tokenizer, settings, seed),
+    }
+    partial = folder / "manifest.json.partial"
+    partial.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(partial, folder / "manifest.json")
+    return manifest
 
 
 @contextlib.contextmanager
@@ -250,11 +291,7 @@ def _build(settings: Settings, seed: int, folder: Path) -> dict:
     save_eagle(head, work / "eagle", "../target")
     lap("eagle")
 
-    for name, make in (("code_completion", code_completion), ("code_edit", code_edit)):
-        write_jsonl(
-            work / "workloads" / f"{name}.jsonl",
-            make(heldout_files, tokenizer, settings.requests, seed),
-        )
+    workloads = write_workloads(work, heldout_files, tokenizer, settings, seed)
     windows = heldout_windows(heldout, settings.target_run.seq_len, settings.eval_tokens)
     figures = {
         "target_perplexity": perplexity(models["target"], windows),
@@ -281,6 +318,7 @@ def _build(settings: Settings, seed: int, folder: Path) -> dict:
         "heldout": figures,
         "seconds": {**times, "total": round(sum(times.values()), 1)},
         "files": file_digests(work),
+        "workloads": workloads,
     }
     (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(folder, ignore_errors=True)

@@ -16,7 +16,9 @@ its top-1 equals the target's token there: the draft model; the EAGLE head
 (fed the target's true feature and the token before); and n-gram prompt lookup
 (the token after the latest earlier occurrence of the longest matching suffix,
 `NGRAM_MAX` down to `NGRAM_MIN` tokens). Each is the acceptance rate of a
-first draft token under greedy verification.
+first draft token under greedy verification. `distinct_4grams` (distinct /
+all 4-grams of each continuation) says how repetitive the target's greedy text
+is: small models loop, and a loop is easy to predict.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def agreement(folder: Path, requests: list[dict], continuations: list[list[int]]
     draft = load_qwen3(folder / "draft")
     head = load_eagle(folder / "eagle", target)
     hits = {"draft": 0, "eagle": 0, "ngram": 0, "training_target": 0}
-    total = 0
+    total = distinct = all_grams = 0
     for request, continuation in zip(requests, continuations, strict=True):
         prompt = request["prompt_token_ids"]
         ids = torch.tensor([prompt + continuation])
@@ -181,4 +183,11 @@ def agreement(folder: Path, requests: list[dict], continuations: list[list[int]]
         hits["eagle"] += (eagle_top1 == truth).sum().item()
         hits["ngram"] += sum(p == t for p, t in zip(ngram, continuation))
         total += len(continuation)
-    return {"positions": total, **{name: n / total for name, n in hits.items()}}
+        grams = [tuple(continuation[i : i + 4]) for i in range(len(continuation) - 3)]
+        distinct += len(set(grams))
+        all_grams += len(grams)
+    return {
+        "positions": total,
+        **{name: n / total for name, n in hits.items()},
+        "distinct_4grams": distinct / max(1, all_grams),
+    }

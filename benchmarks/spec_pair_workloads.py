@@ -17,8 +17,9 @@ code_completion: a run of whole lines of a held-out file, ending at the end of
 a line (without its newline, so the prompt stops at a natural token boundary
 and the model's first token is the newline and indentation), 128-384 tokens.
 code_edit: a run of lines (160-240 tokens), then a blank line, the comment
-`# same code with names changed: a -> new_a, ...`, then the renamed copy's first
-line; the model should re-emit the renamed rest. Most of that output is in the
+`# same code with names changed: a -> new_a, ...` (one or two names of the
+chunk's code, renamed in code only), then the renamed copy's first line; the
+model should re-emit the renamed rest. Most of that output is in the
 prompt already, which is where n-gram prompt lookup shines.
 Prompt + `max_tokens` fits the 512 tokens the models were trained on; no
 (file, first line) is used twice in a workload.
@@ -27,22 +28,23 @@ Prompt + `max_tokens` fits the 512 tokens the models were trained on; no
 from __future__ import annotations
 
 import builtins
+import io
 import json
 import keyword
 import random
-import re
+import tokenize
 from collections import Counter
 from pathlib import Path
 
 from spec_pair_corpus import SourceFile
 
+WORKLOADS_VERSION = 2  # bump when the requests change: cached runs rewrite their workloads
 MAX_TOKENS = 128
 TRAINED_CONTEXT = 512  # the models' training windows: prompt + max_tokens stays within
 COMPLETION_PROMPT = (128, 384)
 EDIT_CHUNK = (160, 240)
 EDIT_COMMENT = "# same code with names changed:"
-IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
-ATTRIBUTE = re.compile(r"\.\s*([A-Za-z_][A-Za-z0-9_]*)")
+LAYOUT_TOKENS = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
 NOT_RENAMED = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls"}
 MAX_ATTEMPTS = 10_000
 
@@ -130,30 +132,50 @@ def code_completion(files: list[SourceFile], tokenizer, count: int, seed: int) -
     raise ValueError(f"found {len(requests)} of {count} completion prompts in the held-out files")
 
 
-def renames_for(chunk: str, limit: int = 2) -> dict[str, str]:
-    """Up to `limit` names of the chunk worth renaming, most frequent first:
-    old -> new_old. A name qualifies when it is used at least twice, has 3+
-    characters, is no keyword or builtin and never follows a dot (attributes and
-    methods belong to other code; renaming them would not be the same program)."""
-    counts = Counter(IDENTIFIER.findall(chunk))
-    attributes = set(ATTRIBUTE.findall(chunk))
-    names = [
+def code_names(chunk: str) -> list[tuple[int, int, str]] | None:
+    """(line, column, name) of every bare name in the chunk's code: Python NAME
+    tokens that are no keyword and do not follow a dot (attributes and methods
+    belong to other code), nor any word in a string or a comment. None when the
+    chunk does not tokenize (it cuts a string in two, or dedents past its start)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(chunk + "\n").readline))
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    found: list[tuple[int, int, str]] = []
+    previous = None
+    for token in tokens:
+        if token.type in LAYOUT_TOKENS:
+            continue
+        after_dot = previous is not None and previous.string == "."
+        if token.type == tokenize.NAME and not after_dot and not keyword.iskeyword(token.string):
+            found.append((token.start[0] - 1, token.start[1], token.string))
+        previous = token
+    return found
+
+
+def renames_for(names: list[tuple[int, int, str]], limit: int = 2) -> dict[str, str]:
+    """Up to `limit` of the chunk's bare names worth renaming, most frequent
+    first: old -> new_old. A name qualifies when it is used at least twice, has 3+
+    characters and is no builtin, `self` or `cls`."""
+    counts = Counter(name for _, _, name in names)
+    chosen = [
         name
         for name, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-        if n >= 2
-        and len(name) >= 3
-        and name not in NOT_RENAMED
-        and name not in attributes
-        and f"new_{name}" not in counts
+        if n >= 2 and len(name) >= 3 and name not in NOT_RENAMED and f"new_{name}" not in counts
     ]
-    return {name: f"new_{name}" for name in names[:limit]}
+    return {name: f"new_{name}" for name in chosen[:limit]}
 
 
-def rename(text: str, renames: dict[str, str]) -> str:
-    if not renames:
-        return text
-    pattern = re.compile(r"(?<![.\w])(" + "|".join(map(re.escape, renames)) + r")\b")
-    return pattern.sub(lambda m: renames[m.group(1)], text)
+def rename(
+    lines: list[str], names: list[tuple[int, int, str]], renames: dict[str, str]
+) -> list[str]:
+    """The lines with each listed occurrence of a renamed name replaced."""
+    renamed = list(lines)
+    for row, column, name in sorted(names, reverse=True):  # right to left within a line
+        if name in renames:
+            line = renamed[row]
+            renamed[row] = line[:column] + renames[name] + line[column + len(name) :]
+    return renamed
 
 
 def code_edit(files: list[SourceFile], tokenizer, count: int, seed: int) -> list[dict]:
@@ -170,10 +192,11 @@ def code_edit(files: list[SourceFile], tokenizer, count: int, seed: int) -> list
         if found is None:
             continue
         chunk_lines = lines[start : found[0]]
-        renames = renames_for("\n".join(chunk_lines))
-        if not renames or len(chunk_lines) < 3:
+        names = code_names("\n".join(chunk_lines))
+        renames = renames_for(names or [])
+        if names is None or not renames or len(chunk_lines) < 3:
             continue
-        renamed = [rename(line, renames) for line in chunk_lines]
+        renamed = rename(chunk_lines, names, renames)
         listing = ", ".join(f"{old} -> {new}" for old, new in renames.items())
         prompt = "\n".join([*chunk_lines, "", f"{EDIT_COMMENT} {listing}", renamed[0]])
         reference = "\n" + "\n".join(renamed[1:])

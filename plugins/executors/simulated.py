@@ -5,8 +5,8 @@ No weights and no KV tensors: the model is only its shape, the KV budget comes
 from the hardware profile (device memory x `gpu_memory_utilization` - weights -
 activation estimate, per device, as the CUDA path sizes it) or from
 `kv_cache_memory`. Each step moves a virtual clock on by its modelled time, so
-arrivals are served without sleeping. Sampled tokens are stand-ins: a hash of
-(request, sample index, output position), never an EOS token, so forks differ,
+arrivals are served without sleeping. Sampled tokens are stand-ins (`servelab.executor.stand_in`): a hash
+of (request, sample index, output position), never an EOS token, so forks differ,
 prefix caching of generated text behaves as for real, and requests run to
 `max_tokens`. Logprobs, when a request asks, are those of a uniform draw: every
 token's is -log(vocab), the alternatives the sampled token and the ids after it.
@@ -15,7 +15,6 @@ token's is -log(vocab), the alternatives the sampled token and the ids after it.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import numpy as np
@@ -32,43 +31,19 @@ from servelab.executor.device_memory import (
 )
 from servelab.executor.hardware import load_profile
 from servelab.executor.sizing import parse_bytes
+from servelab.executor.stand_in import avoid_eos, sequence_key, stand_in_token, stand_in_tokens
 from servelab.model.config import DTYPES
 from servelab.model.loader import load_shape, model_source
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.verify import kept_tokens
 
-MASK64 = (1 << 64) - 1
 SCALAR_ROWS = 48  # decode rows up to which stand-in tokens are drawn with Python ints
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def sequence_key(request_id: str, sample_index: int) -> int:
-    """One sample's key: a hash of its request id and sample index."""
-    return _mix((zlib.crc32(request_id.encode()) << 20) ^ sample_index)
-
-
-def stand_in_token(key: int, position: int, vocab: int) -> int:
-    """A deterministic token of one sample at one output position."""
-    return _mix((key + position * 0x9E3779B97F4A7C15) & MASK64) % vocab
-
-
-def stand_in_tokens(keys: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
-    """`stand_in_token` over arrays (uint64 arithmetic wraps as `& MASK64` does)."""
-    x = keys.astype(np.uint64) + positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return (x ^ (x >> np.uint64(31))) % np.uint64(vocab)
 
 
 class SimulatedExecutor(Executor):
     description = "a cost model of the hardware profile; stand-in tokens, a virtual clock"
     virtual_clock = True
+    samples_stand_ins = True  # its sampled tokens are servelab.executor.stand_in's
     graphs_status = "off (simulated)"
 
     def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
@@ -247,13 +222,7 @@ class SimulatedExecutor(Executor):
 
     def avoid_eos(self, tokens: list[int], vocab: int) -> list[int]:
         """Requests end at max_tokens, never at a stand-in EOS: an EOS becomes the next id."""
-        eos = self.eos
-        if not eos.isdisjoint(tokens):
-            for i, token in enumerate(tokens):
-                while token in eos:
-                    token = (token + 1) % vocab
-                tokens[i] = token
-        return tokens
+        return avoid_eos(tokens, vocab, self.eos)
 
 
 @hookimpl

@@ -52,6 +52,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.executors.simulated",
     "servelab.plugins.proposers.none",
     "servelab.plugins.proposers.ngram",
+    "servelab.plugins.proposers.simulated",
     "servelab.plugins.routers.round_robin",
     "servelab.plugins.routers.least_load",
     "servelab.plugins.routers.power_of_two",

@@ -30,6 +30,10 @@ leaves (`on_finish`), to keep per-request state.
 Engine-supplied context: `vocab_size` (drafts must be ids below it) and
 `engine_options` (dtype, device, seed, threads: what a proposer with a model
 of its own loads it with).
+
+What drafting costs is the executor's to measure or model: a real forward pays
+for whatever the proposer runs; the simulated executor prices a draft model's
+forwards from `draft_model()` (None: drafting costs nothing it sees).
 """
 
 from __future__ import annotations
@@ -123,3 +127,13 @@ class Proposer(abc.ABC):
 
     def on_finish(self, seq_id: int) -> None:
         """`seq_id` left (finished, aborted or preempted): forget what it kept."""
+
+    def draft_model(self) -> Any:
+        """The model whose forwards make the drafts, for an executor that prices steps
+        instead of running them: a model node as the `model` config takes it (a named
+        shape such as "llama3-8b", a checkpoint folder, or `{name, path}`). The
+        simulated executor adds to each step with drafts one decode step of this shape
+        per draft position, over the rows drafting there, and its forward over the
+        step's prompt chunks (a draft model keeps a KV cache of its own). None (the
+        default): drafting costs nothing a cost model sees (a lookup, as `ngram`'s)."""
+        return None

@@ -25,8 +25,11 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
   each (QK and PV), so a chunk of q tokens after s cached ones costs
   4 d H/p (q s + q (q + 1) / 2); bytes read K/V of every key, write this step's K/V
   and read Q / write O: e d (2 K/p keys + 2 K/p q + 2 H/p q). Prefill chunks and
-  decodes are separate ops; the padded backend computes every sequence at the
-  longest query and key length: one op of n x max_q x max_k;
+  decodes are separate ops; a decode row with d drafts (speculative decoding's
+  verification) is a decode of q = d + 1 query tokens, priced by the same formulas
+  in the decode op (one block per query head and sequence, its keys read once);
+  the padded backend computes every sequence at the longest query and key length:
+  one op of n x max_q x max_k;
 - attention's kernel blocks, per layer: a block is one query head of one sequence's tile
   of up to 128 query rows (a decode: one row) and streams the K/V of every key its rows
   attend to (e d 2 per key) from memory or L2; the op costs at least each of
@@ -42,7 +45,8 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
   curve(b) = (b / (b + interconnect_half_bytes)) ** interconnect_curve_exponent: small
   messages do not fill the links;
 - once per step: the embedding gather (e T h), the final norm and LM head on the
-  sampling rows (flops 2 S h V/p), reading their logits to sample; when p > 1
+  sampling rows (flops 2 S h V/p; a row with d drafts samples d + 1 of them),
+  reading their logits to sample; when p > 1
   also the vocabulary-parallel embedding's all-reduce and the gather of the
   logits' chunks to rank 0: latency + (p - 1) / p x e S V / interconnect bandwidth;
 - host: step_overhead + seq_overhead x sequences.
@@ -103,20 +107,34 @@ class Shape:
 @dataclass
 class StepShape:
     """One step as the cost model reads it. `prefill_q[i]` query tokens after
-    `prefill_start[i]` cached ones; `decode_keys[j]` keys of one-query row j (its
-    context including the new token), priced as a decode kernel's attention;
-    `sampling` rows reach the LM head."""
+    `prefill_start[i]` cached ones; `decode_keys[j]` keys of decode row j (its
+    context including its new tokens), priced as a decode kernel's attention;
+    `decode_q[j]` that row's query tokens (None: one each; a row verifying d drafts
+    has d + 1, causal among themselves); `sampling` rows reach the LM head."""
 
     prefill_q: np.ndarray
     prefill_start: np.ndarray
     decode_keys: np.ndarray
     sampling: int
     padded: bool = False
+    decode_q: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         prefill = int(self.prefill_q.sum()) if len(self.prefill_q) else 0
+        if self.decode_q is not None:
+            return prefill + int(self.decode_q.sum())
         return prefill + len(self.decode_keys)
+
+    def decode_sums(self) -> tuple[float, int, float, float]:
+        """The decode rows' keys, rows, query tokens and the query-key pairs they
+        score (a row of q queries over k keys: q k - q (q - 1) / 2), each summed."""
+        keys, rows = float(self.decode_keys.sum()), len(self.decode_keys)
+        if self.decode_q is None:
+            return keys, rows, float(rows), keys
+        q = self.decode_q
+        pairs = float(np.sum(q * self.decode_keys - q * (q - 1) / 2))
+        return keys, rows, float(q.sum()), pairs
 
     @property
     def num_seqs(self) -> int:
@@ -126,17 +144,27 @@ class StepShape:
 def step_shape(plan, padded: bool = False) -> StepShape:
     """A `StepPlan` as the cost model reads it, by shape: a row of one token is a
     one-query row (the plan's decodes, and any other one-token chunk: its attention
-    costs what a decode's does), a longer one a prefill chunk."""
+    costs what a decode's does), a row verifying d drafts a decode of d + 1 query
+    tokens against its context (its weights read once, as a decode's, its K/V read
+    once; d + 1 rows of logits), a longer one a prefill chunk."""
     counts, starts = plan.counts, plan.starts
     if len(counts) == plan.num_decodes:  # only one-token rows: no split to make
         return StepShape(_EMPTY, _EMPTY, starts + 1.0, len(counts), padded)
-    one = counts == 1
+    decode = counts == 1
+    drafts = plan.draft_counts
+    queries = None
+    sampling = int(plan.samples.sum())
+    if drafts is not None and drafts.any():
+        decode = decode | (drafts > 0)
+        queries = counts[decode].astype(np.float64)
+        sampling += int(drafts.sum())
     return StepShape(
-        counts[~one].astype(np.float64),
-        starts[~one].astype(np.float64),
-        starts[one] + 1.0,
-        int(plan.samples.sum()),
+        counts[~decode].astype(np.float64),
+        starts[~decode].astype(np.float64),
+        starts[decode] + (1.0 if queries is None else queries),
+        sampling,
         padded,
+        queries,
     )
 
 
@@ -298,7 +326,9 @@ class CostModel:
         d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
         if step.padded and step.num_seqs:
             keys = np.concatenate([step.prefill_start + step.prefill_q, step.decode_keys])
-            queries = np.concatenate([step.prefill_q, np.ones(len(step.decode_keys))])
+            ones = np.ones(len(step.decode_keys))
+            decode_q = ones if step.decode_q is None else step.decode_q
+            queries = np.concatenate([step.prefill_q, decode_q])
             n, max_q, max_k = step.num_seqs, float(queries.max()), float(keys.max())
             flops = 4 * d * heads * n * max_q * max_k
             data = e * d * (2 * kv * n * max_k + 2 * kv * step.num_tokens + 2 * heads * n * max_q)
@@ -314,12 +344,16 @@ class CostModel:
             ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows,
                           call=PREFILL, streamed=streamed, span=span, blocks=blocks))  # fmt: skip
         if len(step.decode_keys):
-            keys, rows = float(np.sum(step.decode_keys)), len(step.decode_keys)
-            flops, data = self.decode_attention(keys, rows)
-            streamed, span, blocks = self.decode_blocks(keys, rows)
-            ops.append(Op("attention_decode", ATTENTION, flops, data, rows=rows, call=DECODE,
-                          streamed=streamed, span=span, blocks=blocks))  # fmt: skip
+            ops.append(self.decode_op(*step.decode_sums()))
         return ops
+
+    def decode_op(self, keys: float, rows: int, queries: float, pairs: float) -> Op:
+        """The decode rows' attention op (`StepShape.decode_sums`): one call, a block per
+        query head of each sequence, its rows' query tokens as the curve's rows."""
+        flops, data = self.decode_attention(keys, rows, queries, pairs)
+        streamed, span, blocks = self.decode_blocks(keys, rows)
+        return Op("attention_decode", ATTENTION, flops, data, rows=queries, call=DECODE,
+                  streamed=streamed, span=span, blocks=blocks)  # fmt: skip
 
     def decode_blocks(self, keys: float, rows: int) -> tuple[float, float, float]:
         """Streamed bytes, keys of the longest block (the mean sequence's: the hot path
@@ -328,12 +362,17 @@ class CostModel:
         heads = c.num_heads / self.tp
         return self.e * c.head_dim * 2 * heads * keys, keys / rows, rows * heads
 
-    def decode_attention(self, keys: float, rows: int) -> tuple[float, float]:
-        """Flops and bytes of `rows` decodes attending over `keys` keys in all."""
+    def decode_attention(
+        self, keys: float, rows: int, queries: float | None = None, pairs: float | None = None
+    ) -> tuple[float, float]:
+        """Flops and bytes of `rows` decodes attending over `keys` keys in all: `queries`
+        query tokens scoring `pairs` query-key pairs (None: one query a row, scoring
+        every key once); each row's K/V read once, its new tokens' K/V written."""
         c, p, e = self.shape, self.tp, self.e
         d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
-        flops = 4 * d * heads * keys
-        return flops, e * d * (2 * kv * keys + 2 * kv * rows + 2 * heads * rows)
+        q = rows if queries is None else queries
+        flops = 4 * d * heads * (keys if pairs is None else pairs)
+        return flops, e * d * (2 * kv * keys + 2 * kv * q + 2 * heads * q)
 
     def _collective_time(self, data: float, passes: int) -> float:
         """A collective over the p devices moving `passes` x (p - 1) / p of `data`
@@ -376,7 +415,9 @@ class CostModel:
         if step.padded or len(step.prefill_q):
             for op in self.attention_ops(step):
                 layer += self.op_time(op)
-        else:  # only decodes (most steps): attention_ops' one op, priced without building it
+        elif step.decode_q is not None:  # decodes, some verifying drafts
+            layer += self.op_time(self.decode_op(*step.decode_sums()))
+        else:  # only one-query decodes (most steps): the decode op, priced without building it
             rows = len(step.decode_keys)
             keys = float(step.decode_keys.sum())
             flops, data = self.decode_attention(keys, rows)
@@ -392,6 +433,11 @@ class CostModel:
         layer += reduces
         once = self._once_time(tokens, step.sampling)
         return self.shape.num_layers * layer + once + self.host_time(step)
+
+    def device_time(self, step: StepShape) -> float:
+        """`step_time` without the host's work: a forward run back to back with others
+        inside one engine step (a draft model's, whose host work the step pays once)."""
+        return self.step_time(step) - self.host_time(step)
 
     def _token_parts(self, tokens: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
         """A layer's matmul times, element-wise times (in `layer_ops`' order) and its two

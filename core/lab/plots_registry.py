@@ -49,6 +49,7 @@ def _builtin() -> None:
         plots_goodput,
         plots_load,
         plots_replicas,
+        plots_speculation,
         plots_workload,
     )
 
@@ -70,6 +71,7 @@ def _builtin() -> None:
             job.configs, p, job.settings.get("slo")
         ),
         "replicas": lambda job, p: plots_replicas.plot_replicas(job.configs, p),
+        "speculation": lambda job, p: plots_speculation.plot_speculation(job.configs, p),
     }
     for name, function in builtin.items():
         PLOTS.setdefault(name, function)

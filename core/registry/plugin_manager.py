@@ -54,6 +54,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.proposers.ngram",
     "servelab.plugins.proposers.draft",
     "servelab.plugins.proposers.eagle",
+    "servelab.plugins.proposers.simulated",
     "servelab.plugins.routers.round_robin",
     "servelab.plugins.routers.least_load",
     "servelab.plugins.routers.power_of_two",

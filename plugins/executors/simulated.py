@@ -5,17 +5,26 @@ No weights and no KV tensors: the model is only its shape, the KV budget comes
 from the hardware profile (device memory x `gpu_memory_utilization` - weights -
 activation estimate, per device, as the CUDA path sizes it) or from
 `kv_cache_memory`. Each step moves a virtual clock on by its modelled time, so
-arrivals are served without sleeping. Sampled tokens are stand-ins: a hash of
-(request, sample index, output position), never an EOS token, so forks differ,
+arrivals are served without sleeping. Sampled tokens are stand-ins (`servelab.executor.stand_in`): a hash
+of (request, sample index, output position), never an EOS token, so forks differ,
 prefix caching of generated text behaves as for real, and requests run to
 `max_tokens`. Logprobs, when a request asks, are those of a uniform draw: every
 token's is -log(vocab), the alternatives the sampled token and the ids after it.
+
+Speculative decoding: a row with drafts is verified against the stand-ins (kept up
+to the first that differs) and priced as a decode of its 1 + drafts query tokens
+(`cost_model.step_shape`). When the engine's proposer names a `draft_model`
+(`Proposer.draft_model`, read at engine start by this module's
+`servelab_engine_ready`), each step also pays that model's forwards on the same
+hardware and tensor-parallel degree: one decode step of its shape per draft
+position over the rows drafting there, and its forward over the step's prompt
+chunks (it keeps a KV cache of its own), each without the host's per-step work,
+which the step pays once. Its weights and KV are not taken from the KV budget.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import numpy as np
@@ -32,43 +41,21 @@ from servelab.executor.device_memory import (
 )
 from servelab.executor.hardware import load_profile
 from servelab.executor.sizing import parse_bytes
+from servelab.executor.stand_in import avoid_eos, sequence_key, stand_in_token, stand_in_tokens
 from servelab.model.config import DTYPES
 from servelab.model.loader import load_shape, model_source
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.verify import kept_tokens
 
-MASK64 = (1 << 64) - 1
 SCALAR_ROWS = 48  # decode rows up to which stand-in tokens are drawn with Python ints
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def sequence_key(request_id: str, sample_index: int) -> int:
-    """One sample's key: a hash of its request id and sample index."""
-    return _mix((zlib.crc32(request_id.encode()) << 20) ^ sample_index)
-
-
-def stand_in_token(key: int, position: int, vocab: int) -> int:
-    """A deterministic token of one sample at one output position."""
-    return _mix((key + position * 0x9E3779B97F4A7C15) & MASK64) % vocab
-
-
-def stand_in_tokens(keys: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
-    """`stand_in_token` over arrays (uint64 arithmetic wraps as `& MASK64` does)."""
-    x = keys.astype(np.uint64) + positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return (x ^ (x >> np.uint64(31))) % np.uint64(vocab)
+_EMPTY = np.zeros(0)
+_EMPTY.flags.writeable = False
 
 
 class SimulatedExecutor(Executor):
     description = "a cost model of the hardware profile; stand-in tokens, a virtual clock"
     virtual_clock = True
+    samples_stand_ins = True  # its sampled tokens are servelab.executor.stand_in's
     graphs_status = "off (simulated)"
 
     def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
@@ -88,6 +75,10 @@ class SimulatedExecutor(Executor):
                 f"and {c.num_kv_heads} KV heads"
             )
         self.cost = CostModel(Shape.of(c), self.profile, dtype, self.element_size, self.tp)
+        # the proposer's draft model, priced on the same hardware (price_drafts)
+        self.draft_cost: CostModel | None = None
+        self.draft_model: str | None = None
+        self.draft_seconds = 0.0  # the part of the clock its forwards took
         self.time = 0.0
         self.bytes_swapped_out = 0
         self.bytes_swapped_in = 0
@@ -132,7 +123,44 @@ class SimulatedExecutor(Executor):
         self.time += max(0.0, seconds)
 
     def describe(self) -> dict[str, Any]:
-        return {"hardware": self.profile.to_dict(), "tensor_parallel_size": self.tp}
+        described = {"hardware": self.profile.to_dict(), "tensor_parallel_size": self.tp}
+        if self.draft_model is not None:
+            described["draft_model"] = self.draft_model
+        return described
+
+    # -- speculative decoding's draft model
+    def price_drafts(self, proposer: Any) -> None:
+        """Prices the forwards of `proposer`'s draft model from now on (none: a
+        proposer without one, or None)."""
+        node = proposer.draft_model() if proposer is not None else None
+        if node is None:
+            self.draft_cost = self.draft_model = None
+            return
+        self.draft_model = model_source(node)
+        shape = Shape.of(load_shape(self.draft_model))
+        self.draft_cost = CostModel(shape, self.profile, self.dtype, self.element_size, self.tp)
+
+    def draft_time(self, plan: StepPlan, step: StepShape) -> float:
+        """Seconds the draft model's forwards take in this step: its prefill of the
+        step's prompt chunks, then one decode step per draft position over the rows
+        with a draft there (the j-th reads the row's context and j drafts)."""
+        draft = self.draft_cost
+        if draft is None:
+            return 0.0
+        seconds = 0.0
+        if len(step.prefill_q):
+            prompts = StepShape(step.prefill_q, step.prefill_start, _EMPTY, 0)
+            seconds += draft.device_time(prompts)
+        counts = plan.draft_counts
+        if counts is not None and counts.any():
+            drafting = counts > 0
+            drafted, keys = counts[drafting], plan.starts[drafting] + 1.0
+            for j in range(int(drafted.max())):
+                rows = drafted > j
+                seconds += draft.device_time(StepShape(_EMPTY, _EMPTY, keys[rows] + j,
+                                                       int(rows.sum())))  # fmt: skip
+        self.draft_seconds += seconds
+        return seconds
 
     # -- a step
     def apply(self, copies) -> None:
@@ -149,6 +177,8 @@ class SimulatedExecutor(Executor):
     def execute(self, plan: StepPlan) -> SampledTokens:
         step, owners, tokens = self.read_plan(plan)
         self.time += self.cost.step_time(step)
+        if self.draft_cost is not None:
+            self.time += self.draft_time(plan, step)
         sampled = SampledTokens(owners, tokens)
         if plan.draft_counts is not None:
             drafted = plan.draft_counts.tolist()
@@ -247,15 +277,19 @@ class SimulatedExecutor(Executor):
 
     def avoid_eos(self, tokens: list[int], vocab: int) -> list[int]:
         """Requests end at max_tokens, never at a stand-in EOS: an EOS becomes the next id."""
-        eos = self.eos
-        if not eos.isdisjoint(tokens):
-            for i, token in enumerate(tokens):
-                while token in eos:
-                    token = (token + 1) % vocab
-                tokens[i] = token
-        return tokens
+        return avoid_eos(tokens, vocab, self.eos)
 
 
 @hookimpl
 def servelab_register_executors() -> dict[str, type]:
     return {"simulated": SimulatedExecutor}
+
+
+@hookimpl
+def servelab_engine_ready(engine: Any) -> None:
+    """A simulated executor prices its engine's proposer's draft model (if it has one):
+    the engine builds the two apart, and this is where they first meet."""
+    executor = engine.executor
+    if isinstance(executor, SimulatedExecutor):
+        speculation = getattr(engine.scheduler, "speculation", None)
+        executor.price_drafts(getattr(speculation, "proposer", None))

@@ -80,6 +80,34 @@ def test_step_operations():
     assert ops["sample"] == (0, 40)  # 2 x 2 x 10
 
 
+def test_a_row_verifying_drafts_is_one_decode_of_several_queries():
+    """A decode row with 2 drafts: 3 query tokens at positions 2..4, 5 keys in all. Its
+    attention does a 3-token chunk's work (queries see 3, 4 and 5 keys: 12 pairs), in
+    the decode op; the LM head reads 3 rows of logits, one per query."""
+    verify = StepShape(np.zeros(0), np.zeros(0), np.array([5.0]), sampling=3,
+                       decode_q=np.array([3.0]))  # fmt: skip
+    ops = by_name(model().layer_ops(verify))
+    assert "attention_prefill" not in ops
+    # 4 d H x 12 pairs; 2 d (2K x 5 keys + 2K x 3 new + 2H x 3 queries) = 4 x (10 + 6 + 12)
+    assert ops["attention_decode"] == (192, 112)
+    assert ops["qkv_proj"] == (2 * 3 * 4 * 8, 2 * (32 + 12 + 24))  # T = 3 tokens
+    assert by_name(model().step_ops(verify))["lm_head"] == (2 * 3 * 4 * 10, 2 * (40 + 12 + 30))
+    assert verify.num_tokens == 3 and verify.num_seqs == 1
+    rows = {op.name: op.rows for op in model().layer_ops(verify)}
+    assert rows["attention_decode"] == 3  # the curve reads its query tokens
+    # step_time prices what the ops say (decode rows with queries take the general path)
+    cost = model()
+    layer = sum(cost.op_time(op) for op in cost.layer_ops(verify))
+    once = sum(cost.op_time(op) for op in cost.step_ops(verify))
+    assert cost.step_time(verify) == pytest.approx(2 * layer + once + cost.host_time(verify))
+    assert cost.device_time(verify) == pytest.approx(2 * layer + once)
+    # the padded backend reads its query tokens as the row's length
+    padded = StepShape(np.zeros(0), np.zeros(0), np.array([5.0, 2.0]), sampling=4,
+                       padded=True, decode_q=np.array([3.0, 1.0]))  # fmt: skip
+    # n=2 x max_q=3 x max_k=5 x 4 d H; 2 d (2K n max_k + 2K T + 2H n max_q), T = 4
+    assert by_name(cost.layer_ops(padded))["attention_padded"] == (480, 4 * (20 + 8 + 24))
+
+
 def test_op_time_is_the_roofline_plus_a_launch():
     cost = model()
     assert cost.op_time(Op("x", "matmul", 1000, 10)) == pytest.approx(2.0 + 0.01)  # compute bound

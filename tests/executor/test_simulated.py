@@ -197,11 +197,7 @@ def test_static_batch_timeout_reads_the_virtual_clock():
 def test_the_batched_stand_in_tokens_equal_the_scalar_ones():
     import numpy as np
 
-    from servelab.plugins.executors.simulated import (
-        sequence_key,
-        stand_in_token,
-        stand_in_tokens,
-    )
+    from servelab.executor.stand_in import sequence_key, stand_in_token, stand_in_tokens
 
     keys = [sequence_key(f"r{i}", i % 3) for i in range(50)]
     positions = list(range(0, 5000, 100))

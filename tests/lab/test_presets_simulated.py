@@ -5,6 +5,8 @@ retries."""
 
 from __future__ import annotations
 
+from PIL import Image
+
 from tests.lab.test_presets import run_preset
 
 
@@ -41,3 +43,27 @@ def test_chunk_size_h100(tmp_path):
     small, mid, large = (runs[str(c)] for c in (128, 512, 2048))  # at 4 requests/s
     assert large["slo_attainment_pct"] < mid["slo_attainment_pct"]
     assert small["ttft_p50_ms"] > mid["ttft_p50_ms"]
+
+
+def test_speculative_decoding_h100(tmp_path):
+    """Shorter outputs (64 tokens), batch 1 and 128: the same tokens with every proposer,
+    fewer steps, free drafts and a Llama-3-8B draft pay at batch 1, and at batch 128 the
+    8B draft's forwards cost more than its verifications save."""
+    runs = run_preset(tmp_path, "speculative_decoding_h100", "workload.output_len.mean=64",
+                      "engine.max_num_seqs=1,128")  # fmt: skip
+    proposers = ("none", "simulated", "simulated_llama3_8b")
+    assert set(runs) == {f"{p}/{b}" for p in proposers for b in (1, 128)}
+    for batch in (1, 128):
+        none, free, draft = (runs[f"{p}/{batch}"] for p in proposers)
+        assert none["output_digest"] == free["output_digest"] == draft["output_digest"]
+        assert free["steps"] == draft["steps"] < none["steps"]  # the same drafts
+        assert free["spec_mean_accepted_length"] == draft["spec_mean_accepted_length"]
+        assert draft["output_tok_s"] < free["output_tok_s"]  # its forwards cost time
+    assert runs["simulated/1"]["steps"] <= 0.45 * runs["none/1"]["steps"]
+    tok_s = {key: run["output_tok_s"] for key, run in runs.items()}
+    assert tok_s["simulated/1"] >= 2 * tok_s["none/1"]
+    assert tok_s["simulated_llama3_8b/1"] >= 1.25 * tok_s["none/1"]
+    assert tok_s["simulated_llama3_8b/128"] < tok_s["none/128"] < tok_s["simulated/128"]
+    with Image.open(tmp_path / "speculative_decoding_h100" / "speculation.png") as image:
+        low, high = image.convert("L").getextrema()
+        assert image.width > 100 and low < high

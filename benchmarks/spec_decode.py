@@ -9,8 +9,8 @@ each proposer's mean accepted length and acceptance.
 One engine per proposer and batch size, built once and warmed; then every repeat runs every
 (workload, batch size) with every proposer in turn, the proposers' order
 rotated each repeat, so a busy spell of the machine hits all alike. A batch of
-B runs `requests * B / 8` (at least B) requests with `max_num_seqs = B`,
-submitted together, greedy, `max_tokens` from the workload. Ratios against
+B runs `requests * max(1, B / 8)` requests with `max_num_seqs = B`,
+submitted together (batch 1 serves them one after another), greedy, `max_tokens` from the workload. Ratios against
 `none` are paired by repeat (the runs beside each other), with 95% intervals
 (`servelab.lab.stats.ratio_estimate`). Greedy outputs must equal `none`'s; the
 script says if one does not.
@@ -38,6 +38,7 @@ def proposer_nodes(pair: Path) -> dict[str, dict | str]:
         "none": "none",
         "ngram": {"name": "ngram", "k": 5, "min_n": 2, "max_n": 4},
         "draft": {"name": "draft", "model": str(pair / "draft"), "k": 4},
+        "eagle": {"name": "eagle", "model": str(pair / "eagle"), "k": 4},
     }
 
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pair", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--proposers", nargs="+", default=["none", "ngram", "draft"])
+    parser.add_argument("--proposers", nargs="+", default=["none", "ngram", "draft", "eagle"])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--requests", type=int, default=8, help="requests of a batch-8 run")
     parser.add_argument("--threads", type=int, default=2)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
             + args.proposers[: repeat % len(args.proposers)]
         )
         for workload, batch in cells:
-            count = max(batch, args.requests * batch // 8)
+            count = args.requests * max(1, batch // 8)  # batch 1: the requests one by one
             requests = workloads[workload][:count]
             for name in order:
                 result = run_once(engines[name, batch], requests)

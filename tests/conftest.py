@@ -11,6 +11,20 @@ import pytest
 from servelab.registry import plugin_manager
 
 
+@pytest.fixture(scope="module")
+def test_proposers() -> Iterator[None]:
+    """The testing proposers (`servelab.testing.proposers`) registered for a module:
+    `pytestmark = pytest.mark.usefixtures("test_proposers")`."""
+    from servelab.registry.plugin_manager import get_plugin_manager
+    from servelab.testing.proposers import TestProposers
+
+    manager = get_plugin_manager()
+    plugin = TestProposers()
+    manager.register(plugin, name="servelab-test-proposers")
+    yield
+    manager.unregister(plugin)
+
+
 @pytest.fixture
 def on_plugin_path(monkeypatch) -> Iterator[Callable[[Path, str], None]]:
     """`on_plugin_path(folder, module_prefix)` puts a distribution's folder on

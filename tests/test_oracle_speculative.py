@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.testing.hf_reference import build_tiny_hf
 from servelab.testing.oracle import (
     assert_matches_reference,
@@ -27,17 +26,10 @@ from servelab.testing.oracle import (
     engine_options,
     make_case,
 )
-from servelab.testing.proposers import TestProposers, write_random_eagle_head
+from servelab.testing.proposers import write_random_eagle_head
 from tests.test_oracle import ALL, ONE_BACKEND
 
-
-@pytest.fixture(scope="module", autouse=True)
-def test_proposers():
-    manager = get_plugin_manager()
-    plugin = TestProposers()
-    manager.register(plugin, name="test-oracle-proposers")
-    yield
-    manager.unregister(plugin)
+pytestmark = pytest.mark.usefixtures("test_proposers")
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from servelab import LLM, RequestError, SamplingParams
 from servelab.lab.workload import MIXED_LENGTHS
 from servelab.plugins.allocators.paged import PagedAllocator
-from servelab.registry.plugin_manager import get_plugin_manager
-from servelab.testing.proposers import TestProposers
 
 KIB = 1024  # the float64 tiny model stores 1 KiB of K/V per token
 MAX_MODEL_LEN = 64
@@ -93,13 +91,7 @@ def requests(draw):
     return items
 
 
-@pytest.fixture(scope="module", autouse=True)
-def test_proposers():
-    manager = get_plugin_manager()
-    plugin = TestProposers()
-    manager.register(plugin, name="test-memory-proposers")
-    yield
-    manager.unregister(plugin)
+pytestmark = pytest.mark.usefixtures("test_proposers")
 
 
 @pytest.mark.parametrize("admission", ["on_demand", "reserve"])

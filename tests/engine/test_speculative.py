@@ -17,20 +17,12 @@ from servelab import LLM, SamplingParams
 from servelab.contracts.proposer import DraftRequest, Proposer
 from servelab.engine.summary import summarize
 from servelab.plugins.proposers.ngram import NgramIndex
-from servelab.registry.plugin_manager import get_plugin_manager
 from servelab.testing.conformance import temporarily_registered
-from servelab.testing.proposers import TestProposers
 
 KIB = 1024
 
 
-@pytest.fixture(scope="module", autouse=True)
-def test_proposers():
-    manager = get_plugin_manager()
-    plugin = TestProposers()
-    manager.register(plugin, name="test-speculative-proposers")
-    yield
-    manager.unregister(plugin)
+pytestmark = pytest.mark.usefixtures("test_proposers")
 
 
 def tiny(proposer="none", **kwargs) -> LLM:

@@ -283,24 +283,41 @@ def rows_hidden(plan: StepPlan, hidden: torch.Tensor) -> dict[int, tuple[int, to
 
 
 def _sample_rows(plan: StepPlan, verify: list | None = None) -> tuple:
-    """`StepBatch`'s sampling fields: one sample per sampling row (hidden row =
-    its index among them), or n for a prompt that forks now; greedy steps skip
-    the per-row lists. Decode rows never fork: one sample each, in row order.
-    A row with d drafts (`verify` collects it) samples at each of its d + 1
-    logits rows, each as a decode there would (`servelab.step.verify`)."""
+    """`StepBatch`'s sampling fields: one sample per sampling row, or n for a
+    prompt that forks now; greedy steps skip the per-row lists. Decode rows never
+    fork: one sample each, in row order. A row with d drafts (`verify` collects
+    it) samples at each of its d + 1 logits rows, the j-th at output position +j,
+    its logits processed over the tokens and the drafts before it
+    (`servelab.step.verify`); such a row decodes, so it never forks."""
     if plan.all_greedy and len(plan.seqs) == plan.num_decodes:
         return range(len(plan.seqs)), [], [], [], plan.seq_ids, True, None
-    if verify is not None:
-        return _verify_sample_rows(plan, verify)
     rows: list[int] = []
     params: list[SamplingParams] = []
     positions: list[int] = []
     indices: list[int] = []
     owners: list[int] = []
     seqs: list = []
-    for hidden_row, seq in enumerate(s for s, _, _, samples in plan.rows() if samples):
+    drafts = plan.draft_counts.tolist() if plan.draft_counts is not None else None
+    hidden_row = 0  # the row of the logits each sample reads
+    for row, (seq, _, _, samples) in enumerate(plan.rows()):
+        if not samples:
+            continue
         p = seq.params
         num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        drafted = drafts[row] if drafts is not None else 0
+        if drafted:
+            assert verify is not None  # a plan with drafts collects its verify groups
+            verify.append((len(rows), seq.draft_tokens[:drafted]))
+            for j in range(drafted + 1):
+                rows.append(hidden_row + j)
+                params.append(p)
+                positions.append(num_outputs + j)
+                indices.append(seq.sample_index)
+                owners.append(seq.seq_id)
+                drafted_before = j and p.processes_logits
+                seqs.append(DraftedHistory(seq, seq.draft_tokens[:j]) if drafted_before else seq)
+            hidden_row += drafted + 1
+            continue
         forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
         for k in range(forks):
             rows.append(hidden_row)
@@ -309,43 +326,7 @@ def _sample_rows(plan: StepPlan, verify: list | None = None) -> tuple:
             indices.append(k if forks > 1 else seq.sample_index)
             owners.append(seq.seq_id)
             seqs.append(seq)
-    if plan.all_greedy:
-        return rows, [], [], [], owners, True, None
-    return rows, params, positions, indices, owners, False, seqs
-
-
-def _verify_sample_rows(plan: StepPlan, verify: list) -> tuple:
-    """`_sample_rows` of a plan with drafts: a row with d drafts has d + 1
-    samples, the j-th at output position +j, its logits processed over the
-    tokens and the drafts before it (a row with drafts decodes: it never forks)."""
-    rows: list[int] = []
-    params: list[SamplingParams] = []
-    positions: list[int] = []
-    indices: list[int] = []
-    owners: list[int] = []
-    seqs: list = []
-    draft_counts = plan.draft_counts
-    assert draft_counts is not None
-    hidden_row = 0
-    for (seq, _, _, samples), drafted in zip(plan.rows(), draft_counts.tolist()):
-        if not samples:
-            continue
-        p = seq.params
-        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
-        forks = p.n if num_outputs == 0 and p.n > 1 and seq.group.needs_fork else 1
-        if drafted:
-            verify.append((len(rows), seq.draft_tokens[:drafted]))
-        for j in range(drafted + 1 if drafted else forks):
-            rows.append(hidden_row + (j if drafted else 0))
-            params.append(p)
-            positions.append(num_outputs + (j if drafted else 0))
-            indices.append(j if forks > 1 else seq.sample_index)
-            owners.append(seq.seq_id)
-            history = seq
-            if j and drafted and p.processes_logits:
-                history = DraftedHistory(seq, seq.draft_tokens[:j])
-            seqs.append(history)
-        hidden_row += drafted + 1
+        hidden_row += 1
     if plan.all_greedy:
         return rows, [], [], [], owners, True, None
     return rows, params, positions, indices, owners, False, seqs

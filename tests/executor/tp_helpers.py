@@ -85,5 +85,10 @@ def run_torchrun(
         capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    # stdout too: whether rank 0 got as far as its output tells a failure in the run
+    # from one in the processes' teardown
+    assert result.returncode == 0, (
+        f"exit status {result.returncode}\nstdout: {result.stdout[-1500:]}\n"
+        f"stderr: {result.stderr[-4000:]}"
+    )
     return result

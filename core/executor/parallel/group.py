@@ -250,6 +250,9 @@ class WorkerGroup:
             self.broken = "the engine's tensor-parallel group was shut down"
         if dist.is_initialized():
             dist.destroy_process_group()
+        # the control group's threads end with its last reference: now, while the
+        # interpreter is whole, not in its finalization (see protocol._held)
+        self.control = None
         global _current
         if _current is self:
             _current = None

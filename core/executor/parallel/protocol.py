@@ -37,6 +37,19 @@ RELEASE, SHUTDOWN = "release", "shutdown"
 MESSAGE_BYTES = 64 * 1024
 _LENGTH = 8
 
+# The tensors of the last message sent or received, kept alive here. A gloo worker
+# thread drops its reference to a collective's tensors a moment after the collective
+# returns; were that the last reference, the thread would take the GIL to free the
+# tensor's Python object, and after the last message (`shutdown`) that can fall in
+# interpreter finalization, which aborts the process ("terminate called without an
+# active exception"). Held here, they are freed by Python, after the groups' threads
+# have been joined (`WorkerGroup.stop`, `serve_worker`).
+_held: list[torch.Tensor] = []
+
+
+def _hold(*tensors: torch.Tensor) -> None:
+    _held[:] = tensors
+
 
 def send_message(message: Any, group) -> None:
     """Rank 0: `message` to every rank of `group` (see `receive_message`)."""
@@ -48,19 +61,24 @@ def send_message(message: Any, group) -> None:
     fits = len(data) <= MESSAGE_BYTES - _LENGTH
     if fits:
         frame[_LENGTH : _LENGTH + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    _hold(frame)
     dist.broadcast(frame, src=0, group=group)
     if not fits:
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group)
+        rest = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        _hold(frame, rest)
+        dist.broadcast(rest, src=0, group=group)
 
 
 def receive_message(group) -> Any:
     """A worker: the next message rank 0 sent on `group`."""
     frame = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    _hold(frame)
     dist.broadcast(frame, src=0, group=group)
     length = int.from_bytes(frame[:_LENGTH].numpy().tobytes(), "little")
     if length <= MESSAGE_BYTES - _LENGTH:
         return pickle.loads(frame[_LENGTH : _LENGTH + length].numpy().tobytes())
     data = torch.empty(length, dtype=torch.uint8)
+    _hold(frame, data)
     dist.broadcast(data, src=0, group=group)
     return pickle.loads(data.numpy().tobytes())
 

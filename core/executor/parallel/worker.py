@@ -115,6 +115,7 @@ def serve_worker(device: str = "cpu", timeout_s: float = 300.0, backend: str = "
     if code:
         raise SystemExit(code)
     dist.destroy_process_group()
+    del control  # its threads are joined here, not in finalization (see protocol._held)
     return True
 
 

@@ -28,6 +28,7 @@ from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
 from servelab.engine import handover
 from servelab.engine.failures import fail_step
+from servelab.engine.grammar_queue import GrammarQueue
 from servelab.engine.metrics import MetricsCollector
 from servelab.engine.request_failures import fail_sampled
 from servelab.engine.stops_and_logprobs import apply_stops_and_logprobs
@@ -36,6 +37,7 @@ from servelab.scheduling.core import SchedulerCore
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.sequence import (
     CompletionOutput,
+    FinishReason,
     RequestOutput,
     SamplingParams,
     Sequence,
@@ -95,6 +97,7 @@ class Engine:
         self.step_failures: dict[tuple[str, str], int] = {}  # (stage, error type) -> count
         self._step_index = 0
         self.kv_exports: handover.KVExports | None = None  # prefill-only requests (handover)
+        self.grammar_queue: GrammarQueue | None = None  # structured outputs, made on first use
         self.clock = executor.now
         self.t0 = self.clock()
 
@@ -128,7 +131,10 @@ class Engine:
         seq = self.new_sequence(prompt, params, request_id, arrival_time, priority, client)
         request_id, params = seq.request_id, seq.params
         group = SequenceGroup(request_id, seq)
-        self.scheduler.add(group)
+        if params.structured_outputs is not None:  # queued once its grammar is compiled
+            self.grammar_queue_for_constraints().add(group)
+        else:
+            self.scheduler.add(group)
         self.groups[request_id] = group
         if params.stop or params.logprobs is not None:
             self.with_stops_or_logprobs.add(request_id)
@@ -200,6 +206,18 @@ class Engine:
                                    f"the vocabulary [0, {vocab})")  # fmt: skip
         return params
 
+    def grammar_queue_for_constraints(self) -> GrammarQueue:
+        """The engine's grammar compiler and its waiting requests (made on first use)."""
+        if self.grammar_queue is None:
+            self.grammar_queue = GrammarQueue(self)
+        return self.grammar_queue
+
+    def fail_unqueued(self, group: SequenceGroup, error: str) -> RequestOutput:
+        """Ends a request that never reached the scheduler (its grammar did not compile)."""
+        for seq in group.seqs:
+            seq.finish(FinishReason.ERROR)
+        return self._finish_group(group, error)
+
     def new_request_id(self, prefix: str = "") -> str:
         """An automatic request id (`prefix` and a counter) no request in the engine holds."""
         while True:
@@ -216,11 +234,16 @@ class Engine:
         group = self.groups.get(str(request_id))
         if group is None or group.is_finished:
             return None
-        self.scheduler.abort(str(request_id))
+        if self.grammar_queue is not None and self.grammar_queue.abort(group.request_id):
+            for seq in group.seqs:  # still compiling its grammar: never queued
+                seq.finish(FinishReason.ABORT)
+        else:
+            self.scheduler.abort(str(request_id))
         return self._finish_group(group, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        waiting = self.grammar_queue is not None and bool(self.grammar_queue.waiting)
+        return waiting or self.scheduler.has_unfinished()
 
     def output_tokens(self, request_id: str) -> list[list[int]] | None:
         """The tokens each sample of an unfinished request has so far (in sample
@@ -266,6 +289,8 @@ class Engine:
 
     def _step(self) -> None:
         stage, plan = "scheduler.schedule", None
+        if self.grammar_queue is not None and self.grammar_queue.waiting:
+            self.grammar_queue.admit(self, busy=self.scheduler.has_unfinished())
         try:
             start = self.now()
             plan = self.scheduler.schedule()

@@ -197,7 +197,10 @@ def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: s
     engine.metrics.note_transferred_token(seq.seq_id, engine.step_index)
     if seq.logprobs is not None and request.first_logprobs:
         seq.logprobs = list(request.first_logprobs)
-    engine.scheduler.add_prefilled(SequenceGroup(request_id, seq), write_kv, transfer)
+    group = SequenceGroup(request_id, seq)
+    if params.structured_outputs is not None:  # its first token is in: compiled before queueing
+        engine.grammar_queue_for_constraints().compile_now(group)
+    engine.scheduler.add_prefilled(group, write_kv, transfer)
     engine.groups[request_id] = seq.group
     if params.stop or params.logprobs is not None:
         engine.with_stops_or_logprobs.add(request_id)

@@ -240,6 +240,10 @@ class MetricsCollector:
             # increase, and the allocator's own figures as their values
             extra={**delta, **{f"kv_{k}": v for k, v in usage.items() if k not in KNOWN_USAGE}},
         )
+        if sampled.grammar_mask is not None:  # structured outputs: the masks' cost
+            rows, seconds = sampled.grammar_mask
+            record.extra["grammar_masked_rows"] = rows
+            record.extra["grammar_mask_ms"] = seconds * 1e3
         self.steps.append(record)
         return record
 

@@ -209,6 +209,7 @@ class ModelRunner:
         if len(batch.sample_rows) != logits.shape[0]:
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
         failed: dict = {}
+        grammar_mask = None
         if batch.all_greedy:
             # ties go to the lowest index, as the sampler's greedy rule
             tokens = self.model_forward.argmax(logits).tolist()
@@ -223,6 +224,8 @@ class ModelRunner:
                 batch.sample_indices,
                 batch.sample_seqs,
             )
+            if self.sampler.masked_rows:  # structured outputs: what the masks cost
+                grammar_mask = (self.sampler.masked_rows, self.sampler.mask_seconds)
         owners = batch.sample_owners
         failed_owners = {owners[row]: exc for row, exc in failed.items()}
         if batch.verify:  # each row with drafts keeps a prefix of its samples
@@ -234,6 +237,8 @@ class ModelRunner:
             sampled.runs = frozenset(batch.sample_owners[first] for first, _ in batch.verify)
         if failed_owners:
             sampled.failed = failed_owners
+        if grammar_mask is not None:
+            sampled.grammar_mask = grammar_mask
         if self.logprobs_k >= 0:  # only while a live request asked for logprobs
             sampled.logprobs = token_logprobs(logits, tokens, self.logprobs_k)
         return sampled

@@ -14,14 +14,18 @@ Rules:
   the logits' device (torch's default where None), in one batched call;
 - no [N, V] tensor is built on another device than the logits' (no per-step upload);
 - rows with logits processing (penalties, min_tokens, logit_bias:
-  `servelab.model.logits_processing`) have it applied first; both rules then read the
+  `servelab.model.logits_processing`) have it applied first, then a constrained row's
+  grammar mask (structured outputs: `servelab.model.grammar`); both rules then read the
   processed logits.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from servelab.model.grammar import apply_grammar_masks
 from servelab.model.logits_processing import process_logits
 from servelab.step.sequence import SamplingParams
 
@@ -92,6 +96,9 @@ class Sampler:
         if seeded_noise not in ("auto", *SEEDED_NOISE):
             raise ValueError(f"seeded_noise={seeded_noise!r}: one of auto, counter, generator")
         self.seeded_noise = seeded_noise
+        # structured outputs: the last call's masked rows and the seconds their masks took
+        self.masked_rows = 0
+        self.mask_seconds = 0.0
 
     def seeded_exponential(self, keys: list[int], vocab_size: int, device) -> torch.Tensor:
         """Seeded rows' Exp(1) noise [len(keys), vocab_size] float32 on `device`."""
@@ -120,6 +127,11 @@ class Sampler:
                 raise ValueError("logits processing (penalties, min_tokens, logit_bias) needs "
                                  "each row's sequence: pass seqs")  # fmt: skip
             logits = process_logits(logits, params, seqs)
+            start = time.perf_counter()
+            self.masked_rows = apply_grammar_masks(logits, seqs)
+            self.mask_seconds = time.perf_counter() - start if self.masked_rows else 0.0
+        else:
+            self.masked_rows, self.mask_seconds = 0, 0.0
         greedy_tokens = logits.argmax(dim=-1)
         greedy = [p.greedy for p in params]
         if all(greedy):

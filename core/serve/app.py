@@ -25,6 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from servelab.engine.grammar_queue import cannot_constrain
+from servelab.errors import RequestError
+from servelab.model.grammar import build_grammar
 from servelab.serve.async_engine import AsyncEngine
 from servelab.serve.choices import Choices
 from servelab.serve.limits import PromptChecker, check_sizes, output_budget, read_body
@@ -41,6 +44,7 @@ from servelab.serve.protocol import (
 from servelab.serve.responses import stream_events, whole_response
 from servelab.serve.submission import Submission
 from servelab.serve.text import ChatTemplate
+from servelab.step.sequence import SamplingParams
 
 LARGE_BODY = 1 << 16  # bodies past this many bytes are parsed on a worker thread
 
@@ -191,6 +195,7 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
         prompts = [await checker.token_ids(p, "prompt", add_special) for p in texts]
         params = [_params(req, output_budget(req.max_tokens, len(p), max_len, 16), req.logprobs)
                   for p in prompts]  # fmt: skip
+        await check_constraint(params[0])
         if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too (vLLM)
             params = [dataclasses.replace(p, prompt_logprobs=req.logprobs) for p in params]
         echo = None
@@ -211,7 +216,22 @@ def create_app(aengine: AsyncEngine, options: dict, model_name: str, template: C
         requested = req.max_completion_tokens or req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = _params(req, output_budget(requested, len(prompt), max_len, None), k)
+        await check_constraint(params)
         return await run(request, req, [prompt], [params], chat=True, echo=None)
+
+    async def check_constraint(params: SamplingParams) -> None:
+        """A 400 for an output constraint this engine cannot serve or xgrammar cannot
+        build, before any engine work (the engine compiles it on its own thread)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        problem = cannot_constrain(engine.executor)
+        if problem is not None:
+            raise ApiError(400, problem, "structured_outputs")
+        try:
+            await asyncio.to_thread(build_grammar, constraint)
+        except RequestError as err:
+            raise ApiError(400, str(err), "structured_outputs") from None
 
     def _params(req, max_tokens: int, logprobs):
         min_tokens = req.min_tokens

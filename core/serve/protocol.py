@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from servelab.errors import RequestError
 from servelab.step.sequence import SamplingParams
+from servelab.step.structured import StructuredOutputs
 
 
 class ApiError(Exception):
@@ -50,7 +51,6 @@ NEUTRAL: dict[str, tuple] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1),
     "min_p": (None, 0.0, 0),
@@ -58,11 +58,6 @@ NEUTRAL: dict[str, tuple] = {
     "include_stop_str_in_output": (None, False),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "logits_processors": (None,),
     "truncate_prompt_tokens": (None,),
     "return_tokens_as_token_ids": (None, False),
@@ -102,6 +97,14 @@ class _Sampling(_Strict):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     add_special_tokens: bool | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields (`constraint_of`); at most one of them
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # neutral-only and ignored fields (checked by `unsupported`)
     for _name in NEUTRAL:
         locals()[_name] = None
@@ -205,11 +208,68 @@ def sampling_params(request: _Sampling, max_tokens: int, logprobs: int | None,
             presence_penalty=given(request.presence_penalty, 0.0),
             min_tokens=request.min_tokens,
             logit_bias=request.logit_bias,
+            structured_outputs=constraint_of(request),
         )
     except RequestError as err:  # its message starts with the field's name
         message = str(err)
         param = message.split(" ", 1)[0].split("[", 1)[0]
         raise ApiError(400, message, param) from None
+
+
+# vLLM's structured_outputs fields that shape how a constraint compiles; servelab takes
+# them at their defaults only
+_VLLM_NEUTRAL_OPTIONS = {"disable_any_whitespace": (None, False, True),
+                         "disable_fallback": (None, False, True),
+                         "disable_additional_properties": (None, False),
+                         "whitespace_pattern": (None,), "structural_tag": (None,)}  # fmt: skip
+
+
+def constraint_of(request: _Sampling) -> StructuredOutputs | None:
+    """The request's output constraint, from whichever of response_format,
+    structured_outputs and guided_* it sets (a 400 when it sets several)."""
+    found: list[tuple[str, StructuredOutputs]] = []
+    fmt = request.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutputs(json_object=True)))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if schema is None:
+                raise ApiError(400, "response_format json_schema needs json_schema.schema (the "
+                               "JSON schema)", "response_format.json_schema")  # fmt: skip
+            found.append(("response_format", _constraint("response_format", json=schema)))
+        elif kind != "text":
+            raise ApiError(400, f"response_format.type={kind!r:.40}: one of text, json_object, "
+                           "json_schema", "response_format.type")  # fmt: skip
+    if request.structured_outputs is not None:
+        options = dict(request.structured_outputs)
+        for name, neutral in _VLLM_NEUTRAL_OPTIONS.items():
+            value = options.pop(name, None)
+            if value not in neutral:
+                raise ApiError(400, f"structured_outputs.{name}={value!r:.40} is not supported "
+                               "by servelab", f"structured_outputs.{name}")  # fmt: skip
+        if options:
+            found.append(("structured_outputs", _constraint("structured_outputs", options)))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+        value = getattr(request, name)
+        if value is not None:
+            found.append((name, _constraint(name, **{kind: value})))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise ApiError(400, f"set one output constraint, not several ({names})", found[1][0])
+    return found[0][1] if found else None
+
+
+def _constraint(param: str, fields: dict | None = None, **kwargs) -> StructuredOutputs:
+    try:
+        constraint = StructuredOutputs.from_value(fields if fields is not None else kwargs)
+    except (RequestError, TypeError) as err:
+        raise ApiError(400, f"{param}: {err}", param) from None
+    assert constraint is not None
+    return constraint
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:

@@ -429,6 +429,8 @@ class SampledTokens:
         # when the plan `wants_hidden`: seq_id -> (first position, the final hidden
         # states [count, hidden] of the positions its row computed)
         self.hidden: dict[int, tuple[int, Any]] | None = None
+        # structured outputs: (rows masked, seconds the masks took) when any row was
+        self.grammar_mask: tuple[int, float] | None = None
         self._by_seq: dict[int, list[int]] | None = None
 
     def get(self, seq_id: int) -> list[int] | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.errors import RequestError
+from servelab.step.structured import StructuredOutputs
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +66,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # False: this request gets no speculative drafts (the engine's proposer skips it)
     speculative: bool = True
+    # the output's constraint: a JSON schema, regex, choice or grammar (`step.structured`);
+    # a dict of its fields is taken too
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         """Checks every field: a bad value is a RequestError naming the field,
@@ -119,17 +123,20 @@ class SamplingParams:
             ),
             logit_bias=_bias("logit_bias", self.logit_bias),
             speculative=_flag("speculative", self.speculative),
+            structured_outputs=_constraint(self.structured_outputs, self.ignore_eos),
         )
 
     @property
     def processes_logits(self) -> bool:
-        """Whether any logits processing (penalties, min_tokens, logit_bias) is on."""
+        """Whether any logits processing (penalties, min_tokens, logit_bias, a
+        structured-outputs mask) is on."""
         return (
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.min_tokens > 0
             or bool(self.logit_bias)
+            or self.structured_outputs is not None
         )
 
     @property
@@ -201,6 +208,14 @@ def _bias(name: str, value) -> dict[int, float] | None:
     return out or None
 
 
+def _constraint(value, ignore_eos) -> StructuredOutputs | None:
+    constraint = StructuredOutputs.from_value(value)
+    if constraint is not None and ignore_eos is True:
+        raise RequestError("structured_outputs with ignore_eos: a constrained output ends when "
+                           "its structure is complete, with EOS; drop ignore_eos")  # fmt: skip
+    return constraint
+
+
 def _text_list(name: str, value) -> list[str]:
     """A list of non-empty strings (one string is a list of one)."""
     items = [value] if isinstance(value, str) else value
@@ -242,6 +257,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens served by the prefix cache (latest admission)
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.grammar_state: Any = None  # structured outputs: its matcher (model.grammar)
         # speculative decoding: this step's drafts (the scheduler core sets and clears
         # them), and the drafts verified and accepted so far
         self.draft_tokens: list[int] = []
@@ -350,6 +366,8 @@ class SequenceGroup:
         self.request_id = request_id
         self.seqs: list[Sequence] = [first]
         first.group = self
+        # structured outputs: the compiled grammar (the engine queues the group once set)
+        self.compiled_grammar: Any = None
 
     @property
     def params(self) -> SamplingParams:

@@ -55,5 +55,6 @@ class DraftedHistory:
 
     def __init__(self, seq, drafts: list[int]) -> None:
         self.token_ids = seq.token_ids + drafts
+        self.seq, self.drafts = seq, drafts  # a grammar's mask reads them (model.grammar)
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.eos_token_ids = seq.eos_token_ids

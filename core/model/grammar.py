@@ -1,0 +1,232 @@
+"""Structured outputs through xgrammar: a request's constraint (`step.structured`)
+checked and compiled once per (kind, spec) for the model's tokenizer, a matcher per
+sequence advanced by its committed tokens, and one bitmask for every constrained
+sampling row of a step, applied to the logits before the sampler reads them.
+
+- `Grammars.check` builds the xgrammar `Grammar` (a JSON schema converted, a regex or
+  an EBNF grammar parsed): milliseconds, and an invalid one is a RequestError naming
+  the problem, before the request is queued. `Grammars.submit` compiles it against
+  the vocabulary on a worker thread (the token masks of every grammar state: the slow
+  part), cached by (kind, spec); the engine queues the request once it is done.
+- A sequence's matcher is made on its first constrained row and fed its committed
+  output tokens (`sync`): a forked sample, a request moved between instances and one
+  recomputed after preemption catch up the same way, and the engine never has to
+  tell the matcher what a step kept.
+- A verify row j (speculative decoding) is masked for the state after the first j
+  drafts: they are accepted, the row filled, and rolled back (xgrammar's rollback).
+  After a draft the grammar refuses, the rows are left unmasked: the target's token at
+  that draft is masked, so it differs from the draft and the later rows are dropped
+  (rows after a drafted EOS likewise: the request ends at the EOS).
+- JSON schemas are compiled without free whitespace (compact JSON): a model may
+  otherwise write whitespace until `max_tokens` (a known failure of small models).
+- The mask is applied here, in torch (bits unpacked to a boolean row), not with
+  `xgr.apply_token_bitmask_inplace`, which takes float32 and 16-bit logits only: the
+  oracle's are float64.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from servelab.errors import RequestError
+from servelab.step.structured import StructuredOutputs
+
+COMPILE_THREADS = 2  # grammars compile on these; a slow one holds up only one of them
+CACHE_ENTRIES = 256  # compiled grammars kept (least recently used dropped)
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
+
+
+def _xgrammar():
+    import xgrammar
+
+    return xgrammar
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the vocabulary: `tokenizer` a `tokenizers.Tokenizer` (as
+    the loader gives) or a transformers tokenizer; `vocab_size` the model's (ids past
+    the tokenizer's are never allowed); EOS the stop tokens a complete output takes."""
+    xgr = _xgrammar()
+    if not hasattr(tokenizer, "get_vocab") or hasattr(tokenizer, "to_str"):
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+    )
+
+
+def build_grammar(constraint: StructuredOutputs):
+    """The xgrammar `Grammar` of `constraint`; RequestError naming the problem."""
+    xgr = _xgrammar()
+    kind, spec = constraint.kind, constraint.spec
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        if kind == "json_object":  # an object, as OpenAI's json_object means (not any value)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(
+                "root ::= " + " | ".join(json.dumps(c) for c in constraint.choice or ())
+            )
+        return xgr.Grammar.from_ebnf(spec)
+    except Exception as err:  # xgrammar raises RuntimeError / ValueError with its reason
+        reason = _XGR_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err) else "")
+        raise RequestError(f"structured_outputs.{kind} is invalid: {reason or err!r}") from None
+
+
+@dataclass
+class GrammarStats:
+    """What compiling cost: counted since the engine started."""
+
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_seconds: float = 0.0
+    failures: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class Grammars:
+    """One model's grammar compiler: checks, compiles on worker threads, caches."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(
+            tokenizer_info(tokenizer, vocab_size, stop_token_ids), cache_enabled=False
+        )
+        self.stats = GrammarStats()
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._compiling: dict[tuple[str, str], Future] = {}  # one compile per key at a time
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="servelab-grammar")
+
+    def check(self, constraint: StructuredOutputs) -> None:
+        """Raises RequestError when `constraint`'s specification is invalid."""
+        key = (constraint.kind, constraint.spec)
+        with self.stats.lock:
+            if key in self._cache:
+                return
+        build_grammar(constraint)
+
+    def submit(self, constraint: StructuredOutputs) -> Future:
+        """The compiled grammar of `constraint`, at once from the cache or later from a
+        worker thread (its exception, when compiling fails)."""
+        key = (constraint.kind, constraint.spec)
+        with self.stats.lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.stats.cache_hits += 1
+                done: Future = Future()
+                done.set_result(compiled)
+                return done
+            running = self._compiling.get(key)
+            if running is not None and not running.done():  # the same grammar, compiling
+                self.stats.cache_hits += 1
+                return running
+            future = self._compiling[key] = self._pool.submit(self._compile, key, constraint)
+            return future
+
+    def _compile(self, key: tuple[str, str], constraint: StructuredOutputs):
+        start = time.perf_counter()
+        try:
+            compiled = self.compiler.compile_grammar(build_grammar(constraint))
+        except Exception:
+            with self.stats.lock:
+                self.stats.failures += 1
+                self._compiling.pop(key, None)
+            raise
+        with self.stats.lock:
+            self._compiling.pop(key, None)
+            self.stats.compiles += 1
+            self.stats.compile_seconds += time.perf_counter() - start
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class MatcherState:
+    """A sequence's grammar matcher and how many of its output tokens it has taken."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.matcher = _xgrammar().GrammarMatcher(compiled)
+        self.consumed = 0
+
+    def sync(self, seq) -> None:
+        """Feeds the matcher the output tokens `seq` committed since the last call."""
+        outputs = seq.token_ids[seq.num_prompt_tokens + self.consumed :]
+        for token in outputs:
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refuses output token {token}, which the "
+                                   "mask should have ruled out")  # fmt: skip
+            self.consumed += 1
+
+
+def matcher_state(seq) -> MatcherState:
+    """`seq`'s matcher state, made from its group's compiled grammar on first use."""
+    state = seq.grammar_state
+    if state is None:
+        state = seq.grammar_state = MatcherState(seq.group.compiled_grammar)
+    state.sync(seq)
+    return state
+
+
+def fill_row(bitmask: torch.Tensor, index: int, row_seq) -> None:
+    """Row `index` of `bitmask`: the tokens `row_seq`'s grammar allows next. `row_seq`
+    is a sequence, or a verify row's `DraftedHistory` (its sequence and the drafts
+    before the row)."""
+    seq = getattr(row_seq, "seq", row_seq)
+    drafts = getattr(row_seq, "drafts", ())
+    matcher = matcher_state(seq).matcher
+    accepted = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted == len(drafts) and not matcher.is_terminated():
+        matcher.fill_next_token_bitmask(bitmask, index)
+    else:  # after a refused draft, or after a drafted EOS: the row's token is never kept
+        bitmask[index] = -1  # all bits set: every token allowed (see the module's note)
+    if accepted:
+        matcher.rollback(accepted)
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> int:
+    """Masks, in place, the rows of `logits` [N, V] whose sequence is constrained: a
+    token the grammar does not allow next gets -inf. `seqs[i]` is row i's sequence
+    (or None). Returns how many rows were masked."""
+    rows = [i for i, s in enumerate(seqs) if s is not None and _constrained(s)]
+    if not rows:
+        return 0
+    vocab = logits.shape[-1]
+    bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        fill_row(bitmask, index, seqs[row])
+    bits = bitmask.to(logits.device)
+    allowed = ((bits.unsqueeze(-1) >> _BIT.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return len(rows)
+
+
+def _constrained(row_seq) -> bool:
+    seq = getattr(row_seq, "seq", row_seq)
+    return seq.params.structured_outputs is not None

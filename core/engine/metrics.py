@@ -159,6 +159,7 @@ class MetricsCollector:
         self._first_step: dict[int, int] = {}
         self._token_steps: dict[int, list[int]] = {}
         self._closed: set[int] = set()  # finished since the last step was recorded
+        self.grammar_mask_seconds = 0.0  # structured outputs: all steps' mask time
         self._events: dict[int, list[list]] = {}  # seq id -> its preemptions so far
 
     def start_run(self) -> None:
@@ -242,6 +243,7 @@ class MetricsCollector:
         )
         if sampled.grammar_mask is not None:  # structured outputs: the masks' cost
             rows, seconds = sampled.grammar_mask
+            self.grammar_mask_seconds += seconds
             record.extra["grammar_masked_rows"] = rows
             record.extra["grammar_mask_ms"] = seconds * 1e3
         self.steps.append(record)

@@ -90,6 +90,19 @@ class _EngineState:
         for kind, value in preempted.items():
             family.add_metric([kind], value)
         yield family
+        if engine.grammar_queue is not None:  # structured outputs, once a request had one
+            grammars = engine.grammar_queue.stats()
+            for key, doc in (("grammar_compiles", "grammars compiled"),
+                             ("grammar_cache_hits", "grammars found compiled or compiling"),
+                             ("grammar_compile_failures", "grammar compiles that raised"),
+                             ("grammar_compile_s", "seconds spent compiling grammars")):  # fmt: skip
+                name = "servelab_" + (key + "econds" if key.endswith("_s") else key)
+                yield CounterMetricFamily(name, doc, value=grammars[key])
+            yield CounterMetricFamily("servelab_grammar_mask_seconds",
+                                      "seconds spent filling and applying token masks",
+                                      value=engine.metrics.grammar_mask_seconds)  # fmt: skip
+            yield GaugeMetricFamily("servelab_grammar_waiting", "requests waiting on a compile",
+                                    value=grammars["grammar_waiting"])  # fmt: skip
 
 
 class ServerMetrics:

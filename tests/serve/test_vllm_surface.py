@@ -101,7 +101,8 @@ def test_sampling_fields_equal_the_offline_api(server, offline, fields):
 
 @pytest.mark.parametrize("fields,param", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "x"}},
+     "structured_outputs.structural_tag"),
     ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
 ])  # fmt: skip
 def test_unimplemented_fields_say_not_supported(server, fields, param):

@@ -19,9 +19,9 @@ sampling row of a step, applied to the logits before the sampler reads them.
   (rows after a drafted EOS likewise: the request ends at the EOS).
 - JSON schemas are compiled without free whitespace (compact JSON): a model may
   otherwise write whitespace until `max_tokens` (a known failure of small models).
-- The mask is applied here, in torch (bits unpacked to a boolean row), not with
-  `xgr.apply_token_bitmask_inplace`, which takes float32 and 16-bit logits only: the
-  oracle's are float64.
+- The mask is applied with xgrammar's fused `apply_token_bitmask_inplace` for float32
+  and 16-bit logits, and for float64 (the oracle's, which it does not take) by a
+  byte-to-bits table lookup in torch: the same -inf entries.
 """
 
 from __future__ import annotations
@@ -206,7 +206,9 @@ def fill_row(bitmask: torch.Tensor, index: int, row_seq) -> None:
         matcher.rollback(accepted)
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
+# byte value -> its 8 bits, low bit first, True where the token is NOT allowed
+_BANNED_BY_BYTE = ~((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+_XGRAMMAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> int:
@@ -216,15 +218,34 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list) -> int:
     rows = [i for i, s in enumerate(seqs) if s is not None and _constrained(s)]
     if not rows:
         return 0
-    vocab = logits.shape[-1]
-    bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
-    for index, row in enumerate(rows):
-        fill_row(bitmask, index, seqs[row])
-    bits = bitmask.to(logits.device)
-    allowed = ((bits.unsqueeze(-1) >> _BIT.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    # one row per logits row (xgrammar's kernel reads row i's mask at index i); only
+    # the constrained rows are filled and applied
+    bitmask = torch.empty(logits.shape[0], (logits.shape[-1] + 31) // 32, dtype=torch.int32)
+    for row in rows:
+        fill_row(bitmask, row, seqs[row])
+    apply_bitmask(logits, bitmask, rows)
     return len(rows)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf, in place, where bit t of `bitmask[i]` is 0, in each row i in `rows` of
+    `logits` (`bitmask` has a row per logits row; the others are not read).
+    xgrammar's fused kernel for float32 and 16-bit logits; for float64 (which it does
+    not take) a byte-to-bits table lookup, the same result."""
+    device = logits.device
+    bits = bitmask.to(device, non_blocking=True)
+    if logits.dtype in _XGRAMMAR_DTYPES:
+        everyone = len(rows) == logits.shape[0]
+        _xgrammar().apply_token_bitmask_inplace(logits, bits, indices=None if everyone else rows)
+        return
+    vocab = logits.shape[-1]
+    if len(rows) == logits.shape[0]:
+        banned = _BANNED_BY_BYTE.to(device)[bits.view(torch.uint8).long()].flatten(1)[:, :vocab]
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    index = torch.tensor(rows, device=device)
+    banned = _BANNED_BY_BYTE.to(device)[bits[index].view(torch.uint8).long()].flatten(1)
+    logits[index] = logits[index].masked_fill(banned[:, :vocab], float("-inf"))
 
 
 def _constrained(row_seq) -> bool:

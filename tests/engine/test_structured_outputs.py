@@ -331,3 +331,35 @@ def test_disaggregated_constrained_requests_equal_the_reference(case):
                             max_num_batched_tokens=128)  # fmt: skip
     assert run.tokens == case.expected
     assert run.handed_over == len(case.prompts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows", [[0, 1, 2], [1], [0, 2]])
+def test_both_ways_of_applying_a_bitmask_agree_with_the_bits(dtype, rows):
+    """xgrammar's kernel (float32, bf16) and the table lookup (float64) set -inf
+    exactly where row i's bit is 0, in the listed rows only; 300 ids (not a multiple
+    of 32)."""
+    from servelab.model.grammar import apply_bitmask
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 300, generator=gen).to(dtype)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 10), generator=gen,
+                            dtype=torch.int64).to(torch.int32)  # fmt: skip
+    want = logits.clone()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little").reshape(3, -1)
+    for row in rows:
+        want[row, torch.from_numpy(bits[row, :300] == 0)] = float("-inf")
+    apply_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_and_bfloat16_engines_mask_with_xgrammars_kernel(dtype):
+    """The embedded tiny model in the dtypes xgrammar's kernel takes: outputs valid."""
+    tiny = LLM(model="tiny", dtype=dtype)
+    kinds = ["json", "regex", "choice", "grammar"]
+    params = [SamplingParams(temperature=0.0, max_tokens=120,
+                             structured_outputs=CONSTRAINTS[k]) for k in kinds]  # fmt: skip
+    for kind, out in zip(kinds, tiny.generate(["hello", "a b", "x", "1 2 3"], params)):
+        assert out.finish_reason == "stop", (kind, out.outputs[0].text)
+        assert_valid(kind, out.outputs[0].text)

@@ -209,6 +209,8 @@ def _bias(name: str, value) -> dict[int, float] | None:
 
 
 def _constraint(value, ignore_eos) -> StructuredOutputs | None:
+    if value is None:
+        return None
     constraint = StructuredOutputs.from_value(value)
     if constraint is not None and ignore_eos is True:
         raise RequestError("structured_outputs with ignore_eos: a constrained output ends when "

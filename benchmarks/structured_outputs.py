@@ -1,0 +1,169 @@
+"""What structured outputs cost a step: at batch sizes 1, 8, 64 and 256, every
+request constrained by one JSON schema (nested object, enum, integers, an array),
+on the tiny model and on the Qwen3-0.6B shape (random weights, float32).
+
+    python benchmarks/structured_outputs.py [--models tiny qwen3-0.6b]
+        [--batches 1 8 64 256] [--repeats 3] [--max-tokens 8] [--out results.json]
+
+Per (model, batch) one engine with `max_num_seqs = B`; each repeat runs the batch
+twice side by side, constrained and plain (the order alternating by repeat), greedy,
+B prompts of 16 random ids, `max_tokens` each (`ignore_eos` on the plain run, so
+both run every decode step; a constrained request may end early, when its JSON is
+complete). Over the decode steps that ran all B requests it reports:
+
+- `mask %`: the steps' `grammar_mask_ms` (filling the bitmask rows and applying
+  them, `servelab.model.grammar`) over their wall time;
+- `step ratio`: the constrained decode step's mean time over the plain one's,
+  paired by repeat (the whole cost, with the logits copy and the sampler's
+  per-row path that a constrained row takes);
+
+each a mean over repeats with a 95% t interval (`servelab.lab.stats`).
+
+The tiny model's tokenizer has 512 ids; the Qwen3-0.6B shape has no tokenizer, and
+its own (151,643 ids) cannot be fetched offline, so it gets a byte-level BPE
+trained here on the Python standard library's source with `tokenizers` (about
+120,000 ids; cached in ~/.cache/servelab/bench_tokenizers/), its ids padded to the
+model's 151,936 (those past the tokenizer are never allowed). A mask's cost grows
+with the vocabulary, so this is close to, not exactly, the real model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import subprocess
+import sysconfig
+
+import torch
+
+from servelab import LLM, SamplingParams
+from servelab.lab.stats import interval_text, mean_estimate, ratio_estimate, rounded
+from servelab.model.config import NAMED_SHAPES
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "point": {
+            "type": "object",
+            "properties": {"x": {"type": "integer"}, "label": {"type": "string"}},
+            "required": ["x", "label"],
+        },
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["id", "kind", "point", "tags"],
+}
+TOKENIZERS = pathlib.Path.home() / ".cache" / "servelab" / "bench_tokenizers"
+
+
+def stdlib_tokenizer():
+    """A byte-level BPE trained on the standard library's *.py files (cached)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = TOKENIZERS / "stdlib-bpe.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=151_643, min_frequency=1, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator((p.read_bytes().decode("utf-8", "replace") for p in files),
+                                  trainer)  # fmt: skip
+    TOKENIZERS.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def build(model: str, batch: int) -> LLM:
+    shape = NAMED_SHAPES[model]
+    kv_bytes_per_token = shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4
+    llm = LLM(model=model, dtype="float32", max_num_seqs=batch,
+              max_num_batched_tokens=max(2048, 16 * batch), max_model_len=256,
+              kv_cache_memory=(batch + 8) * 64 * kv_bytes_per_token)  # fmt: skip
+    if llm.engine.tokenizer is None:  # the 0.6B shape: the benchmark's stand-in tokenizer
+        tokenizer = stdlib_tokenizer()
+        llm.engine.tokenizer = llm.engine.executor.tokenizer = tokenizer
+    return llm
+
+
+def decode_steps(llm: LLM, first: int, batch: int) -> list[dict]:
+    rows = [s.row() for s in llm.engine.metrics.steps[first:]]
+    return [r for r in rows if r["num_seqs"] == batch and r["decode_tokens"] == batch]
+
+
+def run_once(llm: LLM, prompts, batch: int, max_tokens: int, constrained: bool) -> dict:
+    if constrained:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                structured_outputs={"json": SCHEMA})  # fmt: skip
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    first = len(llm.engine.metrics.steps)
+    llm.generate(prompts, params)
+    steps = decode_steps(llm, first, batch)
+    wall = sum(s["wall_time"] for s in steps)
+    mask = sum(s.get("grammar_mask_ms", 0.0) for s in steps) / 1e3
+    return {"steps": len(steps), "step_ms": 1e3 * wall / max(1, len(steps)),
+            "mask_pct": 100 * mask / wall if wall else float("nan")}  # fmt: skip
+
+
+def measure(model: str, batch: int, repeats: int, max_tokens: int) -> dict:
+    llm = build(model, batch)
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(4, min(vocab, 500), (16,), generator=gen).tolist()
+               for _ in range(batch)]  # fmt: skip
+    run_once(llm, prompts, batch, 2, True)  # warm: kernels, the grammar compile
+    run_once(llm, prompts, batch, 2, False)
+    plain, constrained = [], []
+    for r in range(repeats):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        for c in order:
+            (constrained if c else plain).append(run_once(llm, prompts, batch, max_tokens, c))
+    ratio = ratio_estimate([c["step_ms"] for c in constrained], [p["step_ms"] for p in plain],
+                           paired=True)  # fmt: skip
+    mask = mean_estimate([c["mask_pct"] for c in constrained])
+    return {"model": model, "batch": batch, "repeats": repeats,
+            "plain_step_ms": mean_estimate([p["step_ms"] for p in plain]).mean,
+            "constrained_step_ms": mean_estimate([c["step_ms"] for c in constrained]).mean,
+            "decode_steps_per_run": [c["steps"] for c in constrained],
+            "mask_pct": mask.mean, "mask_pct_ci": interval_text(mask),
+            "step_ratio": ratio.mean, "step_ratio_ci": interval_text(ratio),
+            "mask_pct_text": rounded(mask), "step_ratio_text": rounded(ratio)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
+                 if line.startswith("Model name")), platform.processor())  # fmt: skip
+    print(f"# {name}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
+    print("| model | batch | plain step (ms) | constrained step (ms) | mask % of the step "
+          "(95% CI) | step ratio (95% CI) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    results = []
+    for model in args.models:
+        for batch in args.batches:
+            r = measure(model, batch, args.repeats, args.max_tokens)
+            results.append(r)
+            print(f"| {model} | {batch} | {r['plain_step_ms']:.1f} | {r['constrained_step_ms']:.1f} "
+                  f"| {r['mask_pct_text']} | {r['step_ratio_text']} |", flush=True)  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({"cpu": name, "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -208,3 +208,17 @@ def test_a_vocabulary_the_ranks_do_not_divide(tmp_path, spy):
     for a, b in zip(runs[1][1], runs[2][1], strict=True):
         assert a.shape == b.shape and a.shape[-1] == 127
         assert (a - b).abs().max().item() <= 1e-9
+
+
+def test_structured_outputs_under_tensor_parallelism():
+    """Rank 0 samples: a constrained request's mask is applied to the gathered
+    logits, and the tokens are the single process's."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 999}, "k": {"enum": ["a", "b"]}}, "required": ["n", "k"]}  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c)
+              for c in ({"json": schema}, {"regex": "[a-z]{2}[0-9]"}, {"choice": ["x", "yz"]})]
+    prompts = [[5, 6, 7], [9, 10], [11]]
+    tp = LLM(model="tiny", dtype="float64", num_threads=1, **TP).generate(prompts, params)
+    alone = LLM(model="tiny", dtype="float64", num_threads=1).generate(prompts, params)
+    assert [o.token_ids for o in tp] == [o.token_ids for o in alone]
+    assert all(o.finish_reason == "stop" for o in tp)

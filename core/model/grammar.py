@@ -101,15 +101,18 @@ class Grammars:
     """One model's grammar compiler: checks, compiles on worker threads, caches."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        xgr = _xgrammar()
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(
-            tokenizer_info(tokenizer, vocab_size, stop_token_ids), cache_enabled=False
-        )
         self.stats = GrammarStats()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._compiling: dict[tuple[str, str], Future] = {}  # one compile per key at a time
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="servelab-grammar")
+        # xgrammar's view of the vocabulary takes seconds for a 150,000-id one: made on a
+        # worker thread too (the first compile waits for it), never on the engine's
+        self._compiler = self._pool.submit(self._make_compiler, tokenizer, stop_token_ids)
+
+    def _make_compiler(self, tokenizer: Any, stop_token_ids: list[int]):
+        info = tokenizer_info(tokenizer, self.vocab_size, stop_token_ids)
+        return _xgrammar().GrammarCompiler(info, cache_enabled=False)
 
     def check(self, constraint: StructuredOutputs) -> None:
         """Raises RequestError when `constraint`'s specification is invalid."""
@@ -139,9 +142,10 @@ class Grammars:
             return future
 
     def _compile(self, key: tuple[str, str], constraint: StructuredOutputs):
-        start = time.perf_counter()
         try:
-            compiled = self.compiler.compile_grammar(build_grammar(constraint))
+            compiler = self._compiler.result()
+            start = time.perf_counter()  # the compile's own time, not the wait for the vocabulary
+            compiled = compiler.compile_grammar(build_grammar(constraint))
         except Exception:
             with self.stats.lock:
                 self.stats.failures += 1

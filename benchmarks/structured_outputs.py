@@ -4,6 +4,7 @@ on the tiny model and on the Qwen3-0.6B shape (random weights, float32).
 
     python benchmarks/structured_outputs.py [--models tiny qwen3-0.6b]
         [--batches 1 8 64 256] [--repeats 3] [--max-tokens 8] [--out results.json]
+    python benchmarks/structured_outputs.py --validity [--pair DIR]
 
 Per (model, batch) one engine with `max_num_seqs = B`; each repeat runs the batch
 twice side by side, constrained and plain (the order alternating by repeat), greedy,
@@ -19,6 +20,12 @@ complete). Over the decode steps that ran all B requests it reports:
 
 each a mean over repeats with a 95% t interval (`servelab.lab.stats`).
 
+`--validity` runs the trained pair's target (benchmarks/spec_pair.py) on the
+code-completion workload's prompts under one constraint of each kind, greedy and
+sampled (temperature 0.8, top-p 0.95, seeded): how many outputs complete within
+`max_tokens` and how many of those validate (jsonschema, re.fullmatch, the choice
+list, the grammar's regex).
+
 The tiny model's tokenizer has 512 ids; the Qwen3-0.6B shape has no tokenizer, and
 its own (151,643 ids) cannot be fetched offline, so it gets a byte-level BPE
 trained here on the Python standard library's source with `tokenizers` (about
@@ -33,6 +40,7 @@ import argparse
 import json
 import pathlib
 import platform
+import re
 import subprocess
 import sysconfig
 
@@ -57,6 +65,7 @@ SCHEMA = {
     "required": ["id", "kind", "point", "tags"],
 }
 TOKENIZERS = pathlib.Path.home() / ".cache" / "servelab" / "bench_tokenizers"
+SPEC_PAIRS = pathlib.Path.home() / ".cache" / "servelab" / "spec_pair"
 
 
 def stdlib_tokenizer():
@@ -139,6 +148,55 @@ def measure(model: str, batch: int, repeats: int, max_tokens: int) -> dict:
             "mask_pct_text": rounded(mask), "step_ratio_text": rounded(ratio)}  # fmt: skip
 
 
+# for the validity run: strings bounded by a pattern, as a tool's arguments often are
+# (an undertrained model may not close an unbounded string before max_tokens)
+BOUNDED = {**SCHEMA, "properties": {
+    **SCHEMA["properties"],
+    "point": {"type": "object", "required": ["x", "label"],
+              "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99},
+                             "label": {"type": "string", "pattern": "^[a-z_]{1,12}$"}}},
+    "tags": {"type": "array", "maxItems": 3,
+             "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+}}  # fmt: skip
+VALIDITY = {
+    "json": ({"json": BOUNDED}, lambda t: jsonschema_valid(t)),
+    "regex": ({"regex": r"[A-Z][a-z]{2,8}_[0-9]{1,3}"},
+              lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}_[0-9]{1,3}", t) is not None),
+    "choice": ({"choice": ["return None", "raise ValueError", "pass"]},
+               lambda t: t in ("return None", "raise ValueError", "pass")),
+    "grammar": ({"grammar": 'root ::= name "(" (name ("," " " name){0,2})? ")"\n'
+                            'name ::= [a-z_] [a-z_0-9]{0,11}'},
+                lambda t: re.fullmatch(r"[a-z_]\w{0,11}\((\w+(, \w+){0,2})?\)", t) is not None),
+}  # fmt: skip
+
+
+def jsonschema_valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), BOUNDED)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def validity(pair: pathlib.Path, requests: int, max_tokens: int) -> list[dict]:
+    lines = (pair / "workloads" / "code_completion.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][:requests]
+    llm = LLM(model=str(pair / "target"), dtype="float32", max_model_len=1024)
+    rows = []
+    for kind, (constraint, valid) in VALIDITY.items():
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(temperature=temperature, top_p=0.95, seed=0,
+                                    max_tokens=max_tokens, structured_outputs=constraint)  # fmt: skip
+            outs = llm.generate(prompts, params)
+            done = [o for o in outs if o.finish_reason == "stop"]
+            rows.append({"kind": kind, "temperature": temperature, "requests": len(outs),
+                         "completed": len(done), "valid": sum(valid(o.text) for o in done),
+                         "example": done[0].text if done else outs[0].text})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b"])
@@ -146,7 +204,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--validity", action="store_true")
+    parser.add_argument("--pair", type=pathlib.Path)
+    parser.add_argument("--requests", type=int, default=32)
     args = parser.parse_args()
+    if args.validity:
+        pair = args.pair or max(SPEC_PAIRS.glob("*/manifest.json"),
+                                key=lambda p: p.stat().st_mtime).parent  # fmt: skip
+        print(f"# {pair.name}: the trained target, code_completion prompts")
+        print("| kind | temperature | requests | completed | valid | an output |")
+        print("|---|---|---|---|---|---|")
+        for r in validity(pair, args.requests, 160):
+            print(f"| {r['kind']} | {r['temperature']} | {r['requests']} | {r['completed']} "
+                  f"| {r['valid']} | `{r['example'][:60]!r}` |", flush=True)  # fmt: skip
+        return
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
                  if line.startswith("Model name")), platform.processor())  # fmt: skip

@@ -223,6 +223,7 @@ class ModelRunner:
                 self.generator,
                 batch.sample_indices,
                 batch.sample_seqs,
+                logits_writable=self.logprobs_k < 0,  # the raw logits serve logprobs only
             )
             if self.sampler.masked_rows:  # structured outputs: what the masks cost
                 grammar_mask = (self.sampler.masked_rows, self.sampler.mask_seconds)

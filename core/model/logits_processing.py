@@ -28,7 +28,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], seqs: lis
     vocab = logits.shape[-1]
     device = logits.device
     for row, (p, seq) in enumerate(zip(params, seqs, strict=True)):
-        if not p.processes_logits:
+        if not p.adjusts_logits:
             continue
         values = out[row]
         if p.logit_bias:

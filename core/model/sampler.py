@@ -115,19 +115,25 @@ class Sampler:
         generator: torch.Generator | None = None,
         sample_indices: list[int] | None = None,
         seqs: list | None = None,
+        logits_writable: bool = False,
     ) -> torch.Tensor:
         """logits [N, V]; `output_positions[i]` is how many tokens row i's sequence
         has generated so far (the index of the token being drawn); `sample_indices`
         tells the n samples of one seeded request apart (default 0); `seqs[i]` is row
-        i's sequence (needed only when a row's params process logits).
+        i's sequence (needed only when a row's params process logits);
+        `logits_writable`: the caller reads `logits` no more, so a grammar mask may
+        be applied to it in place (otherwise to a copy).
         Returns LongTensor [N] on the logits' device."""
         num_rows, vocab_size = logits.shape
         if any(p.processes_logits for p in params):
             if seqs is None:
                 raise ValueError("logits processing (penalties, min_tokens, logit_bias) needs "
                                  "each row's sequence: pass seqs")  # fmt: skip
-            logits = process_logits(logits, params, seqs)
             start = time.perf_counter()
+            if any(p.adjusts_logits for p in params):
+                logits = process_logits(logits, params, seqs)  # a copy
+            elif not logits_writable:
+                logits = logits.clone()
             self.masked_rows = apply_grammar_masks(logits, seqs)
             self.mask_seconds = time.perf_counter() - start if self.masked_rows else 0.0
         else:
@@ -256,21 +262,25 @@ def sample_isolating_rows(
     generator: torch.Generator | None,
     indices: list[int],
     seqs: list | None,
+    logits_writable: bool = False,
 ) -> tuple[list[int], dict[int, Exception]]:
     """Tokens, one per row of `logits`, and {row: its error} for the rows whose
     sampling raised (their tokens are stand-ins). Raises the batch's error when
-    no row raises alone."""
+    no row raises alone. `logits_writable`: see `Sampler.sample` (a grammar mask
+    applied twice is the same mask, so the retries may see it applied)."""
     rng = _generator_of(generator, logits.device)
     state = rng.get_state() if rng is not None else None
     try:
-        return sampler.sample(logits, params, positions, generator, indices, seqs).tolist(), {}
+        return sampler.sample(logits, params, positions, generator, indices, seqs,
+                              logits_writable).tolist(), {}  # fmt: skip
     except Exception as exc:
         batch_error = exc
     failed: dict[int, Exception] = {}
     for row in range(len(params)):
         try:
             sampler.sample(logits[row : row + 1], [params[row]], [positions[row]], generator,
-                           [indices[row]], None if seqs is None else [seqs[row]])  # fmt: skip
+                           [indices[row]], None if seqs is None else [seqs[row]],
+                           logits_writable)  # fmt: skip
         except Exception as exc:
             failed[row] = exc
     if not failed:
@@ -278,7 +288,8 @@ def sample_isolating_rows(
     if rng is not None:
         rng.set_state(state)
     kept = [STAND_IN if row in failed else p for row, p in enumerate(params)]
-    tokens = sampler.sample(logits, kept, positions, generator, indices, seqs).tolist()
+    tokens = sampler.sample(logits, kept, positions, generator, indices, seqs,
+                            logits_writable).tolist()  # fmt: skip
     return tokens, failed
 
 

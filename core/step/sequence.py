@@ -130,13 +130,17 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether any logits processing (penalties, min_tokens, logit_bias, a
         structured-outputs mask) is on."""
+        return self.adjusts_logits or self.structured_outputs is not None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties, min_tokens or logit_bias change the logits' values."""
         return (
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.min_tokens > 0
             or bool(self.logit_bias)
-            or self.structured_outputs is not None
         )
 
     @property

@@ -333,9 +333,11 @@ def test_disaggregated_constrained_requests_equal_the_reference(case):
     assert run.handed_over == len(case.prompts)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kernel,dtype", [("xgrammar", torch.float32), ("xgrammar", torch.bfloat16),
+                                          ("table", torch.float32), ("table", torch.bfloat16),
+                                          ("table", torch.float64), ("auto", torch.float64)])
 @pytest.mark.parametrize("rows", [[0, 1, 2], [1], [0, 2]])
-def test_both_ways_of_applying_a_bitmask_agree_with_the_bits(dtype, rows):
+def test_both_ways_of_applying_a_bitmask_agree_with_the_bits(kernel, dtype, rows):
     """xgrammar's kernel (float32, bf16) and the table lookup (float64) set -inf
     exactly where row i's bit is 0, in the listed rows only; 300 ids (not a multiple
     of 32)."""
@@ -349,13 +351,13 @@ def test_both_ways_of_applying_a_bitmask_agree_with_the_bits(dtype, rows):
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little").reshape(3, -1)
     for row in rows:
         want[row, torch.from_numpy(bits[row, :300] == 0)] = float("-inf")
-    apply_bitmask(logits, bitmask, rows)
+    apply_bitmask(logits, bitmask, rows, kernel)
     assert torch.equal(logits, want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_float32_and_bfloat16_engines_mask_with_xgrammars_kernel(dtype):
-    """The embedded tiny model in the dtypes xgrammar's kernel takes: outputs valid."""
+def test_float32_and_bfloat16_engines_give_valid_outputs(dtype):
+    """The embedded tiny model in the serving dtypes: every output valid."""
     tiny = LLM(model="tiny", dtype=dtype)
     kinds = ["json", "regex", "choice", "grammar"]
     params = [SamplingParams(temperature=0.0, max_tokens=120,

@@ -83,6 +83,7 @@ from spec_pair_workloads import (  # noqa: E402
     code_edit,
     read_jsonl,
     write_jsonl,
+    write_trace,
 )
 
 SCRIPT_VERSION = 1
@@ -206,9 +207,23 @@ def write_workloads(folder: Path, heldout_files: list, tokenizer, settings: Sett
     entry: dict = {"version": WORKLOADS_VERSION}
     for name, make in (("code_completion", code_completion), ("code_edit", code_edit)):
         path = folder / "workloads" / f"{name}.jsonl"
-        write_jsonl(path, make(heldout_files, tokenizer, settings.requests, seed))
+        requests = make(heldout_files, tokenizer, settings.requests, seed)
+        write_jsonl(path, requests)
         entry[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        trace = folder / "workloads" / f"{name}.trace.jsonl"  # for `workload=trace` presets
+        write_trace(trace, requests)
+        entry[f"{name}.trace"] = hashlib.sha256(trace.read_bytes()).hexdigest()
     return entry
+
+
+def link_latest(folder: Path) -> None:
+    """`<cache>/latest` -> `folder` (conf/experiment/speculative_decoding.yaml reads it)."""
+    link = folder.parent / "latest"
+    partial = folder.parent / "latest.partial"
+    partial.unlink(missing_ok=True)
+    partial.symlink_to(folder.name)
+    os.replace(partial, link)
+    _log(f"{link} -> {folder.name}")
 
 
 def refresh_workloads(settings: Settings, seed: int, folder: Path, manifest: dict) -> dict:
@@ -375,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.out or default_folder(settings, args.seed)
     start = time.perf_counter()
     manifest = train(settings, args.seed, folder)
+    if args.out is None and settings is FULL:  # the presets find the pair through this link
+        link_latest(folder)
     print(json.dumps({k: manifest[k] for k in ("parameters", "heldout", "seconds")}, indent=2))
     with torch_threads(settings.threads):
         if args.command == "verify":

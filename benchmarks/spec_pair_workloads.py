@@ -38,7 +38,7 @@ from pathlib import Path
 
 from spec_pair_corpus import SourceFile
 
-WORKLOADS_VERSION = 2  # bump when the requests change: cached runs rewrite their workloads
+WORKLOADS_VERSION = 3  # bump when the requests change: cached runs rewrite their workloads
 MAX_TOKENS = 128
 TRAINED_CONTEXT = 512  # the models' training windows: prompt + max_tokens stays within
 COMPLETION_PROMPT = (128, 384)
@@ -220,6 +220,13 @@ def write_jsonl(path: Path, requests: list[dict]) -> None:
     with path.open("w", encoding="utf-8") as f:
         for request in requests:
             f.write(json.dumps(request, sort_keys=True) + "\n")
+
+
+def write_trace(path: Path, requests: list[dict]) -> None:
+    """The requests as servelab's `trace` workload reads them (`workload=trace`):
+    `prompt_token_ids` and `output_len` (all arriving at once)."""
+    write_jsonl(path, [{"prompt_token_ids": r["prompt_token_ids"], "output_len": r["max_tokens"]}
+                       for r in requests])  # fmt: skip
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,9 +23,11 @@ SERVELAB = Path(sys.executable).parent / "servelab"
 SIMULATED = ("executor=simulated", "hardware=cpu-local")  # a virtual clock, no model weights
 
 
-def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
-    """Runs `servelab -m experiment=PRESET ...`, which reports on its folder when
-    it ends; returns summary.csv's rows keyed by the swept values, "/"-joined."""
+def run_preset(tmp_path: Path, preset: str, *overrides: str, env: dict | None = None
+               ) -> dict[str, dict]:  # fmt: skip
+    """Runs `servelab -m experiment=PRESET ...` (with `env`'s variables added), which
+    reports on its folder when it ends; returns summary.csv's rows keyed by the swept
+    values, "/"-joined."""
     out = tmp_path / preset
     command = (
         [str(SERVELAB)]
@@ -39,7 +42,8 @@ def run_preset(tmp_path: Path, preset: str, *overrides: str) -> dict[str, dict]:
         "run.repeats=1",  # a claim's direction, not its interval: one run per configuration
         *overrides,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    environment = None if env is None else {**os.environ, **env}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     assert done.returncode == 0, done.stderr[-3000:]
     # the sweep ends by printing its folder and writing its report there (cli.ReportAtSweepEnd)
     assert f"servelab: sweep folder: {out}\n" in done.stdout
@@ -273,3 +277,33 @@ def test_mlfq_vs_fcfs(tmp_path):
     assert set(finish_steps) == {"continuous", "mlfq"}
     for measure in (statistics.mean, statistics.median):
         assert measure(finish_steps["mlfq"]) < 0.9 * measure(finish_steps["continuous"])
+
+
+def test_speculative_decoding_on_a_trained_pair(tmp_path):
+    """The preset on a seconds-long trained pair (`spec_pair.py --quick`, found
+    through $HOME as the preset reads it): every proposer gives no speculation's
+    tokens; on the copy-heavy edit, n-gram lookup keeps several drafts per
+    verification and needs fewer steps; the speculation plot is drawn."""
+    from tests.benchmark_scripts import load_benchmark
+
+    spec_pair = load_benchmark("spec_pair")
+    home = tmp_path / "home"
+    folder = home / ".cache" / "servelab" / "spec_pair" / "quick"
+    with spec_pair.torch_threads(spec_pair.QUICK.threads):
+        spec_pair.train(spec_pair.QUICK, 0, folder)
+    spec_pair.link_latest(folder)
+    runs = run_preset(tmp_path, "speculative_decoding", "engine.max_num_seqs=1,4",
+                      "workload=spec_pair_code_edit", "engine.num_threads=1",
+                      env={"HOME": str(home)})  # fmt: skip
+    proposers = ("none", "ngram", "pair_draft", "pair_eagle")
+    assert set(runs) == {f"{p}/{b}" for p in proposers for b in (1, 4)}, set(runs)
+    for batch in (1, 4):
+        plain = runs[f"none/{batch}"]
+        for proposer in proposers[1:]:
+            run = runs[f"{proposer}/{batch}"]
+            assert run["output_digest"] == plain["output_digest"], (proposer, batch)
+            assert run["spec_draft_tokens"] > 0
+    assert runs["ngram/1"]["spec_mean_accepted_length"] > 1.5
+    assert runs["ngram/1"]["steps"] < 0.8 * runs["none/1"]["steps"]
+    plot = tmp_path / "speculative_decoding" / "speculation.png"
+    assert plot.exists() and Image.open(plot).size[0] > 400

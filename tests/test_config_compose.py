@@ -166,6 +166,10 @@ TRACE_FILES = {
 }  # fmt: skip
 
 
+# the trained pair's workloads are trace files (written by benchmarks/spec_pair.py)
+TRACE_FILES["spec_pair_code_completion"] = TRACE_FILES["spec_pair_code_edit"] = TRACE_FILES["trace"]
+
+
 def trace_overrides(workload: str, folder) -> list[str]:
     if workload not in TRACE_FILES:
         return []
@@ -199,8 +203,28 @@ def sweep_jobs(preset: str) -> list[list[str]]:
     return [list(job) for job in itertools.product(*axes)]
 
 
+@pytest.fixture
+def a_trained_pair(tmp_path, monkeypatch):
+    """$HOME with a seconds-long trained pair where the `speculative_decoding`
+    preset looks for one (~/.cache/servelab/spec_pair/latest); the CPU kernels'
+    cache stays where it was."""
+    from servelab.kernels.cpp_extension import CACHE_ENV, cache_root
+    from tests.benchmark_scripts import load_benchmark
+
+    spec_pair = load_benchmark("spec_pair")
+    home = tmp_path / "home"
+    folder = home / ".cache" / "servelab" / "spec_pair" / "quick"
+    with spec_pair.torch_threads(spec_pair.QUICK.threads):
+        spec_pair.train(spec_pair.QUICK, 0, folder)
+    spec_pair.link_latest(folder)
+    monkeypatch.setenv(CACHE_ENV, str(cache_root()))
+    monkeypatch.setenv("HOME", str(home))
+
+
 @pytest.mark.parametrize("preset", options("experiment"))
-def test_every_preset_job_composes_and_builds(preset, tmp_path):
+def test_every_preset_job_composes_and_builds(preset, tmp_path, request):
+    if preset == "speculative_decoding":  # the trained pair's model and workloads
+        request.getfixturevalue("a_trained_pair")
     jobs = sweep_jobs(preset)
     if preset == "reference":
         assert jobs == [[]]  # one run, not a sweep

@@ -123,7 +123,8 @@ class SamplingParams:
             ),
             logit_bias=_bias("logit_bias", self.logit_bias),
             speculative=_flag("speculative", self.speculative),
-            structured_outputs=_constraint(self.structured_outputs, self.ignore_eos),
+            structured_outputs=_constraint(self.structured_outputs, self.ignore_eos,
+                                           self.min_tokens),
         )
 
     @property
@@ -212,13 +213,19 @@ def _bias(name: str, value) -> dict[int, float] | None:
     return out or None
 
 
-def _constraint(value, ignore_eos) -> StructuredOutputs | None:
+def _constraint(value, ignore_eos, min_tokens) -> StructuredOutputs | None:
     if value is None:
         return None
     constraint = StructuredOutputs.from_value(value)
+    # a constrained output ends when its structure is complete, with EOS: neither
+    # option could hold it open without breaking the structure
     if constraint is not None and ignore_eos is True:
         raise RequestError("structured_outputs with ignore_eos: a constrained output ends when "
                            "its structure is complete, with EOS; drop ignore_eos")  # fmt: skip
+    if constraint is not None and is_integer(min_tokens) and min_tokens > 0:
+        raise RequestError("structured_outputs with min_tokens: a constrained output ends when "
+                           "its structure is complete, with EOS, however short; drop "
+                           "min_tokens")  # fmt: skip
     return constraint
 
 

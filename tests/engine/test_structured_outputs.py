@@ -260,9 +260,11 @@ def test_a_bad_constraint_is_refused_and_leaves_the_engine_alone(llm, bad):
     assert after.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
-def test_ignore_eos_is_refused():
+def test_ignore_eos_and_min_tokens_are_refused():
     with pytest.raises(RequestError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs={"regex": "a+"})
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(min_tokens=3, structured_outputs={"regex": "a+"})
 
 
 def test_grammars_are_compiled_once_and_a_slow_compile_fails_alone(llm):

@@ -292,9 +292,11 @@ def test_speculative_decoding_on_a_trained_pair(tmp_path):
     with spec_pair.torch_threads(spec_pair.QUICK.threads):
         spec_pair.train(spec_pair.QUICK, 0, folder)
     spec_pair.link_latest(folder)
+    from servelab.kernels.cpp_extension import CACHE_ENV, cache_root
+
     runs = run_preset(tmp_path, "speculative_decoding", "engine.max_num_seqs=1,4",
                       "workload=spec_pair_code_edit", "engine.num_threads=1",
-                      env={"HOME": str(home)})  # fmt: skip
+                      env={"HOME": str(home), CACHE_ENV: str(cache_root())})  # fmt: skip
     proposers = ("none", "ngram", "pair_draft", "pair_eagle")
     assert set(runs) == {f"{p}/{b}" for p in proposers for b in (1, 4)}, set(runs)
     for batch in (1, 4):

@@ -102,6 +102,7 @@ SLOW = (
     "tests/lab/test_provenance.py::test_a_report_over_two_versions_warns",
     "tests/executor/test_fused_forward.py",
     "tests/engine/test_resilience.py::test_eight_threads_each_get_their_own_outputs",
+    "tests/serve/test_structured_outputs.py::test_a_trained_model_follows_every_kind_offline_and_served",
 )
 # Parametrized sweeps over every combination: the first case of each stays in the
 # fast tier (the code path is exercised), the rest are slow.
@@ -121,6 +122,7 @@ SWEEPS = (
     "tests/kernels/test_cpu_fused.py::test_rms_norm_matches_torch",
     "tests/kernels/test_cpu_linear.py::test_matches_the_exact_product",
     "tests/engine/test_disaggregation.py::test_disaggregated_tokens_equal_colocated_and_reference",
+    "tests/engine/test_structured_outputs.py::test_constrained_tokens_equal_the_masked_reference",
 )
 
 

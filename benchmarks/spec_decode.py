@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from servelab import LLM, SamplingParams
+from servelab.lab.provenance import cpu_model
 from servelab.lab.stats import interval_text, mean_estimate, ratio_estimate
 
 CACHE = Path.home() / ".cache" / "servelab" / "spec_pair"
@@ -96,15 +95,6 @@ def run_once(llm: LLM, requests: list[dict]) -> dict:
     }
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))  # fmt: skip
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", type=Path, default=None)
@@ -141,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.setdefault(f"{workload}|{batch}|{name}", []).append(result)
             print(f"repeat {repeat + 1}/{args.repeats}: {workload} batch {batch} done", flush=True)
     table = summarise(runs, cells, args.proposers)
-    report = {"cpu": cpu_name(), "pair": str(pair), "repeats": args.repeats, "rows": table,
+    report = {"cpu": cpu_model(), "pair": str(pair), "repeats": args.repeats, "rows": table,
               "command": " ".join(["python", "benchmarks/spec_decode.py", *(argv or sys.argv[1:])])}  # fmt: skip
     print(markdown(report))
     if args.out:

@@ -86,6 +86,8 @@ from spec_pair_workloads import (  # noqa: E402
     write_trace,
 )
 
+from servelab.lab.provenance import cpu_model  # noqa: E402
+
 SCRIPT_VERSION = 1
 CACHE_ROOT = Path("~/.cache/servelab/spec_pair")
 WORKLOADS = ("code_completion", "code_edit")
@@ -317,7 +319,7 @@ def _build(settings: Settings, seed: int, folder: Path) -> dict:
     manifest = {
         "digest": digest_of(run_key(settings, seed)),
         "key": run_key(settings, seed),
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "parameters": {
             "target": count_parameters(models["target"]),
             "draft": count_parameters(models["draft"]),
@@ -342,14 +344,6 @@ def _build(settings: Settings, seed: int, folder: Path) -> dict:
     return manifest
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def verify(folder: Path) -> dict:

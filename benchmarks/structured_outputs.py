@@ -39,14 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import re
-import subprocess
 import sysconfig
 
 import torch
 
 from servelab import LLM, SamplingParams
+from servelab.lab.provenance import cpu_model
 from servelab.lab.stats import interval_text, mean_estimate, ratio_estimate, rounded
 from servelab.model.config import NAMED_SHAPES
 
@@ -218,9 +217,7 @@ def main() -> None:
             print(f"| {r['kind']} | {r['temperature']} | {r['requests']} | {r['completed']} "
                   f"| {r['valid']} | `{r['example'][:60]!r}` |", flush=True)  # fmt: skip
         return
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
-                 if line.startswith("Model name")), platform.processor())  # fmt: skip
+    name = cpu_model()
     print(f"# {name}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print("| model | batch | plain step (ms) | constrained step (ms) | mask % of the step "
           "(95% CI) | step ratio (95% CI) |")  # fmt: skip

@@ -208,17 +208,10 @@ def a_trained_pair(tmp_path, monkeypatch):
     """$HOME with a seconds-long trained pair where the `speculative_decoding`
     preset looks for one (~/.cache/servelab/spec_pair/latest); the CPU kernels'
     cache stays where it was."""
-    from servelab.kernels.cpp_extension import CACHE_ENV, cache_root
-    from tests.benchmark_scripts import load_benchmark
+    from tests.benchmark_scripts import quick_pair_home
 
-    spec_pair = load_benchmark("spec_pair")
-    home = tmp_path / "home"
-    folder = home / ".cache" / "servelab" / "spec_pair" / "quick"
-    with spec_pair.torch_threads(spec_pair.QUICK.threads):
-        spec_pair.train(spec_pair.QUICK, 0, folder)
-    spec_pair.link_latest(folder)
-    monkeypatch.setenv(CACHE_ENV, str(cache_root()))
-    monkeypatch.setenv("HOME", str(home))
+    for name, value in quick_pair_home(tmp_path / "home").items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("preset", options("experiment"))

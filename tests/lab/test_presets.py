@@ -284,19 +284,11 @@ def test_speculative_decoding_on_a_trained_pair(tmp_path):
     through $HOME as the preset reads it): every proposer gives no speculation's
     tokens; on the copy-heavy edit, n-gram lookup keeps several drafts per
     verification and needs fewer steps; the speculation plot is drawn."""
-    from tests.benchmark_scripts import load_benchmark
-
-    spec_pair = load_benchmark("spec_pair")
-    home = tmp_path / "home"
-    folder = home / ".cache" / "servelab" / "spec_pair" / "quick"
-    with spec_pair.torch_threads(spec_pair.QUICK.threads):
-        spec_pair.train(spec_pair.QUICK, 0, folder)
-    spec_pair.link_latest(folder)
-    from servelab.kernels.cpp_extension import CACHE_ENV, cache_root
+    from tests.benchmark_scripts import quick_pair_home
 
     runs = run_preset(tmp_path, "speculative_decoding", "engine.max_num_seqs=1,4",
                       "workload=spec_pair_code_edit", "engine.num_threads=1",
-                      env={"HOME": str(home), CACHE_ENV: str(cache_root())})  # fmt: skip
+                      env=quick_pair_home(tmp_path / "home"))  # fmt: skip
     proposers = ("none", "ngram", "pair_draft", "pair_eagle")
     assert set(runs) == {f"{p}/{b}" for p in proposers for b in (1, 4)}, set(runs)
     for batch in (1, 4):

@@ -100,9 +100,12 @@ def _fits(request: dict, requests: list[dict]) -> bool:
     )
 
 
-def code_completion(files: list[SourceFile], tokenizer, count: int, seed: int) -> list[dict]:
-    """`count` completion requests (see the module docstring)."""
-    rng = random.Random(f"code_completion/{seed}")
+def _collect(kind: str, what: str, files: list[SourceFile], tokenizer, count: int, seed: int,
+             make) -> list[dict]:  # fmt: skip
+    """`count` requests of `kind`: start lines drawn from `files` by a generator seeded
+    with (kind, seed), each turned into (prompt, extras of `_request`) by `make(rng,
+    lines, start)` or skipped (None); a request that does not `_fits` is dropped."""
+    rng = random.Random(f"{kind}/{seed}")
     requests: list[dict] = []
     for _ in range(MAX_ATTEMPTS):
         if len(requests) == count:
@@ -110,26 +113,30 @@ def code_completion(files: list[SourceFile], tokenizer, count: int, seed: int) -
         source, lines, start = _pick(rng, files)
         if not lines[start].strip():
             continue
+        made = make(rng, lines, start)
+        if made is None:
+            continue
+        prompt, extra = made
+        request = _request(kind, len(requests), source.path, start, prompt, tokenizer, **extra)
+        if _fits(request, requests):
+            requests.append(request)
+    raise ValueError(f"found {len(requests)} of {count} {what} prompts in the held-out files")
+
+
+def code_completion(files: list[SourceFile], tokenizer, count: int, seed: int) -> list[dict]:
+    """`count` completion requests (see the module docstring)."""
+
+    def make(rng: random.Random, lines: list[str], start: int):
         found = _line_run(
             lines, start, tokenizer, rng.randint(*COMPLETION_PROMPT), COMPLETION_PROMPT[1]
         )
         if found is None or found[0] >= len(lines):
-            continue
+            return None
         end = found[0]
         prompt = "\n".join(lines[start:end])
-        reference = "\n" + "\n".join(lines[end : end + 16])
-        request = _request(
-            "code_completion",
-            len(requests),
-            source.path,
-            start,
-            prompt,
-            tokenizer,
-            reference=reference,
-        )
-        if _fits(request, requests):
-            requests.append(request)
-    raise ValueError(f"found {len(requests)} of {count} completion prompts in the held-out files")
+        return prompt, {"reference": "\n" + "\n".join(lines[end : end + 16])}
+
+    return _collect("code_completion", "completion", files, tokenizer, count, seed, make)
 
 
 def code_names(chunk: str) -> list[tuple[int, int, str]] | None:
@@ -180,39 +187,22 @@ def rename(
 
 def code_edit(files: list[SourceFile], tokenizer, count: int, seed: int) -> list[dict]:
     """`count` copy-heavy edit requests (see the module docstring)."""
-    rng = random.Random(f"code_edit/{seed}")
-    requests: list[dict] = []
-    for _ in range(MAX_ATTEMPTS):
-        if len(requests) == count:
-            return requests
-        source, lines, start = _pick(rng, files)
-        if not lines[start].strip():
-            continue
+
+    def make(rng: random.Random, lines: list[str], start: int):
         found = _line_run(lines, start, tokenizer, *EDIT_CHUNK)
         if found is None:
-            continue
+            return None
         chunk_lines = lines[start : found[0]]
         names = code_names("\n".join(chunk_lines))
         renames = renames_for(names or [])
         if names is None or not renames or len(chunk_lines) < 3:
-            continue
+            return None
         renamed = rename(chunk_lines, names, renames)
         listing = ", ".join(f"{old} -> {new}" for old, new in renames.items())
         prompt = "\n".join([*chunk_lines, "", f"{EDIT_COMMENT} {listing}", renamed[0]])
-        reference = "\n" + "\n".join(renamed[1:])
-        request = _request(
-            "code_edit",
-            len(requests),
-            source.path,
-            start,
-            prompt,
-            tokenizer,
-            reference=reference,
-            renames=renames,
-        )
-        if _fits(request, requests):
-            requests.append(request)
-    raise ValueError(f"found {len(requests)} of {count} edit prompts in the held-out files")
+        return prompt, {"reference": "\n" + "\n".join(renamed[1:]), "renames": renames}
+
+    return _collect("code_edit", "edit", files, tokenizer, count, seed, make)
 
 
 def write_jsonl(path: Path, requests: list[dict]) -> None:

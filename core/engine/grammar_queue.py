@@ -58,19 +58,19 @@ class GrammarQueue:
 
     def add(self, group: SequenceGroup) -> None:
         """Checks the group's constraint (RequestError: invalid) and starts its compile."""
-        constraint = group.params.structured_outputs
-        assert constraint is not None
-        self.grammars.check(constraint)
-        future = self.grammars.submit(constraint)
-        self.waiting[group.request_id] = Compiling(group, future, time.monotonic())
+        self.waiting[group.request_id] = Compiling(group, self._start(group), time.monotonic())
 
     def compile_now(self, group: SequenceGroup) -> None:
         """Compiles the group's grammar in this thread (a request that arrives prefilled
         from another instance: it is queued at once)."""
+        group.compiled_grammar = self._start(group).result(self.compile_timeout_s)
+
+    def _start(self, group: SequenceGroup) -> Future:
+        """The group's compiled grammar, to come (RequestError: its constraint is invalid)."""
         constraint = group.params.structured_outputs
         assert constraint is not None
         self.grammars.check(constraint)
-        group.compiled_grammar = self.grammars.submit(constraint).result(self.compile_timeout_s)
+        return self.grammars.submit(constraint)
 
     def admit(self, engine: Any, busy: bool) -> None:
         """Queues the ready requests in the scheduler, fails the broken ones; with

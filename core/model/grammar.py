@@ -160,9 +160,6 @@ class Grammars:
                 self._cache.popitem(last=False)
         return compiled
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 class MatcherState:
     """A sequence's grammar matcher and how many of its output tokens it has taken."""

@@ -129,10 +129,11 @@ class Sampler:
             if seqs is None:
                 raise ValueError("logits processing (penalties, min_tokens, logit_bias) needs "
                                  "each row's sequence: pass seqs")  # fmt: skip
-            start = time.perf_counter()
-            if any(p.adjusts_logits for p in params):
-                logits = process_logits(logits, params, seqs)  # a copy
-            elif not logits_writable:
+            adjusted = any(p.adjusts_logits for p in params)
+            if adjusted:
+                logits = process_logits(logits, params, seqs)  # a copy: masks may go in place
+            start = time.perf_counter()  # the masks' cost (with the copy they alone need)
+            if not adjusted and not logits_writable:
                 logits = logits.clone()
             self.masked_rows = apply_grammar_masks(logits, seqs)
             self.mask_seconds = time.perf_counter() - start if self.masked_rows else 0.0

@@ -239,7 +239,7 @@ def constraint_of(request: _Sampling) -> StructuredOutputs | None:
             if schema is None:
                 raise ApiError(400, "response_format json_schema needs json_schema.schema (the "
                                "JSON schema)", "response_format.json_schema")  # fmt: skip
-            found.append(("response_format", _constraint("response_format", json=schema)))
+            found.append(("response_format", _constraint("response_format", {"json": schema})))
         elif kind != "text":
             raise ApiError(400, f"response_format.type={kind!r:.40}: one of text, json_object, "
                            "json_schema", "response_format.type")  # fmt: skip
@@ -256,16 +256,16 @@ def constraint_of(request: _Sampling) -> StructuredOutputs | None:
                        ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
         value = getattr(request, name)
         if value is not None:
-            found.append((name, _constraint(name, **{kind: value})))
+            found.append((name, _constraint(name, {kind: value})))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise ApiError(400, f"set one output constraint, not several ({names})", found[1][0])
     return found[0][1] if found else None
 
 
-def _constraint(param: str, fields: dict | None = None, **kwargs) -> StructuredOutputs:
+def _constraint(param: str, fields: dict) -> StructuredOutputs:
     try:
-        constraint = StructuredOutputs.from_value(fields if fields is not None else kwargs)
+        constraint = StructuredOutputs.from_value(fields)
     except (RequestError, TypeError) as err:
         raise ApiError(400, f"{param}: {err}", param) from None
     assert constraint is not None

@@ -85,8 +85,9 @@ def read_split(
     return train, heldout
 
 
-def train_tokenizer(files: list[SourceFile], vocab_size: int):
-    """A byte-level BPE `tokenizers.Tokenizer` with `EOS_TOKEN` as id 0."""
+def train_tokenizer(files: list[SourceFile], vocab_size: int, min_frequency: int = 2):
+    """A byte-level BPE `tokenizers.Tokenizer` with `EOS_TOKEN` as id 0 (merges of
+    pairs seen at least `min_frequency` times)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -94,7 +95,7 @@ def train_tokenizer(files: list[SourceFile], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
+        min_frequency=min_frequency,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -68,23 +68,18 @@ SPEC_PAIRS = pathlib.Path.home() / ".cache" / "servelab" / "spec_pair"
 
 
 def stdlib_tokenizer():
-    """A byte-level BPE trained on the standard library's *.py files (cached)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE trained on the standard library's *.py files (cached), with the
+    trained pair's trainer (spec_pair_corpus.train_tokenizer) aiming at Qwen3's size."""
+    from spec_pair_corpus import SourceFile, train_tokenizer
+    from tokenizers import Tokenizer
 
     path = TOKENIZERS / "stdlib-bpe.json"
     if path.exists():
         return Tokenizer.from_file(str(path))
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=151_643, min_frequency=1, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    tokenizer.train_from_iterator((p.read_bytes().decode("utf-8", "replace") for p in files),
-                                  trainer)  # fmt: skip
+    files = [SourceFile(str(p), p.read_bytes().decode("utf-8", "replace"))
+             for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]  # fmt: skip
+    tokenizer = train_tokenizer(files, vocab_size=151_643, min_frequency=1)
     TOKENIZERS.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
     return tokenizer

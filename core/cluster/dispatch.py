@@ -8,6 +8,10 @@ first token is reported, running after), which is all a proxy in front of real r
 knows too.
 A test swaps in a scripted feed, so a simulated and a real cluster see the same states and
 must then make the same decisions.
+
+A replica the proxy found dead is `down` until it answers again: a router that picks it is
+overruled for the live replica with the fewest outstanding requests (counted in
+`rerouted_from_down`), so no router needs to know about failures.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from servelab.contracts.router import ReplicaState, RoutedRequest, Router
+from servelab.errors import ServelabError
 
 StateFeed = Callable[[RoutedRequest], list[ReplicaState]]
 
@@ -73,6 +78,10 @@ class ReplicaLedger:
         ]
 
 
+class NoLiveReplica(ServelabError):
+    """Every replica is down."""
+
+
 class Dispatcher:
     """Routes each arriving request through the router part; keeps the ledger and the decision log."""
 
@@ -84,18 +93,24 @@ class Dispatcher:
         # requests sent to a replica with outstanding requests while another had none: the
         # ones that may wait behind others although a replica was idle (the router's balance)
         self.sent_to_busy_while_idle = 0
+        self.down: set[int] = set()  # replicas found dead and not answering since
+        self.rerouted_from_down = 0
 
     def dispatch(self, request: RoutedRequest) -> int:
         states = self.feed(request)
+        if len(self.down) >= len(states):
+            raise NoLiveReplica(f"all {len(states)} replicas are down")
         replica = self.router.route(request, states)
         if not (isinstance(replica, int) and 0 <= replica < len(states)):
             name = getattr(self.router, "name", type(self.router).__name__)
             raise RuntimeError(
                 f"router {name!r} returned {replica!r}; a replica index is 0..{len(states) - 1}"
             )
-        if states[replica].outstanding_requests and any(
-            not s.outstanding_requests for s in states
-        ):
+        if replica in self.down:
+            live = [s for s in states if s.index not in self.down]
+            replica = min(live, key=lambda s: (s.outstanding_requests, s.index)).index
+            self.rerouted_from_down += 1
+        if states[replica].outstanding_requests and any(not s.outstanding_requests for s in states):
             self.sent_to_busy_while_idle += 1
         self.router.on_routed(request, replica)
         self.ledger.routed(request, replica)

@@ -12,6 +12,7 @@ failures, requests sent to a busy replica while another was idle, time to first 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from servelab.cluster.dispatch import Dispatcher
+from servelab.cluster.dispatch import Dispatcher, NoLiveReplica
+from servelab.cluster.resume import StreamLedger, resumable
 from servelab.contracts.router import RoutedRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, for the router's token count
@@ -43,10 +45,20 @@ class ProxyMetrics:
         )
         self.first_byte = Histogram("servelab_route_first_byte_seconds", "time to first byte",
                                     registry=r)  # fmt: skip
+        self.up = Gauge("servelab_route_replica_up", "1 while the replica answers, 0 while down",
+                        ["replica"], registry=r)  # fmt: skip
+        self.marked_down = Counter("servelab_route_replica_down", "times the replica was found dead",
+                                   ["replica"], registry=r)  # fmt: skip
+        self.resubmitted = Counter(
+            "servelab_route_resubmitted",
+            "requests resubmitted to another replica after this one failed",
+            ["replica"],
+            registry=r,
+        )
         for i in range(num_replicas):
-            self.routed.labels(str(i))
-            self.in_flight.labels(str(i))
-            self.failed.labels(str(i))
+            for family in (self.routed, self.in_flight, self.failed, self.up, self.marked_down,
+                           self.resubmitted):  # fmt: skip
+                family.labels(str(i))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -77,17 +89,29 @@ def create_proxy_app(
     dispatcher: Dispatcher,
     replicas: Sequence[str],
     clients: Sequence[httpx.AsyncClient] | None = None,
+    retries: int = 1,
+    health_interval: float = 2.0,
 ) -> FastAPI:
-    """The app; `clients` (one per replica) default to plain HTTP clients of `replicas`' URLs."""
+    """The app; `clients` (one per replica) default to plain HTTP clients of `replicas`'
+    URLs. A request whose replica fails is resubmitted to a live one up to `retries` times
+    (0: it ends with an error naming the replica); every `health_interval` seconds each
+    replica's /health is asked, so a dead one is marked down and a restarted one rejoins."""
     clients = list(clients or [httpx.AsyncClient(base_url=u, timeout=None) for u in replicas])
     metrics = ProxyMetrics(len(clients))
     app = FastAPI(title="servelab route")
     app.state.dispatcher, app.state.metrics = dispatcher, metrics
     counter = iter(range(1 << 62))
+    watch = HealthWatch(dispatcher, clients, metrics, health_interval)
+    app.state.health = watch
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "replicas": list(replicas)}
+        watch.ensure_running()
+        live = [i for i in range(len(clients)) if i not in dispatcher.down]
+        status = 200 if live else 503
+        return JSONResponse({"status": "ok" if live else "no live replica",
+                             "replicas": list(replicas), "down": sorted(dispatcher.down)},
+                            status_code=status)  # fmt: skip
 
     @app.get("/metrics")
     async def prometheus():
@@ -95,70 +119,132 @@ def create_proxy_app(
 
     @app.get("/v1/models")
     async def models():
-        reply = await clients[0].get("/v1/models")
+        live = [i for i in range(len(clients)) if i not in dispatcher.down] or [0]
+        reply = await clients[live[0]].get("/v1/models")
         return JSONResponse(reply.json(), status_code=reply.status_code)
 
     async def forward(request: Request, path: str):
+        watch.ensure_running()
         raw = await request.body()
         try:
             body = json.loads(raw)
         except ValueError:
-            return JSONResponse({"error": {"message": "the body is not JSON", "type": "invalid_request_error"}},
-                                status_code=400)  # fmt: skip
-        request_id = f"route-{next(counter)}"
-        busy_before = dispatcher.sent_to_busy_while_idle
-        index = dispatcher.dispatch(routed_view(request_id, body, time.monotonic()))
-        if dispatcher.sent_to_busy_while_idle > busy_before:
-            metrics.sent_to_busy.inc()
-        label = str(index)
-        metrics.routed.labels(label).inc()
-        metrics.in_flight.labels(label).inc()
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        started = time.perf_counter()
-        client = clients[index]
-        try:
-            upstream = await client.send(
-                client.build_request(
-                    "POST",
-                    path,
-                    content=raw,
-                    headers={**headers, "content-type": "application/json"},
-                ),
-                stream=True,
-            )
-        except httpx.HTTPError as err:
-            _done(request_id, label, failed=True)
-            return JSONResponse({"error": {"message": f"replica {index} unreachable: {err}", "type": "server_error"}},
-                                status_code=502)  # fmt: skip
-        if not body.get("stream"):
-            content = await upstream.aread()
-            await upstream.aclose()
-            metrics.first_byte.observe(time.perf_counter() - started)
-            _done(request_id, label, failed=upstream.status_code >= 500)
-            return Response(content, status_code=upstream.status_code,
-                            media_type=upstream.headers.get("content-type"))  # fmt: skip
-
-        async def relay():
-            first = True
-            try:
-                async for chunk in upstream.aiter_raw():
-                    if first:
-                        first = False
-                        metrics.first_byte.observe(time.perf_counter() - started)
-                        dispatcher.started(request_id)
-                    yield chunk
-            finally:
-                await upstream.aclose()
-                _done(request_id, label, failed=upstream.status_code >= 500)
-
-        return StreamingResponse(relay(), status_code=upstream.status_code,
+            return _error(400, "the body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the body is not a JSON object", "invalid_request_error")
+        call = _Call(f"route-{next(counter)}", body, raw, path, request.headers)
+        upstream = await attempt(call)
+        if isinstance(upstream, Response):
+            return upstream
+        if not body.get("stream") or upstream.status_code != 200:
+            return await whole(call, upstream)
+        return StreamingResponse(relay(call, upstream), status_code=upstream.status_code,
                                  media_type=upstream.headers.get("content-type", "text/event-stream"))  # fmt: skip
 
-    def _done(request_id: str, label: str, failed: bool) -> None:
-        dispatcher.finished(request_id)
+    async def attempt(call: _Call) -> httpx.Response | Response:
+        """Routes `call` and opens its response; a replica that cannot be reached is marked
+        down and the call resubmitted while retries are left."""
+        while True:
+            try:
+                index = route(call)
+            except NoLiveReplica as err:
+                return _error(503, str(err), "server_error")
+            client = clients[index]
+            try:
+                return await client.send(client.build_request("POST", call.path, content=call.raw,
+                                                              headers=call.headers), stream=True)  # fmt: skip
+            except httpx.TransportError as err:
+                if not failed(call, err):
+                    return _error(502, f"replica {index} failed: {err}", "server_error")
+
+    def route(call: _Call) -> int:
+        busy_before = dispatcher.sent_to_busy_while_idle
+        call.replica = dispatcher.dispatch(
+            routed_view(call.request_id, call.body, time.monotonic())
+        )
+        if dispatcher.sent_to_busy_while_idle > busy_before:
+            metrics.sent_to_busy.inc()
+        label = str(call.replica)
+        metrics.routed.labels(label).inc()
+        metrics.in_flight.labels(label).inc()
+        return call.replica
+
+    def failed(call: _Call, err: BaseException) -> bool:
+        """`call`'s replica failed: marks it down and ends this attempt; whether to resubmit."""
+        watch.down(call.replica, err)
+        done(call, failed=True)
+        retry = call.attempts < retries and len(dispatcher.down) < len(clients)
+        if retry:
+            call.attempts += 1
+            metrics.resubmitted.labels(str(call.replica)).inc()
+        return retry
+
+    def done(call: _Call, failed: bool) -> None:
+        dispatcher.finished(call.request_id)
+        label = str(call.replica)
         metrics.in_flight.labels(label).dec()
         if failed:
             metrics.failed.labels(label).inc()
+
+    async def whole(call: _Call, upstream: httpx.Response) -> Response:
+        while True:
+            try:
+                content = await upstream.aread()
+                break
+            except httpx.TransportError as err:
+                await upstream.aclose()
+                if not failed(call, err):
+                    return _error(502, f"replica {call.replica} failed: {err}", "server_error")
+                reopened = await attempt(call)
+                if isinstance(reopened, Response):
+                    return reopened
+                upstream = reopened
+        await upstream.aclose()
+        metrics.first_byte.observe(time.perf_counter() - call.started)
+        done(call, failed=upstream.status_code >= 500)
+        return Response(content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type"))  # fmt: skip
+
+    async def relay(call: _Call, upstream: httpx.Response):
+        ledger = StreamLedger()
+        first = True
+        ended = False
+        try:
+            while True:
+                try:
+                    async for chunk in upstream.aiter_raw():
+                        for event in ledger.feed(chunk):
+                            if first:
+                                first = False
+                                metrics.first_byte.observe(time.perf_counter() - call.started)
+                                dispatcher.started(call.request_id)
+                            yield event
+                    break
+                except httpx.TransportError as err:
+                    await upstream.aclose()
+                    reason = f"replica {call.replica} failed: {err}"
+                    if ledger.delivered and not resumable(call.body):
+                        # a sampled request without a seed cannot continue elsewhere
+                        watch.down(call.replica, err)
+                        done(call, failed=True)
+                        ended = True
+                        yield _stream_error(reason + "; an unseeded sampled stream cannot resume")
+                        return
+                    if not failed(call, err):
+                        ended = True
+                        yield _stream_error(reason)
+                        return
+                    reopened = await attempt(call)
+                    if isinstance(reopened, Response):
+                        ended = True
+                        yield _stream_error(json.loads(bytes(reopened.body))["error"]["message"])
+                        return
+                    upstream = reopened
+                    ledger.resubmitted()
+        finally:
+            await upstream.aclose()
+            if not ended:
+                done(call, failed=upstream.status_code >= 500)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -169,3 +255,73 @@ def create_proxy_app(
         return await forward(request, "/v1/chat/completions")
 
     return app
+
+
+class _Call:
+    """One client request through the proxy, across its attempts."""
+
+    def __init__(self, request_id: str, body: dict, raw: bytes, path: str, headers) -> None:
+        self.request_id, self.body, self.raw, self.path = request_id, body, raw, path
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        self.headers = {**auth, "content-type": "application/json"}
+        self.replica = -1
+        self.attempts = 0  # resubmissions so far
+        self.started = time.perf_counter()
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status)  # fmt: skip
+
+
+def _stream_error(message: str) -> bytes:
+    error = {"error": {"message": message, "type": "server_error", "code": 502}}
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+class HealthWatch:
+    """Asks every replica's /health each `interval` seconds, on the proxy's event loop:
+    a replica that fails to answer 200 is down (the dispatcher routes around it) until it
+    answers again. A failed request marks its replica down at once."""
+
+    def __init__(self, dispatcher: Dispatcher, clients: Sequence[httpx.AsyncClient],
+                 metrics: ProxyMetrics, interval: float) -> None:  # fmt: skip
+        self.dispatcher, self.clients, self.metrics = dispatcher, clients, metrics
+        self.interval = interval
+        self.task: asyncio.Task | None = None
+        self.reasons: dict[int, str] = {}
+        for i in range(len(clients)):
+            metrics.up.labels(str(i)).set(1)
+
+    def ensure_running(self) -> None:
+        if self.interval > 0 and (self.task is None or self.task.done()):
+            self.task = asyncio.get_running_loop().create_task(self._watch())
+
+    def down(self, index: int, reason: BaseException | str) -> None:
+        if index not in self.dispatcher.down:
+            self.dispatcher.down.add(index)
+            self.metrics.up.labels(str(index)).set(0)
+            self.metrics.marked_down.labels(str(index)).inc()
+        self.reasons[index] = str(reason)
+
+    def up(self, index: int) -> None:
+        if index in self.dispatcher.down:
+            self.dispatcher.down.discard(index)
+            self.metrics.up.labels(str(index)).set(1)
+            self.reasons.pop(index, None)
+
+    async def check(self, index: int) -> None:
+        try:
+            reply = await self.clients[index].get("/health", timeout=max(self.interval, 5.0))
+        except (httpx.TransportError, httpx.TimeoutException) as err:
+            self.down(index, err)
+            return
+        if reply.status_code == 200:
+            self.up(index)
+        else:
+            self.down(index, f"/health answered {reply.status_code}")
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(i) for i in range(len(self.clients))))
+            await asyncio.sleep(self.interval)

@@ -4,9 +4,15 @@ replicas given by URL or spawned here as `servelab serve` processes.
     servelab route --replicas http://hostA:8000,http://hostB:8000 --router least_load
     servelab route --spawn 2 --router prefix_affinity --router-option block_size=8 \\
         -- model=qwen3-0.6b engine.max_model_len=2048      # each replica's `servelab serve` overrides
+    servelab route --ray 4 --ray-address auto --replica-gpus 1 -- model=qwen3-0.6b
 
 Spawned replicas listen on --first-replica-port, +1, ...; they are stopped when the proxy
-stops. The proxy listens on --host:--port.
+stops. With --ray, each replica is a Ray actor holding one engine (servelab.cluster.
+ray_replicas), placed by its CPU and GPU shares on the Ray cluster at --ray-address
+(`local`: one started here); the actors end with the proxy. A replica that fails is marked
+down and its requests resubmitted to a live one (--retries, 0: they end with an error
+naming it); --health-interval paces the checks that notice a dead or restarted replica.
+The proxy listens on --host:--port.
 """
 
 from __future__ import annotations
@@ -41,6 +47,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--replicas", help="comma-separated base URLs of running replicas")
     where.add_argument("--spawn", type=int, help="start this many local `servelab serve` replicas")
+    where.add_argument("--ray", type=int, metavar="N", help="start N replicas as Ray actors")
+    ray = parser.add_argument_group("Ray replicas (--ray)")
+    ray.add_argument("--ray-address", default="local",
+                     help="`local` (start Ray here), `auto` (this machine's cluster) or an address")  # fmt: skip
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (per rank)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (per rank)")
+    ray.add_argument("--max-restarts", type=int, default=0,
+                     help="times Ray restarts a dead replica (-1: always)")  # fmt: skip
+    parser.add_argument("--retries", type=int, default=1,
+                        help="resubmissions of a request whose replica failed (0: none)")  # fmt: skip
+    parser.add_argument("--health-interval", type=float, default=2.0,
+                        help="seconds between the replicas' health checks (0: none)")  # fmt: skip
     parser.add_argument("--router", default="round_robin", help="a registered router's name")
     parser.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a router option (JSON value), repeatable")  # fmt: skip
@@ -101,13 +119,54 @@ def wait_healthy(urls: list[str], processes: list, timeout: float) -> None:
             time.sleep(0.5)
 
 
+def compose_serve_config(overrides: list[str]) -> tuple[dict, dict]:
+    """The config `servelab serve OVERRIDES` would serve, and its config-group choices."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module("servelab.conf", version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+    config = OmegaConf.to_container(cfg, resolve=False)
+    config.pop("hydra", None)
+    GlobalHydra.instance().clear()
+    return OmegaConf.to_container(OmegaConf.create(config), resolve=True), choices
+
+
+def start_ray_replicas(args: argparse.Namespace):
+    """`--ray N`: the serve config composed here, then N replica actors on Ray, healthy."""
+    from servelab.cluster.ray_replicas import RayPlacement, RayReplicas, connect
+
+    config, choices = compose_serve_config(args.serve_overrides)
+    engine = config.get("engine") or {}
+    placement = RayPlacement(args.replica_cpus, args.replica_gpus, args.max_restarts,
+                             int(engine.get("tensor_parallel_size", 1) or 1))  # fmt: skip
+    connect(args.ray_address)
+    replicas = RayReplicas(args.ray, config, choices, placement)
+    try:
+        replicas.wait_ready(args.startup_timeout)
+    except BaseException:
+        replicas.stop()
+        raise
+    return replicas
+
+
 def main(argv: list[str]) -> int:
     import uvicorn
 
     args = parse_args(argv)
     processes: list = []
+    replicas = None
+    clients = None
     try:
-        if args.spawn:
+        if args.ray:
+            replicas = start_ray_replicas(args)
+            urls = replicas.names
+            clients = [httpx.AsyncClient(transport=t, base_url=f"http://{name}", timeout=None)
+                       for t, name in zip(replicas.transports(), urls)]  # fmt: skip
+        elif args.spawn:
             processes, urls = spawn_replicas(
                 args.spawn, args.first_replica_port, args.serve_overrides
             )
@@ -115,11 +174,13 @@ def main(argv: list[str]) -> int:
             urls = [u.strip().rstrip("/") for u in args.replicas.split(",") if u.strip()]
         if not urls:
             raise ConfigError("servelab route needs at least one replica")
-        wait_healthy(urls, processes, args.startup_timeout)
+        if replicas is None:
+            wait_healthy(urls, processes, args.startup_timeout)
         router = construct(
             "router", router_node(args.router, args.router_option), num_replicas=len(urls)
         )
-        app = create_proxy_app(Dispatcher(router, len(urls)), urls)
+        app = create_proxy_app(Dispatcher(router, len(urls)), urls, clients, retries=args.retries,
+                               health_interval=args.health_interval)  # fmt: skip
         print(f"servelab route: {args.router} over {', '.join(urls)} at http://{args.host}:{args.port}",
               flush=True)  # fmt: skip
         config = uvicorn.Config(
@@ -130,6 +191,8 @@ def main(argv: list[str]) -> int:
         _uvicorn_server()(config).run()
         return 0
     finally:
+        if replicas is not None:
+            replicas.stop()
         for process in processes:
             process.terminate()
         for process in processes:

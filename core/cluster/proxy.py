@@ -222,6 +222,8 @@ def create_proxy_app(
                     break
                 except httpx.TransportError as err:
                     await upstream.aclose()
+                    if ledger.done:  # it broke after the whole stream went out
+                        break
                     reason = f"replica {call.replica} failed: {err}"
                     if ledger.delivered and not resumable(call.body):
                         # a sampled request without a seed cannot continue elsewhere

@@ -38,9 +38,13 @@ class StreamLedger:
         self.buffer = b""
         self.sent: dict[int, dict[Any, int]] = {}  # choice -> {"text": chars, path: entries}
         self.roles: set[int] = set()
+        self.finished: set[int] = set()  # choices whose finish went out
+        self.usage_sent = False  # the closing usage-only event went out
+        self.done = False  # `[DONE]` went out: the stream is whole
         self.stream_id: str | None = None
         self.skip: dict[int, dict[Any, int]] = {}  # a resumed attempt: what to drop still
         self.skip_roles: set[int] = set()
+        self.skip_finished: set[int] = set()
 
     @property
     def delivered(self) -> bool:
@@ -52,6 +56,7 @@ class StreamLedger:
         self.buffer = b""
         self.skip = {i: dict(counts) for i, counts in self.sent.items()}
         self.skip_roles = set(self.roles)
+        self.skip_finished = set(self.finished)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The whole events `chunk` completes, as they are to go to the client."""
@@ -71,12 +76,21 @@ class StreamLedger:
         if not text.startswith("data:"):
             return event
         payload = text[5:].strip()
+        if payload == "[DONE]":
+            if self.done:
+                return None
+            self.done = True
+            return event
         try:
             body = json.loads(payload)
-        except ValueError:  # [DONE] and the like
+        except ValueError:
             return event
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
             return event
+        if not body["choices"] and "usage" in body:  # the closing usage event
+            if self.usage_sent:
+                return None
+            self.usage_sent = True
         resumed = bool(self.skip) or bool(self.skip_roles)
         if self.stream_id is None:
             self.stream_id = body.get("id")
@@ -94,6 +108,8 @@ class StreamLedger:
         if not isinstance(choice, dict):
             return choice
         index = choice.get("index", 0)
+        if index in self.skip_finished:  # all of this choice went out before
+            return None
         sent = self.sent.setdefault(index, {})
         skip = self.skip.get(index, {})
         delta = choice.get("delta")
@@ -122,6 +138,8 @@ class StreamLedger:
             else:
                 self.roles.add(index)
         finished = choice.get("finish_reason") is not None
+        if finished:
+            self.finished.add(index)
         if content or entries or finished or (isinstance(delta, dict) and "role" in delta):
             return choice
         return None if index in self.skip or index in self.skip_roles else choice

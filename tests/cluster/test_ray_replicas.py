@@ -64,7 +64,9 @@ def expected(offline, requests: list[dict]) -> list[list[int]]:
     params = [SamplingParams(max_tokens=b["max_tokens"], ignore_eos=True,
                              temperature=b["temperature"], top_p=b.get("top_p", 1.0),
                              seed=b.get("seed")) for b in requests]  # fmt: skip
-    return [o.outputs[0].token_ids for o in offline.generate([b["prompt"] for b in requests], params)]
+    return [
+        o.outputs[0].token_ids for o in offline.generate([b["prompt"] for b in requests], params)
+    ]
 
 
 def replicas_for(folder, max_restarts=0) -> RayReplicas:
@@ -135,7 +137,9 @@ def test_two_nodes_stream_one_engines_tokens(folder, cluster, offline):
 
             async def go():
                 async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as client:
-                    streamed = await asyncio.gather(*(stream_completion(client, b) for b in requests))
+                    streamed = await asyncio.gather(
+                        *(stream_completion(client, b) for b in requests)
+                    )
                     whole = await client.post("/v1/completions", json=requests[0])
                     return streamed, whole.json()
 
@@ -172,7 +176,7 @@ def test_a_killed_replicas_requests_are_resubmitted_and_continue(folder, cluster
             # every request on replica 1 when it died, or sent there before the proxy knew,
             # was resubmitted once, to replica 0
             lost = set(victims) | set(late)
-            again = [rid for rid, replica in proxy.dispatcher.decisions[len(requests):]]
+            again = [rid for rid, replica in proxy.dispatcher.decisions[len(requests) :]]
             assert sorted(again) == sorted(lost)
             assert metric(text, "servelab_route_resubmitted_total", 1) == len(lost)
             assert metric(text, "servelab_route_failures_total", 1) == len(lost)

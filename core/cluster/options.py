@@ -21,8 +21,14 @@ CLUSTER_DEFAULTS: dict[str, Any] = {
     "transfer": "wait",  # a transfer the decode instance cannot admit: wait | recompute
     "decode_router": "least_load",  # the router part that picks a prefilled request's decode instance
     "record_steps": True,  # keep every step's record (off for very large runs)
+    # a real disaggregated pair: its two processes here (local), or two Ray actors
+    "backend": "local",  # local | ray
+    "ray_address": "local",  # ray: local (started here) | auto | a cluster's address
+    "kv_transport": "torch",  # ray: torch (a torch.distributed group) | object_store
 }
 TRANSFER_MODES = ("wait", "recompute")
+BACKENDS = ("local", "ray")
+KV_TRANSPORTS = ("torch", "object_store")
 
 
 def cluster_options(node: Mapping | None) -> dict[str, Any]:
@@ -44,6 +50,11 @@ def cluster_options(node: Mapping | None) -> dict[str, Any]:
         )
     if options["replicas"] < 1 and not options["prefill"]:
         raise ConfigError(f"cluster.replicas must be >= 1, got {options['replicas']}")
+    for key, accepted in (("backend", BACKENDS), ("kv_transport", KV_TRANSPORTS)):
+        if options[key] not in accepted:
+            raise ConfigError(
+                f"cluster.{key} must be one of {', '.join(accepted)}, got {options[key]!r}"
+            )
     if options["transfer"] not in TRANSFER_MODES:
         raise ConfigError(
             f"cluster.transfer must be one of {', '.join(TRANSFER_MODES)}, "

@@ -41,7 +41,15 @@ def run_pair_job(config: dict, meta: dict, folder: Path) -> dict:
             f"{options['decode']}), or executor=simulated for more instances"
         )
     started = provenance(config, model_name(config))
-    result = run_pair(config, transfer=options["transfer"])
+    if options["backend"] == "ray":
+        from servelab.cluster.ray_replicas import connect
+        from servelab.lab.cluster.pd_ray import run_pair_ray
+
+        connect(options["ray_address"])
+        result = run_pair_ray(config, transfer=options["transfer"],
+                              kv_transport=options["kv_transport"])  # fmt: skip
+    else:
+        result = run_pair(config, transfer=options["transfer"])
     records, steps = joined_records(result)
     summary = summarize([r for r, _ in records], [s for s, _ in steps])
     tokens = {rid: [out["token_ids"]] for rid, out in result.outputs.items()}
@@ -52,12 +60,18 @@ def run_pair_job(config: dict, meta: dict, folder: Path) -> dict:
         decode_max_waiting=result.decode["max_waiting"],
         decode_preempted=result.decode["preempted"],
         distributed_backend=result.prefill["backend"],
+        handoff_ms_mean=1e3 * _mean(result.decode["handoff_s"]),
+        handoff_ms_max=1e3 * max(result.decode["handoff_s"], default=0.0),
     )
     rows = [_Row(r, instance) for r, instance in records]
     save_run(folder, RunResult(None, summary, rows, [_Step(s, i) for s, i in steps], started),
              config, meta)  # fmt: skip
     print_summary(summary, title=f"cluster=disaggregated (two processes)\n{folder}")
     return summary
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def joined_records(result: PairResult) -> tuple[list, list]:

@@ -62,8 +62,25 @@ class PairResult:
 def serve_prefill(
     engine, requests: list[WorkloadRequest], device: torch.device, stream=None
 ) -> dict:
-    pending = sorted(enumerate(requests), key=lambda item: (item[1].arrival_time, item[0]))
     outputs, sent, kv_bytes = {}, 0, 0
+    for handover in prefilled(engine, requests, outputs):
+        try:
+            kv_bytes += send_prefilled(handover, DECODE, device, engine.t0, group=stream)
+        except RuntimeError as error:  # gloo/NCCL: the peer left or the timeout passed
+            raise ServelabError(
+                f"the prefill process could not send request {handover.request_id!r} "
+                f"to the decode process ({sent} sent before it): {error}"
+            ) from error
+        sent += 1
+    send_end(DECODE, device, group=stream)
+    return {"outputs": outputs, "sent": sent, "kv_bytes": kv_bytes, **role_figures(engine)}
+
+
+def prefilled(engine, requests: list[WorkloadRequest], outputs: dict):
+    """The prefill role's loop: admits `requests` at their arrival times as prefill-only
+    requests and yields each prefilled request to hand over, as its step finishes it; a
+    request its first token ended goes to `outputs` instead."""
+    pending = sorted(enumerate(requests), key=lambda item: (item[1].arrival_time, item[0]))
     while pending or engine.has_unfinished():
         now = engine.now()
         while pending and pending[0][1].arrival_time <= now:
@@ -80,16 +97,7 @@ def serve_prefill(
             if handover.done:  # the first token ended it: this output is final
                 outputs[handover.request_id] = _output(finished[handover.request_id], "prefill")
                 continue
-            try:
-                kv_bytes += send_prefilled(handover, DECODE, device, engine.t0, group=stream)
-            except RuntimeError as error:  # gloo/NCCL: the peer left or the timeout passed
-                raise ServelabError(
-                    f"the prefill process could not send request {handover.request_id!r} "
-                    f"to the decode process ({sent} sent before it): {error}"
-                ) from error
-            sent += 1
-    send_end(DECODE, device, group=stream)
-    return {"outputs": outputs, "sent": sent, "kv_bytes": kv_bytes, **_figures(engine)}
+            yield handover
 
 
 def serve_decode(
@@ -114,7 +122,16 @@ def serve_decode(
 
     receiver = threading.Thread(target=receive, name="servelab-kv-receiver", daemon=True)
     receiver.start()
+    return decode_loop(engine, inbox, transfer, hold_until, timeout, receiver.join)
+
+
+def decode_loop(engine, inbox: queue.Queue, transfer: str, hold_until: int = 0,
+                timeout: float | None = None, on_end=None) -> dict:  # fmt: skip
+    """The decode role's loop: admits what arrives on `inbox` (a PrefilledRequest; None
+    ends the stream; an exception is the sender's failure) between its steps, until the
+    stream ended and every request finished. `on_end()` runs when the stream ends."""
     outputs, received, max_waiting, ended = {}, 0, 0, False
+    handoff_s: list[float] = []  # per transfer: the prefill's first token to the admission here
     while not ended or engine.has_unfinished():
         holding = not ended and received < hold_until
         block = not ended and (holding or not engine.has_unfinished())
@@ -136,8 +153,11 @@ def serve_decode(
                 ) from request
             if request is None:
                 ended = True
-                receiver.join()  # it returned after END: the wire is idle from here
+                if on_end is not None:  # the receiver returned after END: the wire is idle
+                    on_end()
                 break
+            if request.first_token_time is not None:  # its first token to its arrival here
+                handoff_s.append(engine.now() - request.first_token_time)
             engine.add_prefilled_request(request, transfer)
             received += 1
         if (not ended and received < hold_until) or not engine.has_unfinished():
@@ -146,7 +166,8 @@ def serve_decode(
             outputs[out.request_id] = _output(out, "decode")
         max_waiting = max(max_waiting, int(engine.scheduler.stats().get("prefilled_waiting", 0)))
     return {"outputs": outputs, "received": received, "max_waiting": max_waiting,
-            **_figures(engine)}  # fmt: skip
+            "handoff_s": handoff_s,
+            **role_figures(engine)}  # fmt: skip
 
 
 def _output(out, instance: str) -> dict:
@@ -155,7 +176,7 @@ def _output(out, instance: str) -> dict:
             "error": out.error, "instance": instance}  # fmt: skip
 
 
-def _figures(engine) -> dict:
+def role_figures(engine) -> dict:
     return {
         "t0": engine.t0,  # the engine's clock origin (perf_counter: one clock per machine)
         "records": [dataclasses.asdict(r) for r in engine.metrics.requests],
@@ -191,28 +212,9 @@ def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, resul
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         engine = build_engine(engine_config(_own_device(config, rank)))
-        if rank == PREFILL and requests is None:  # the workload node, sized to the model
-            requests = make_workload(config["workload"], engine.model_config.vocab_size,
-                                     engine.max_model_len)  # fmt: skip
-        device = engine.executor.device or torch.device("cpu")
-        requested = (config.get("engine") or {}).get("distributed_backend", "auto")
-        backend = data_backend(device.type, requested)
-        wire = device if backend == "nccl" else torch.device("cpu")
-        limit = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(
-            backend, init_method=f"file://{rendezvous}", rank=rank, world_size=2,
-            timeout=limit,
-        )  # fmt: skip
-        # the K/V stream's own group: the receiving thread never shares one with the barrier
-        stream = dist.new_group([PREFILL, DECODE], timeout=limit)
-        if rank == PREFILL:
-            figures = serve_prefill(engine, requests, wire, stream)
-        else:
-            figures = serve_decode(engine, wire, transfer, hold_until, stream, timeout)
-        # an orderly end: neither leaves the group while the other may still read from it
-        dist.barrier()
-        dist.destroy_process_group()
-        Path(result).write_text(json.dumps({"backend": backend, **figures}))
+        figures = serve_role(engine, rank, config, requests, f"file://{rendezvous}", transfer,
+                             hold_until, timeout)  # fmt: skip
+        Path(result).write_text(json.dumps(figures))
     except BaseException:
         # no group teardown on failure: it may wait on a peer (or a thread) that never comes;
         # exiting closes the connections, so the peer's send/recv fails at once too
@@ -220,6 +222,31 @@ def role_main(rank: int, config: Mapping, requests: list, rendezvous: str, resul
         Path(result).write_text(json.dumps({"error": error}))
         print(error, file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def serve_role(engine, rank: int, config: Mapping, requests: list | None, init_method: str,
+               transfer: str, hold_until: int, timeout: float) -> dict:  # fmt: skip
+    """Joins the pair's process group at `init_method` and serves one role; its figures."""
+    if rank == PREFILL and requests is None:  # the workload node, sized to the model
+        requests = make_workload(config["workload"], engine.model_config.vocab_size,
+                                 engine.max_model_len)  # fmt: skip
+    device = engine.executor.device or torch.device("cpu")
+    requested = (config.get("engine") or {}).get("distributed_backend", "auto")
+    backend = data_backend(device.type, requested)
+    wire = device if backend == "nccl" else torch.device("cpu")
+    limit = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=2,
+                            timeout=limit)  # fmt: skip
+    # the K/V stream's own group: the receiving thread never shares one with the barrier
+    stream = dist.new_group([PREFILL, DECODE], timeout=limit)
+    if rank == PREFILL:
+        figures = serve_prefill(engine, requests, wire, stream)
+    else:
+        figures = serve_decode(engine, wire, transfer, hold_until, stream, timeout)
+    # an orderly end: neither leaves the group while the other may still read from it
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"backend": backend, **figures}
 
 
 # -- the parent

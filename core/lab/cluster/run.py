@@ -22,6 +22,7 @@ from servelab.cluster.dispatch import Dispatcher, StateFeed
 from servelab.cluster.options import cluster_options, is_disaggregated
 from servelab.contracts.kinds import KINDS
 from servelab.engine.summary import summarize
+from servelab.errors import ConfigError
 from servelab.lab.cluster.replica_set import (
     ClusterResult,
     build_replicas,
@@ -41,6 +42,12 @@ def run_cluster(config: Mapping, feed: StateFeed | None = None) -> ClusterResult
     """Builds and serves the cluster `config` describes (colocated, or prefill/decode:
     servelab.lab.cluster.run_disaggregated)."""
     options = cluster_options(config.get("cluster"))
+    if options["backend"] == "ray":
+        raise ConfigError(
+            "cluster.backend=ray runs a real prefill/decode pair (cluster.prefill=1 "
+            "cluster.decode=1, a real executor); replicas on Ray are served by "
+            "`servelab route --ray N`, and a simulated cluster runs on one virtual clock"
+        )
     if is_disaggregated(options):
         from servelab.lab.cluster.run_disaggregated import run_disaggregated
 

@@ -117,6 +117,19 @@ def create_proxy_app(
     async def prometheus():
         return Response(metrics.text(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/replicas/{index}/{what}")
+    async def replica_page(index: int, what: str):
+        """A replica's own /metrics or /health (Ray replicas have no address of their own)."""
+        if what not in ("metrics", "health") or not 0 <= index < len(clients):
+            return _error(404, f"no /replicas/{index}/{what}: replicas 0..{len(clients) - 1}, "
+                          "pages metrics and health", "not_found")  # fmt: skip
+        try:
+            reply = await clients[index].get(f"/{what}", timeout=10)
+        except httpx.TransportError as err:
+            return _error(502, f"replica {index} failed: {err}", "server_error")
+        return Response(reply.content, status_code=reply.status_code,
+                        media_type=reply.headers.get("content-type"))  # fmt: skip
+
     @app.get("/v1/models")
     async def models():
         live = [i for i in range(len(clients)) if i not in dispatcher.down] or [0]

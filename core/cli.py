@@ -152,6 +152,7 @@ def _part_name(node) -> str:
 
 def main() -> None:
     import os
+    import warnings
 
     import hydra
     from hydra.core.config_store import ConfigStore
@@ -188,6 +189,9 @@ def main() -> None:
     # Hydra would print a composition error as a multi-line report and exit 1;
     # letting it through (HYDRA_FULL_ERROR) turns it into one `servelab: error:` line
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    # conf/hydra/launcher/ray.yaml stands in for the Ray launcher's own `ray` config on
+    # purpose; Hydra merges that one under it and warns that such a merge is deprecated
+    warnings.filterwarnings("ignore", SCHEMA_MATCHED, UserWarning)
     try:
         app()
     except (HydraException, OmegaConfBaseException) as err:
@@ -198,6 +202,10 @@ def main() -> None:
 
     if SWEEP.get("failed"):  # a sweep with failed jobs (ReportAtSweepEnd named them)
         raise SystemExit(1)
+
+
+# the warning Hydra gives when a config of servelab's has the name of a plugin's schema
+SCHEMA_MATCHED = r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema"
 
 
 # Hydra's own flags (`servelab --help` lists them); every other `--flag` is an option

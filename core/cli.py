@@ -14,7 +14,7 @@ def _hydra_app(cfg) -> dict | None:
     """One run: build, serve the workload, write results.json / requests.csv /
     steps.csv into the Hydra output folder, print the summary table. A run that
     fails writes results.json with `status: error`; in a sweep (`-m`) the next
-    job still runs, alone it exits 2."""
+    job still runs (and the sweep exits 1 when it ends), alone it exits 2."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf
@@ -92,7 +92,10 @@ class ReportAtSweepEnd:
     (`-m`) starts, says how many jobs it runs (each then prints one line,
     servelab.lab.sweep); when it ends, prints its folder, writes its report
     there and prints the claims' verdicts, unless `report.after_sweep=false`.
-    A report that fails says why; the runs stay."""
+    A report that fails says why; the runs stay. Last, a line names the jobs
+    that failed, if any did, and `servelab` then exits 1. It runs in the
+    process that launched the sweep, whichever launcher ran the jobs: it reads
+    their results.json in the sweep's folder."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
         from servelab.lab.sweep import start
@@ -100,12 +103,22 @@ class ReportAtSweepEnd:
         print(start(config), flush=True)
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        from servelab.lab.sweep import finish
+
+        folder = Path(str(config.hydra.sweep.dir))
+        print(f"servelab: sweep folder: {folder}")
+        self._report(config, folder)
+        failed = finish(folder)
+        if failed:  # last, where it is seen
+            sys.stdout.flush()
+            print(failed, file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _report(config, folder: Path) -> None:
         from servelab.lab.progress import is_terminal
         from servelab.lab.report import report as write
         from servelab.lab.sweep import verdict_lines
 
-        folder = Path(str(config.hydra.sweep.dir))
-        print(f"servelab: sweep folder: {folder}")
         report = config.get("report") or {}
         if not report.get("after_sweep", True):
             print(f"servelab: report it with: servelab-report {folder}")
@@ -139,6 +152,7 @@ def _part_name(node) -> str:
 
 def main() -> None:
     import os
+    import warnings
 
     import hydra
     from hydra.core.config_store import ConfigStore
@@ -175,12 +189,23 @@ def main() -> None:
     # Hydra would print a composition error as a multi-line report and exit 1;
     # letting it through (HYDRA_FULL_ERROR) turns it into one `servelab: error:` line
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    # conf/hydra/launcher/ray.yaml stands in for the Ray launcher's own `ray` config on
+    # purpose; Hydra merges that one under it and warns that such a merge is deprecated
+    warnings.filterwarnings("ignore", SCHEMA_MATCHED, UserWarning)
     try:
         app()
     except (HydraException, OmegaConfBaseException) as err:
         message = open_node_message(err, sys.argv[1:]) or composition_message(err)
         print(f"servelab: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+    from servelab.lab.sweep import SWEEP
+
+    if SWEEP.get("failed"):  # a sweep with failed jobs (ReportAtSweepEnd named them)
+        raise SystemExit(1)
+
+
+# the warning Hydra gives when a config of servelab's has the name of a plugin's schema
+SCHEMA_MATCHED = r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema"
 
 
 # Hydra's own flags (`servelab --help` lists them); every other `--flag` is an option

@@ -90,11 +90,17 @@ def test_joblib_launcher_runs_a_sweep_and_the_report_reads_it(tmp_path):
 def test_a_failing_job_does_not_end_its_sweep_and_the_report_lists_it(tmp_path):
     sweep = tmp_path / "sweep"
     done = servelab("-m", "allocator.block_size=0,16", f"hydra.sweep.dir={sweep}", *SMALL)
-    assert done.returncode == 0, done.stderr[-2000:]
-    # the failed job's one line: which job, what it chose, why it failed
+    # the sweep ran every job and wrote its report, then exits 1: a job failed
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"servelab: report: {sweep / 'summary.md'}\n" in done.stdout
+    # the failed job's one line: which job, what it chose, why it failed; the last line
+    # names the jobs that failed
     assert (
         "servelab: job 1/2 allocator.block_size=0: error: "
         "allocator block_size must be a positive integer, got 0\n" in done.stderr
+    )
+    assert done.stderr.splitlines()[-1] == (
+        "servelab: 1 of 2 jobs failed: job 1 allocator.block_size=0"
     )
     failed = json.loads((sweep / "0" / "results.json").read_text())
     assert (

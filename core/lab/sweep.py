@@ -6,17 +6,22 @@ hundred jobs reads in a screen. Every table and plot is in the report.
 The line per job needs the sweep's size, known only to the sweep: the
 `ReportAtSweepEnd` callback (cli.py) calls `start` with the sweep's config,
 and the jobs, run in the same process by Hydra's basic launcher, read it. A
-launcher that runs jobs elsewhere (joblib, ray) gets lines without the total.
+launcher that runs jobs elsewhere (joblib, ray, submitit) gets lines without
+the total. A job that fails records its error and the sweep goes on; when it
+ends, `finish` names the failed jobs, and the sweep exits 1 if any failed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from servelab.lab.runs import fmt
+from servelab.errors import ConfigError
+from servelab.lab.runs import fmt, load_runs
 
-# the sweep now running in this process: its size and the keys whose values vary
+# the sweep now running in this process: its size and the keys whose values vary; once
+# it has ended, whether any of its jobs failed (`servelab` then exits 1)
 SWEEP: dict[str, Any] = {}
 
 
@@ -65,6 +70,30 @@ def job_line(num: int | None, overrides: Sequence[str], folder: Any, summary: Ma
         return f"{head}: error: {error}"
     clock = f" (simulated on {simulated['hardware']}, virtual time)" if simulated else ""
     return f"{head}: {figures_text(summary or {})}{clock} -> {folder}"
+
+
+def finish(folder: Path) -> str | None:
+    """After the sweep: the line naming the jobs that failed (`status: error` in
+    their results.json below `folder`), or None if none did; notes in SWEEP
+    whether any did. No results.json at all counts as every job failing."""
+    try:
+        runs = load_runs([folder])
+    except ConfigError:
+        runs = []
+    failed = [run for run in runs if run.results.get("status") == "error"]
+    SWEEP["failed"] = bool(failed) or not runs
+    if not runs:
+        return f"servelab: no job of the sweep wrote its results.json into {folder}"
+    if not failed:
+        return None
+    named = {}
+    for run in failed:  # as its line said it: `job 3 scheduler=static` (its folder if no number)
+        num = (run.results.get("job") or {}).get("num")
+        name = f"job {num + 1}" if isinstance(num, int) else str(run.folder.relative_to(folder))
+        key = (num if isinstance(num, int) else len(runs), str(run.folder))
+        named[key] = " ".join([name, *(f"{k}={v}" for k, v in run.swept.items())])
+    listed = ", ".join(named[key] for key in sorted(named))
+    return f"servelab: {len(failed)} of {len(runs)} jobs failed: {listed}"
 
 
 def figures_text(summary: Mapping) -> str:

@@ -1,9 +1,11 @@
 """What a sweep prints: one line per job (its choices, its headline figures, its
 folder; or its error), never the per-run table or serving progress, and the
-claims' verdicts when it ends. The report's progress names only plots drawn."""
+claims' verdicts when it ends; if any job failed, a last line naming the failed
+jobs, and the sweep exits 1. The report's progress names only plots drawn."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -79,10 +81,55 @@ def test_the_report_progress_names_only_the_plots_it_drew(tmp_path):
                                    "no fairness plot (nothing to draw)"])  # fmt: skip
 
 
+def test_the_sweep_ends_naming_its_failed_jobs(tmp_path):
+    for num, block, status in [(1, "0", "error"), (2, "16", "ok"), (10, "0", "error")]:
+        overrides = [f"run.repeat={num // 2}", f"allocator.block_size={block}"]
+        results = {"status": status, "overrides": overrides, "job": {"num": num}, "summary": {}}
+        (tmp_path / str(num)).mkdir()
+        (tmp_path / str(num) / "results.json").write_text(json.dumps(results))
+    # in the order of the jobs (not of their folders' names), as their lines said them
+    assert sweep.finish(tmp_path) == (
+        "servelab: 2 of 3 jobs failed: job 2 allocator.block_size=0, job 11 allocator.block_size=0"
+    )
+    assert sweep.SWEEP["failed"]
+    for num in (1, 10):
+        (tmp_path / str(num) / "results.json").unlink()
+    assert sweep.finish(tmp_path) is None and not sweep.SWEEP["failed"]
+    (tmp_path / "2" / "results.json").unlink()
+    assert sweep.finish(tmp_path) == (
+        f"servelab: no job of the sweep wrote its results.json into {tmp_path}"
+    )
+    assert sweep.SWEEP["failed"]
+
+
+def servelab_command() -> list[str]:
+    return [str(SERVELAB)] if SERVELAB.exists() else [
+        sys.executable, "-c", "from servelab.cli import main; main()"]  # fmt: skip
+
+
+@pytest.mark.slow  # a subprocess running a sweep
+def test_a_sweep_whose_every_job_fails_exits_1_naming_them(tmp_path):
+    done = subprocess.run(
+        [*servelab_command(), "-m", "executor=simulated", "hardware=cpu-local",
+         "scheduler=static,continuous", "allocator.block_size=0", f"hydra.sweep.dir={tmp_path}",
+         "report.plots=none"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    error = "error: allocator block_size must be a positive integer, got 0"
+    assert done.stderr.splitlines() == [
+        f"servelab: job 1/2 scheduler=static: {error}",
+        f"servelab: job 2/2 scheduler=continuous: {error}",
+        "servelab: 2 of 2 jobs failed: job 1 scheduler=static, job 2 scheduler=continuous",
+    ]
+    # the report is still written, and lists them
+    assert done.stdout.splitlines()[-1] == f"servelab: report: {tmp_path / 'summary.md'}"
+    assert "## Failed runs (2)" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.slow  # a subprocess running a sweep
 def test_a_sweep_prints_one_line_per_job_and_its_verdicts(tmp_path):
-    command = [str(SERVELAB)] if SERVELAB.exists() else [
-        sys.executable, "-c", "from servelab.cli import main; main()"]  # fmt: skip
+    command = servelab_command()
     claims = ('report.claims=[{text: static idles, figure: idle_slot_pct, run: "scheduler=static",'
               ' at_least: 10}]')  # fmt: skip
     done = subprocess.run(

@@ -82,11 +82,11 @@ def metric(text: str, name: str, replica: int) -> float:
     return float(match.group(1))
 
 
-def run_with_a_death(proxy: RunningProxy, requests: list[dict], kill) -> list[dict]:
+def run_with_a_death(proxy: RunningProxy, requests: list[dict], kill, victim: int = 1):
     """Streams `requests` through the proxy, CONCURRENCY at a time; once CONCURRENCY streams
-    have their first token, `kill()` runs (in flight on replica 1 then: 16 requests).
-    Returns the streams' results, the proxy request ids in flight on replica 1 at the kill,
-    and those routed to replica 1 after it (before the proxy noticed the death)."""
+    have their first token, `kill()` runs (in flight on replica `victim` then: 16 requests).
+    Returns the streams' results, the proxy request ids in flight on it at the kill,
+    and those routed to it after the kill (before the proxy noticed the death)."""
     started = 0
     killed = threading.Event()
     victims: list[str] = []
@@ -97,7 +97,7 @@ def run_with_a_death(proxy: RunningProxy, requests: list[dict], kill) -> list[di
         started += 1
         if started == CONCURRENCY and not killed.is_set():
             ledger = proxy.dispatcher.ledger.outstanding
-            victims.extend(rid for rid, entry in list(ledger.items()) if entry.replica == 1)
+            victims.extend(rid for rid, entry in list(ledger.items()) if entry.replica == victim)
             decided.append(len(proxy.dispatcher.decisions))
             kill()
             killed.set()
@@ -117,7 +117,7 @@ def run_with_a_death(proxy: RunningProxy, requests: list[dict], kill) -> list[di
     first_ids = set()
     late = []  # first routed to replica 1 after the kill
     for n, (rid, replica) in enumerate(proxy.dispatcher.decisions):
-        if rid not in first_ids and replica == 1 and n >= decided[0]:
+        if rid not in first_ids and replica == victim and n >= decided[0]:
             late.append(rid)
         first_ids.add(rid)
     return results, victims, late
@@ -242,3 +242,32 @@ def test_with_retries_off_exactly_the_dead_replicas_requests_fail(folder, cluste
 async def _stream_all(proxy, requests):
     async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as client:
         return await asyncio.gather(*(stream_completion(client, b) for b in requests))
+
+
+def test_a_replica_whose_node_is_removed_is_replaced_by_the_live_one(folder, cluster, offline):
+    """The worker node leaves the cluster with its replica's requests in flight: every request
+    ends with one engine's tokens, resubmitted to the replica on the head node."""
+    import ray
+
+    replicas = replicas_for(folder)
+    try:
+        head = cluster.head_node.node_id
+        nodes = [node for _, node in ray.get([a.where.remote() for a in replicas.actors])]
+        victim = 1 - nodes.index(head)  # the replica on the worker node
+        worker = next(n for n in cluster.worker_nodes if n.node_id == nodes[victim])
+        requests = bodies(folder, 64, max_tokens=48)
+        clients = [httpx.AsyncClient(transport=t, base_url="http://replica", timeout=None)
+                   for t in replicas.transports()]  # fmt: skip
+        with RunningProxy(clients, retries=1) as proxy:
+            results, victims, late = run_with_a_death(proxy, requests,
+                                                      lambda: cluster.remove_node(worker), victim)  # fmt: skip
+            text = proxy.metrics()
+        assert [r["error"] for r in results] == [None] * 64
+        assert [r["tokens"] for r in results] == expected(offline, requests)
+        again = resubmissions(proxy.dispatcher.decisions)
+        assert again and all(replica == 1 - victim for _, replica in again)
+        assert metric(text, "servelab_route_resubmitted_total", victim) == len(again)
+    finally:
+        replicas.stop()
+        cluster.add_node(num_cpus=1)  # the module's cluster has two nodes again
+        cluster.wait_for_nodes()

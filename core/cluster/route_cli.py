@@ -125,9 +125,18 @@ def compose_serve_config(overrides: list[str]) -> tuple[dict, dict]:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     GlobalHydra.instance().clear()
-    with initialize_config_module("servelab.conf", version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    try:
+        with initialize_config_module("servelab.conf", version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        if "Config search path:" in lines:  # where Hydra looked: noise here
+            lines = lines[: lines.index("Config search path:")]
+        raise ConfigError(f"the replicas' overrides {' '.join(overrides)!r}: {'; '.join(lines)}") from None
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     config = OmegaConf.to_container(cfg, resolve=False)
     config.pop("hydra", None)

@@ -123,9 +123,8 @@ def compose_serve_config(overrides: list[str]) -> tuple[dict, dict]:
     """The config `servelab serve OVERRIDES` would serve, and its config-group choices."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     GlobalHydra.instance().clear()

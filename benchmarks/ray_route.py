@@ -3,6 +3,7 @@ two-node Ray cluster on this machine, driven by outside load generators.
 
     python benchmarks/ray_route.py --vllm /work/venvs/vllm/bin/vllm [--aiperf /work/venvs/aiperf/bin/aiperf]
         [--repeats 3] [--prompts 64] [--concurrency 8] [--out results.json]
+        [--phases completion routers overhead]
 
 The model is a small random Qwen3 (4 layers, hidden 256, float32) with a byte-level BPE
 tokenizer trained here on the Python standard library's source (cached in
@@ -128,7 +129,9 @@ def hit_tokens(url: str) -> tuple[float, float]:
 
 
 def _sum(text: str, name: str) -> float:
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(
+        float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    )
 
 
 def vllm_bench(vllm: str, url: str, folder: pathlib.Path, backend: str, dataset: list[str],
@@ -146,7 +149,9 @@ def vllm_bench(vllm: str, url: str, folder: pathlib.Path, backend: str, dataset:
     return json.loads(pathlib.Path(out, "result.json").read_text())
 
 
-def aiperf_bench(aiperf: str, url: str, folder: pathlib.Path, prompts: int, concurrency: int) -> dict:
+def aiperf_bench(
+    aiperf: str, url: str, folder: pathlib.Path, prompts: int, concurrency: int
+) -> dict:
     out = tempfile.mkdtemp(prefix="aiperf-")
     command = [aiperf, "profile", "--model", folder.name, "--url", url, "--endpoint-type", "chat",
                "--streaming", "--tokenizer", str(folder), "--request-count", str(prompts),
@@ -175,6 +180,71 @@ PREFIXES = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-l
             "--prefix-repetition-output-len", "16"]  # fmt: skip
 
 
+def completion(args, folder, address, ports, report: dict) -> None:
+    """vllm bench serve (both backends) and aiperf through the Ray proxy: all must complete."""
+    with Route("ray", "round_robin", folder, next(ports), address) as url:
+        for backend in ("openai", "openai-chat"):
+            r = vllm_bench(args.vllm, url, folder, backend, RANDOM, args.prompts, args.concurrency)
+            report[f"complete_{backend}"] = {"completed": r["completed"], "failed": r.get("failed", 0),
+                                             "num_prompts": r["num_prompts"]}  # fmt: skip
+            print(f"ray, vllm bench serve --backend {backend}: {r['completed']}/{r['num_prompts']} completed",
+                  flush=True)  # fmt: skip
+        if args.aiperf:
+            done, errors = aiperf_counts(
+                aiperf_bench(args.aiperf, url, folder, args.prompts, args.concurrency)
+            )
+            report["complete_aiperf"] = {
+                "completed": done,
+                "errors": errors,
+                "num_prompts": args.prompts,
+            }
+            print(
+                f"ray, aiperf chat streaming: {done:.0f}/{args.prompts} completed, {errors:.0f} errors",
+                flush=True,
+            )
+
+
+def routers(args, folder, address, ports, report: dict) -> None:
+    """The replicas' prefix hit rate under round_robin and prefix_affinity, each backend."""
+    for backend in ("local", "ray"):
+        for router in ("round_robin", "prefix_affinity"):
+            with Route(backend, router, folder, next(ports), address) as url:
+                before = hit_tokens(url)
+                r = vllm_bench(
+                    args.vllm, url, folder, "openai", PREFIXES, args.prompts, args.concurrency
+                )
+                after = hit_tokens(url)
+            rate = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+            report[f"hit_rate_{backend}_{router}"] = rate
+            print(f"{backend:5} {router:15} prefix hit rate {rate:.3f} "
+                  f"({r['completed']}/{r['num_prompts']} completed)", flush=True)  # fmt: skip
+
+
+def overhead(args, folder, address, ports, report: dict) -> None:
+    """Local against Ray replicas, ABBA: output tok/s, TTFT and TPOT."""
+    runs: dict[str, list[dict]] = {"local": [], "ray": []}
+    for repeat in range(args.repeats):
+        order = ("local", "ray") if repeat % 2 == 0 else ("ray", "local")
+        for backend in order:
+            with Route(backend, "round_robin", folder, next(ports), address) as url:
+                vllm_bench(args.vllm, url, folder, "openai", RANDOM, 8, args.concurrency)  # warm-up
+                r = vllm_bench(
+                    args.vllm, url, folder, "openai", RANDOM, args.prompts, args.concurrency
+                )
+            runs[backend].append(r)
+            print(f"repeat {repeat} {backend:5}: {r['output_throughput']:.1f} out tok/s, "
+                  f"TTFT {r['mean_ttft_ms']:.1f} ms", flush=True)  # fmt: skip
+    for metric in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+        local = [r[metric] for r in runs["local"]]
+        ray_ = [r[metric] for r in runs["ray"]]
+        report[metric] = {"local": local, "ray": ray_}
+        print(f"{metric}: local {_text(mean_estimate(local))}, ray {_text(mean_estimate(ray_))}, "
+              f"ray/local {_text(ratio_estimate(ray_, local, paired=True))}", flush=True)  # fmt: skip
+
+
+PHASES = {"completion": completion, "routers": routers, "overhead": overhead}
+
+
 def _text(estimate) -> str:
     return f"{estimate.mean:.3g} {interval_text(estimate)} (n={estimate.n})"
 
@@ -188,58 +258,25 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--port", type=int, default=8600)
     parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--phases", nargs="+", default=["completion", "routers", "overhead"],
+                        choices=["completion", "routers", "overhead"])  # fmt: skip
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
 
     folder = model_folder()
     print(f"CPU: {cpu_model()}; model {folder}", flush=True)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     address = cluster.address
     report: dict = {"cpu": cpu_model(), "args": vars(args) | {"out": str(args.out)}}
     try:
         ports = iter(range(args.port, args.port + 1000, 10))
-        # 1. completion through the Ray proxy
-        with Route("ray", "round_robin", folder, next(ports), address) as url:
-            for backend in ("openai", "openai-chat"):
-                r = vllm_bench(args.vllm, url, folder, backend, RANDOM, args.prompts, args.concurrency)
-                report[f"complete_{backend}"] = {"completed": r["completed"], "failed": r.get("failed", 0),
-                                                 "num_prompts": r["num_prompts"]}  # fmt: skip
-                print(f"ray, vllm bench serve --backend {backend}: {r['completed']}/{r['num_prompts']} completed", flush=True)
-            if args.aiperf:
-                done, errors = aiperf_counts(aiperf_bench(args.aiperf, url, folder, args.prompts, args.concurrency))
-                report["complete_aiperf"] = {"completed": done, "errors": errors, "num_prompts": args.prompts}
-                print(f"ray, aiperf chat streaming: {done:.0f}/{args.prompts} completed, {errors:.0f} errors", flush=True)
-        # 2. routers' prefix hit rates, both backends
-        for backend in ("local", "ray"):
-            for router in ("round_robin", "prefix_affinity"):
-                with Route(backend, router, folder, next(ports), address) as url:
-                    before = hit_tokens(url)
-                    r = vllm_bench(args.vllm, url, folder, "openai", PREFIXES, args.prompts, args.concurrency)
-                    after = hit_tokens(url)
-                rate = (after[0] - before[0]) / max(1.0, after[1] - before[1])
-                report[f"hit_rate_{backend}_{router}"] = rate
-                print(f"{backend:5} {router:15} prefix hit rate {rate:.3f} "
-                      f"({r['completed']}/{r['num_prompts']} completed)", flush=True)  # fmt: skip
-        # 3. overhead, ABBA
-        runs: dict[str, list[dict]] = {"local": [], "ray": []}
-        for repeat in range(args.repeats):
-            order = ("local", "ray") if repeat % 2 == 0 else ("ray", "local")
-            for backend in order:
-                with Route(backend, "round_robin", folder, next(ports), address) as url:
-                    vllm_bench(args.vllm, url, folder, "openai", RANDOM, 8, args.concurrency)  # warm-up
-                    r = vllm_bench(args.vllm, url, folder, "openai", RANDOM, args.prompts, args.concurrency)
-                runs[backend].append(r)
-                print(f"repeat {repeat} {backend:5}: {r['output_throughput']:.1f} out tok/s, "
-                      f"TTFT {r['mean_ttft_ms']:.1f} ms", flush=True)  # fmt: skip
-        for metric in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
-            local = [r[metric] for r in runs["local"]]
-            ray_ = [r[metric] for r in runs["ray"]]
-            report[metric] = {"local": local, "ray": ray_}
-            print(f"{metric}: local {_text(mean_estimate(local))}, ray {_text(mean_estimate(ray_))}, "
-                  f"ray/local {_text(ratio_estimate(ray_, local, paired=True))}", flush=True)  # fmt: skip
+        for phase in args.phases:
+            PHASES[phase](args, folder, address, ports, report)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -75,9 +75,16 @@ class ReplicaServer:
                     yield (message["status"],
                            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])])  # fmt: skip
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield bytes(message["body"])
-                    if not message.get("more_body"):
+                    # what the app sent meanwhile goes in the same item: one Ray object per
+                    # chunk would cost a streamed token more than the token itself
+                    body, more = bytearray(message.get("body", b"")), message.get("more_body")
+                    while more and not sent.empty():
+                        nxt = sent.get_nowait()
+                        body += nxt.get("body", b"")
+                        more = nxt.get("more_body")
+                    if body:
+                        yield bytes(body)
+                    if not more:
                         return
         finally:  # done, or cancelled by the proxy: the app learns its client left
             gone.set()

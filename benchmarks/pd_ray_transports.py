@@ -20,6 +20,7 @@ import random
 
 from ray_route import model_folder
 
+from servelab.cluster.ray_replicas import local_cluster
 from servelab.lab.cluster.pd_processes import run_pair
 from servelab.lab.cluster.pd_ray import run_pair_ray
 from servelab.lab.provenance import cpu_model
@@ -43,18 +44,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=512)
     args = parser.parse_args()
-    import ray
-    from ray.cluster_utils import Cluster
-
     config = {"model": {"path": str(model_folder())}, "allocator": {"name": "paged"},
               "engine": {"dtype": "float32", "max_model_len": 2048, "num_threads": 1}}  # fmt: skip
     work = requests(args.requests, args.prompt_len)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     figures: dict[str, dict[str, list[float]]] = {w: {"handoff_ms": [], "wall_s": [], "mb": []} for w in WAYS}
-    try:
+    with local_cluster(nodes=2, cpus_per_node=1):
         for repeat in range(args.repeats):
             for way in WAYS[repeat % 3:] + WAYS[: repeat % 3]:
                 if way == "processes":
@@ -72,9 +66,6 @@ def main() -> None:
                 figures[way]["mb"].append(result.prefill["kv_bytes"] / result.prefill["sent"] / 2**20)
                 print(f"repeat {repeat} {way:17} handoff {figures[way]['handoff_ms'][-1]:.2f} ms, "
                       f"wall {wall:.2f} s", flush=True)  # fmt: skip
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     print(f"CPU: {cpu_model()}; {args.requests} requests x {args.prompt_len} prompt tokens, "
           f"{args.repeats} repeats")  # fmt: skip
     for way in WAYS:

@@ -33,7 +33,7 @@ from ray_route import model_folder
 
 from servelab.cluster.dispatch import Dispatcher
 from servelab.cluster.proxy import create_proxy_app
-from servelab.cluster.ray_replicas import RayPlacement, RayReplicas
+from servelab.cluster.ray_replicas import RayPlacement, RayReplicas, local_cluster
 from servelab.lab.provenance import cpu_model
 from servelab.lab.stats import interval_text, mean_estimate, ratio_estimate
 from servelab.registry.construct import construct
@@ -132,20 +132,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
-    import ray
-    from ray.cluster_utils import Cluster
-
     folder = model_folder()
     config = {**CONFIG, "model": {"path": str(folder)}}
     requests = bodies(folder.name, args.requests)
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     survivors, alone, reference = [], [], None
-    try:
+    with local_cluster(nodes=2, cpus_per_node=1):
         for repeat in range(args.repeats):
             for run in ("death", "alone") if repeat % 2 == 0 else ("alone", "death"):
                 count = 2 if run == "death" else 1
@@ -165,9 +156,6 @@ def main() -> None:
                     alone.append(itl(results))
                 print(f"repeat {repeat} {run:5}: mean ITL {1e3 * (survivors if run == 'death' else alone)[-1]:.2f} ms",
                       flush=True)  # fmt: skip
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     s, a = mean_estimate([1e3 * x for x in survivors]), mean_estimate([1e3 * x for x in alone])
     ratio = ratio_estimate(survivors, alone, paired=True)
     print(

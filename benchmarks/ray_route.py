@@ -42,6 +42,7 @@ import time
 
 import httpx
 
+from servelab.cluster.ray_replicas import local_cluster
 from servelab.lab.provenance import cpu_model
 from servelab.lab.stats import interval_text, mean_estimate, ratio_estimate
 
@@ -261,25 +262,14 @@ def main() -> None:
     parser.add_argument("--phases", nargs="+", default=["completion", "routers", "overhead"],
                         choices=["completion", "routers", "overhead"])  # fmt: skip
     args = parser.parse_args()
-    import ray
-    from ray.cluster_utils import Cluster
-
     folder = model_folder()
     print(f"CPU: {cpu_model()}; model {folder}", flush=True)
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    address = cluster.address
     report: dict = {"cpu": cpu_model(), "args": vars(args) | {"out": str(args.out)}}
-    try:
+    with local_cluster(nodes=2, cpus_per_node=1) as cluster:
+        address = cluster.address
         ports = iter(range(args.port, args.port + 1000, 10))
         for phase in args.phases:
             PHASES[phase](args, folder, address, ports, report)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 

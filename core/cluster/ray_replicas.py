@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +195,26 @@ def connect(address: str | None) -> None:
         ray.init(include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)
+
+
+@contextmanager
+def local_cluster(nodes: int = 2, cpus_per_node: int = 1) -> Iterator[Any]:
+    """A Ray cluster of `nodes` nodes on this machine (`ray.cluster_utils.Cluster`: a head
+    and workers, each its own raylet), joined by this process; shut down on exit."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node,
+                      "include_dashboard": False})  # fmt: skip
+    try:
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=cpus_per_node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 class RayReplicas:

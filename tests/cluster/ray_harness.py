@@ -9,33 +9,16 @@ import asyncio
 import json
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 
 from servelab.cluster.dispatch import Dispatcher
 from servelab.cluster.proxy import create_proxy_app
+from servelab.cluster.ray_replicas import local_cluster
 from servelab.registry.construct import construct
 from tests.serve.harness import free_port
 
-
-@contextmanager
-def ray_cluster(nodes: int = 2, cpus_per_node: int = 1):
-    """A head and `nodes - 1` workers, joined by this process's driver."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node,
-                      "include_dashboard": False})  # fmt: skip
-    try:
-        for _ in range(nodes - 1):
-            cluster.add_node(num_cpus=cpus_per_node)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+ray_cluster = local_cluster  # a head and workers on this machine, joined by the test process
 
 
 class RunningProxy:

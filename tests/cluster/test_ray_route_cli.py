@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from servelab import LLM, SamplingParams
+from servelab.cluster.route_cli import wait_healthy
 from tests.serve.harness import free_port
 
 SERVELAB = os.path.join(os.path.dirname(sys.executable), "servelab")
@@ -35,16 +35,7 @@ def test_a_tensor_parallel_replica_on_ray_gives_one_engines_tokens(tmp_path):
                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "servelab route --ray did not start"
-            time.sleep(1)
+        wait_healthy([url], [process], 240)
         prompt = [5, 17, 42, 99, 3, 250]
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip

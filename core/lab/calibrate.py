@@ -326,7 +326,8 @@ def from_llmservingsim(args: argparse.Namespace, base: HardwareProfile) -> int:
                           f"--llmservingsim-gpu (a folder of profiler/perf or of perf_models, "
                           f"e.g. RTXPRO6000, H100)")  # fmt: skip
     fitted, sources = fit_from_llmservingsim(base, args.from_llmservingsim, gpu,
-                                             args.llmservingsim_commit, args.llmservingsim_configs)  # fmt: skip
+                                             args.llmservingsim_commit, args.llmservingsim_configs,
+                                             measured_bandwidth=args.measured_bandwidth)  # fmt: skip
     kept = dict(base.sources)
     if "measured" in sources:  # every compute figure fitted: the profile is measured
         kept = {k: v for k, v in kept.items() if k not in ("efficiencies", "basis")}
@@ -380,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--llmservingsim-gpu",
                         help="profiler/perf/<GPU> or perf_models/<GPU> (default: by --profile)")  # fmt: skip
+    parser.add_argument("--measured-bandwidth", type=float,
+                        help="peak memory bandwidth (bytes/s) of the GPU the LLMServingSim data "
+                        "was measured on, when not the profile's (a sibling with the same cores)")  # fmt: skip
     parser.add_argument("--llmservingsim-configs", type=Path,
                         help="the models' config.json files as <org>/<model>.json (default: "
                         "the checkout's configs/model)")  # fmt: skip

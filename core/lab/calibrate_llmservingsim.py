@@ -57,6 +57,12 @@ def describe(medians: dict[str, tuple[float, int]]) -> str:
     return ", ".join(f"{label} {e:.1%} ({n} rows)" for label, (e, n) in medians.items())
 
 
+def overall(profile: HardwareProfile, ops: MeasuredOps) -> float:
+    """The median abs error over every measurement."""
+    table = OpArrays(ops)
+    return float(np.median(relative_errors(table.predict(profile), table.seconds)))
+
+
 def fit_kernels(profile: HardwareProfile, read: Callable[[Kernel], MeasuredOps],
                 kernels: dict[str, dict[str, float]] = KERNELS
                 ) -> tuple[HardwareProfile, str, dict[str, dict[str, tuple[float, int]]]]:  # fmt: skip
@@ -90,9 +96,21 @@ def _files(ops: MeasuredOps, root: Path) -> str:
 
 def fit_from_llmservingsim(profile: HardwareProfile, root: Path, gpu: str, commit: str,
                            configs: Path | None = None,
-                           kernels: dict[str, dict[str, float]] = KERNELS
+                           kernels: dict[str, dict[str, float]] = KERNELS,
+                           measured_bandwidth: float | None = None,
                            ) -> tuple[HardwareProfile, dict[str, str]]:  # fmt: skip
-    """The fitted profile and the `sources` entries naming what each figure came from."""
+    """The fitted profile and the `sources` entries naming what each figure came from.
+    `measured_bandwidth`: the peak memory bandwidth of the GPU the data was measured on,
+    when it is not the profile's (a sibling with the same cores): the rows are priced
+    at it, and the fitted figures, shares of the peaks and per-core times, carry over."""
+    if measured_bandwidth:
+        own = profile.memory_bandwidth
+        fitted, sources = fit_from_llmservingsim(
+            profile.with_fitted(memory_bandwidth=measured_bandwidth), root, gpu, commit,
+            configs, kernels)  # fmt: skip
+        note = (f" (measured on {gpu}, of {measured_bandwidth / 1e12:.3g} TB/s peak memory "
+                f"bandwidth: the figures are shares of peak and per-core times, carried over)")  # fmt: skip
+        return fitted.with_fitted(memory_bandwidth=own), {k: v + note for k, v in sources.items()}
     root = Path(root)
     if not has_bundles(root, gpu):  # v0: attention only
         base = perf_dir(root)
@@ -103,20 +121,21 @@ def fit_from_llmservingsim(profile: HardwareProfile, root: Path, gpu: str, commi
         text = (
             f"attention figures fitted by servelab-calibrate --from-llmservingsim on the "
             f"measured attention times of {SOURCE}, commit {commit}: {_files(ops, base)} "
-            f"({len(ops)} rows); kernel {name}, median abs error {describe(errors[name])}"
-            f"{f' (the other kernels: {others})' if others else ''}"
+            f"({len(ops)} rows); kernel {name}, median abs error {overall(fitted, ops):.1%} "
+            f"(by call: {describe(errors[name])}){f'; the other kernels: {others}' if others else ''}"
         )
         return fitted, {"attention": text}
     bundles = bundle_dir(root)
     assert bundles is not None
-    dense = read_bundles(root, gpu, configs, attention=False)
-    fitted = fit_ops(profile, dense, balance=True)
+    dense = read_bundles(root, gpu, configs, attention=False, empty=True)
+    fitted = fit_ops(profile, dense, balance=True) if len(dense) else profile
     dense_text = (
         f"matmul, element-wise and launch figures fitted by servelab-calibrate "
         f"--from-llmservingsim on the operator times {SOURCE} measured inside vLLM, commit "
         f"{commit}: {_files(dense, bundles)} ({len(dense)} rows: a decoder layer's kernels "
         f"and the LM head, tensor-parallel ranks emulated on one GPU); median abs error "
-        f"{describe(label_medians(fitted, dense))}"
+        f"{overall(fitted, dense):.1%} (by kernel: {describe(label_medians(fitted, dense))})"
+        if len(dense) else ""
     )
     fitted, name, errors = fit_kernels(
         fitted, lambda k: read_bundles(root, gpu, configs, kernel=k, attention=True), kernels)
@@ -125,6 +144,11 @@ def fit_from_llmservingsim(profile: HardwareProfile, root: Path, gpu: str, commi
     attention_text = (
         f"attention figures fitted the same way on {_files(attention, bundles)} ({len(attention)} "
         f"rows: prefill chunks, decode batches and both in one call); kernel {name}, median "
-        f"abs error {describe(errors[name])}{f' (the other kernels: {others})' if others else ''}"
+        f"abs error {overall(fitted, attention):.1%} (by call: {describe(errors[name])})"
+        f"{f'; the other kernels: {others}' if others else ''}"
     )
+    if not len(dense):  # attention.csv alone
+        return fitted, {"attention": attention_text.replace(" the same way", " by servelab-calibrate "
+                        f"--from-llmservingsim on the operator times {SOURCE} measured inside "
+                        f"vLLM, commit {commit},")}  # fmt: skip
     return fitted, {"measured": dense_text, "attention": attention_text}

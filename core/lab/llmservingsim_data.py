@@ -105,7 +105,7 @@ def bundle_dir(root: Path) -> Path | None:
     """The bundles' folder under `root` (a checkout's `profiler/perf`, or itself), or None."""
     root = Path(root)
     for candidate in (root / "profiler" / "perf", root / "perf", root):
-        if candidate.is_dir() and any(candidate.glob("*/*/*/*/tp*/dense.csv")):
+        if candidate.is_dir() and any(candidate.glob("*/*/*/*/tp*/*.csv")):
             return candidate
     return None
 
@@ -212,10 +212,11 @@ def read_bundle_attention(path: Path, shape: Shape, tp: int, measured: MeasuredO
 
 
 def read_bundles(root: Path, gpu: str, configs: Path | None = None, variant: str = "bf16",
-                 kernel: Kernel = None, attention: bool | None = None) -> MeasuredOps:  # fmt: skip
+                 kernel: Kernel = None, attention: bool | None = None,
+                 empty: bool = False) -> MeasuredOps:  # fmt: skip
     """Every model's bundle of `variant` under `<bundles>/<gpu>/`, each model's shape from
     `configs` (default: the checkout's configs/model) by its `<org>/<model>` folders
-    (`attention`: as `read_bundle`)."""
+    (`attention`: as `read_bundle`; `empty`: no rows is no error)."""
     base = bundle_dir(root)
     if base is None:
         raise ConfigError(f"no LLMServingSim profile bundles under {root} (expected "
@@ -231,7 +232,7 @@ def read_bundles(root: Path, gpu: str, configs: Path | None = None, variant: str
             raise ConfigError(f"no model config for {name} at {config} (the checkout's "
                               f"configs/model; or pass the folder of <org>/<model>.json)")  # fmt: skip
         read_bundle(bundle, model_shape(config), measured, name, kernel, attention)
-    if not len(measured):
+    if not len(measured) and not empty:
         raise ConfigError(f"no {variant} bundle rows under {folder}")
     return measured
 

@@ -325,7 +325,7 @@ def plot_ground_truth(replays, path: Path) -> None:
     fig.suptitle("simulated: executor=simulated, virtual time; measured: vLLM serving runs "
                  "(inference-sim, LLMServingSim)", fontsize=10)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 

@@ -9,7 +9,8 @@ peaks held fixed. The launch overhead is kept: a step's launch count barely
 varies, so it cannot be told apart from the per-step overhead. With
 `--from-vidur DIR` it fits a GPU profile to measured operator times instead
 (`calibrate_vidur`), with `--from-apex DIR` its collective figures to measured NCCL
-times (`apex_data`).
+times (`apex_data`), with `--from-llmservingsim DIR` to operator times measured inside
+vLLM or attention times (`calibrate_llmservingsim`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ it prints the real seconds the simulation took (the goal is under 60 s on one
 core) and writes the run's results, requests.csv and steps.csv; pass a folder
 to also get servelab-report's plots.
 
-    python benchmarks/simulate_scale.py [out_dir]
+    python benchmarks/simulate_scale.py [out_dir] [--hardware PROFILE]
+
+(`--hardware h100-sxm-fa3`: the same run on the profile with FlashAttention 3's attention,
+whose packed, split and unified calls take the cost model's other paths.)
 """
 
 from __future__ import annotations
@@ -44,16 +47,17 @@ CONFIG = {
 }
 
 
-def main(out_dir: str | None = None) -> float:
-    begin = time.perf_counter()
-    result = run_config(dict(CONFIG))
-    seconds = time.perf_counter() - begin
+def main(out_dir: str | None = None, hardware: str = "h100-sxm") -> float:
+    config = {**CONFIG, "hardware": hardware}
+    begin, cpu = time.perf_counter(), time.process_time()
+    result = run_config(config)
+    seconds, cpu = time.perf_counter() - begin, time.process_time() - cpu
     summary = result.summary
-    print_summary(summary, title=f"llama3-70b TP8 h100-sxm, 10,000 requests: {seconds:.1f} s real")
-    print(f"simulated {summary['wall_time_s']:.0f} s of serving in {seconds:.1f} s")
+    print_summary(summary, title=f"llama3-70b TP8 {hardware}, 10,000 requests: {seconds:.1f} s real")
+    print(f"simulated {summary['wall_time_s']:.0f} s of serving in {seconds:.1f} s ({cpu:.1f} s of CPU)")
     if out_dir:
         folder = Path(out_dir)
-        save_run(folder, result, CONFIG, {"real_seconds": seconds})
+        save_run(folder, result, config, {"real_seconds": seconds})
         from servelab.cli import report_main
 
         try:
@@ -64,4 +68,10 @@ def main(out_dir: str | None = None) -> float:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    args = sys.argv[1:]
+    profile = "h100-sxm"
+    if "--hardware" in args:
+        i = args.index("--hardware")
+        profile = args[i + 1]
+        del args[i : i + 2]
+    main(args[0] if args else None, profile)

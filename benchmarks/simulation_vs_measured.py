@@ -21,11 +21,25 @@ of each GPU there, and the Vidur-fitted H100 profile is priced on APEX's H100 ro
 
     python benchmarks/simulation_vs_measured.py VIDUR/data/profiling --apex APEX_PLUS
 
-With `--llmservingsim DIR` (a checkout of github.com/casys-kaist/LLMServingSim at a
-commit with llm_profile/perf_models, MIT licence) attention is checked on held-out
-models: the attention figures are fitted on each H100 model's attention.csv in turn and
-every other model's rows priced, by call (prefill, decode) and size band (a prefill
-chunk's tokens, a decode batch's sequences).
+With `--llmservingsim DIR` (a checkout of github.com/casys-kaist/LLMServingSim, MIT
+licence) attention is checked on held-out models: the attention figures are fitted on
+each H100 model's v0 attention.csv in turn and every other model's rows priced, by call
+(prefill, decode) and size band (a prefill chunk's tokens, a decode batch's sequences);
+and where the checkout has profile bundles (profiler/perf/<GPU>/, vLLM's own kernels) every
+operator is checked the same way: the profile fitted on one model's bundle (every TP
+degree), each other model's rows priced, by operator (each dense kernel, the LM head,
+attention's prefill, decode and mixed calls) and size band.
+
+With `--ground-truth DIR` (repeatable) measured serving runs of vLLM are replayed
+through the simulated executor (`servelab.lab.ground_truth`): inference-sim's
+eval/ground_truth/<run>/ (github.com/inference-sim/inference-sim, Apache-2.0, commit
+e7a4aa3; model configs from its model_configs/) and LLMServingSim's
+bench/examples/<GPU>/<model>/vllm/. Each run's requests arrive when they did with their
+prompt and output lengths, under its engine settings; printed: the measured and
+simulated means of TTFT, TPOT and E2E and their errors, per run and the median over
+runs; `--out DIR` writes them (ground_truth.json, .md) and a plot of the simulated and
+measured distributions (ground_truth.png). `--hardware GPU=PROFILE` picks the profile
+for a GPU (H100=h100-sxm-fa3: vLLM's FlashAttention 3; the default).
 """
 
 from __future__ import annotations
@@ -189,13 +203,144 @@ def attention_checks(root: Path) -> None:
         print(f"| all | {np.median(errors):.1%} (n={len(errors)}) |")
 
 
+CLASSES = {
+    "linear": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"),
+    "element-wise": ("act_fn", "rotary_emb", "layernorm", "final_layernorm"),
+    "attention": ("prefill", "decode", "mixed"),
+}
+
+
+def _by_model(ops, model: str, keep: bool):
+    mine = np.array(ops.columns["model"]) == model
+    return ops.select(mine if keep else ~mine)
+
+
+def bundle_checks(root: Path, gpu: str, profile: str) -> dict:
+    """Every operator of a GPU's bundles, one model at a time: the profile fitted on that
+    model's rows (every TP degree; the attention kernel picked as the calibration does),
+    every other model's rows priced (held out). Prints and returns the median |predicted /
+    measured - 1| by operator and by class, by size band (tokens; a decode: sequences)."""
+    from servelab.lab.calibrate_llmservingsim import fit_kernels
+    from servelab.lab.llmservingsim_data import KERNELS, read_bundles
+
+    dense = read_bundles(root, gpu, attention=False)
+    out: dict = {}
+    labels = np.array(dense.columns["label"])
+    models = np.array(dense.columns["model"])
+    # a model without every dense kernel (an MoE model: no gate_up_proj) cannot tell them
+    whole = [m for m in sorted(set(models.tolist())) if "gate_up_proj" in set(labels[models == m])]
+    for model in whole:
+        fitted = fit_ops(load_profile(profile), _by_model(dense, model, True), balance=True)
+
+        def attention_of(kernel, model=model):
+            return _by_model(read_bundles(root, gpu, kernel=kernel, attention=True), model, True)
+
+        fitted, kernel, _ = fit_kernels(fitted, attention_of)
+        attention = read_bundles(root, gpu, kernel=KERNELS[kernel], attention=True)
+        held = [OpArrays(_by_model(dense, model, False)), OpArrays(_by_model(attention, model, False))]
+        names = sorted(set(held[0].model))
+        print(f"\n## {gpu}: fit on {model} (kernel {kernel}), held out {', '.join(names)}")
+        rows = {}
+        for table in held:
+            errors = relative_errors(table.predict(fitted), table.seconds)
+            groups = {label: table.call == label for label in sorted(set(table.call.tolist()))}
+            groups.update({f"**{name}**": np.isin(table.call, labels) for name, labels in CLASSES.items()})
+            for name, mask in groups.items():
+                if mask.any():
+                    bands = errors_by_band(errors[mask], table.tokens[mask])
+                    rows[name.strip("*")] = {b: [e, n] for b, (e, n) in bands.items()}
+                    cells = " | ".join(f"{b} {e:.1%} (n={n})" for b, (e, n) in bands.items())
+                    print(f"| {name} | {cells} |")
+        out[model] = rows
+    return out
+
+
+def ground_truth(roots: list[Path], hardware: dict[str, str], out: Path | None) -> list[dict]:
+    """Replays every measured run under `roots`; prints and returns the errors of the means."""
+    import tempfile
+
+    from servelab.lab.ground_truth import PROFILES, find_runs, replay, unsupported
+
+    runs = [run for root in roots for run in find_runs(root)]
+    profiles = {**PROFILES, "H100": "h100-sxm-fa3", **hardware}
+    results, replays = [], []
+    print("\n| run | GPU, profile | requests | TTFT mean s (sim / meas, err) | TPOT mean ms "
+          "(sim / meas, err) | E2E mean s (sim / meas, err) |\n|---|---|---|---|---|---|")  # fmt: skip
+    for run in runs:
+        why = unsupported(run)
+        if why:
+            print(f"| {run.name} | {run.gpu} | {len(run.arrival)} | skipped: {why} | | |")
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            r = replay(run, Path(folder), profiles[run.gpu])
+        errors = r.mean_errors()
+        row = {"run": run.name, "source": run.source, "gpu": run.gpu, "hardware": r.hardware,
+               "model": run.model, "tp": run.tensor_parallel, "requests": len(run.arrival),
+               "vllm": run.vllm_version, "wall_s": r.wall_seconds}  # fmt: skip
+        for key, scale in (("ttft", 1.0), ("tpot", 1e3), ("e2e", 1.0)):
+            row[key] = {"simulated": float(np.nanmean(getattr(r, key))) * scale,
+                        "measured": float(np.nanmean(getattr(run, key))) * scale,
+                        "error": errors[key]}  # fmt: skip
+        cells = " | ".join(f"{row[k]['simulated']:.4g} / {row[k]['measured']:.4g}, "
+                           f"{row[k]['error']:+.1%}" for k in ("ttft", "tpot", "e2e"))  # fmt: skip
+        print(f"| {run.name} | {run.gpu}, {r.hardware} | {len(run.arrival)} | {cells} |", flush=True)
+        results.append(row)
+        replays.append(r)
+    medians = {k: float(np.median([abs(r[k]["error"]) for r in results])) for k in ("ttft", "tpot", "e2e")}
+    print(f"| median abs error over {len(results)} runs | | | **{medians['ttft']:.1%}** | "
+          f"**{medians['tpot']:.1%}** | **{medians['e2e']:.1%}** |")  # fmt: skip
+    if out is not None:
+        import json
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ground_truth.json").write_text(json.dumps({"runs": results, "medians": medians}, indent=1))
+        plot_ground_truth(replays, out / "ground_truth.png")
+        print(f"wrote {out / 'ground_truth.json'}, {out / 'ground_truth.png'}")
+    return results
+
+
+def plot_ground_truth(replays, path: Path) -> None:
+    """One row per replayed run: the measured and simulated distributions (CDFs) of
+    TTFT, TPOT and E2E."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(replays), 3, figsize=(13, 2.6 * len(replays)), squeeze=False)
+    for row, r in zip(axes, replays):
+        for ax, (key, title, scale) in zip(row, (("ttft", "TTFT (s)", 1.0), ("tpot", "TPOT (ms)", 1e3),
+                                                 ("e2e", "E2E (s)", 1.0))):  # fmt: skip
+            for values, label, style in ((getattr(r.run, key), "measured (vLLM)", "-"),
+                                         (getattr(r, key), f"simulated ({r.hardware})", "--")):  # fmt: skip
+                v = np.sort(values[np.isfinite(values)]) * scale
+                ax.plot(v, np.arange(1, len(v) + 1) / len(v), style, label=label)
+            error = r.mean_errors()[key]
+            ax.set_title(f"{r.run.name}: {title}, mean {error:+.1%}", fontsize=9)
+            if key != "tpot":
+                ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("share of requests")
+        row[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("simulated: executor=simulated, virtual time; measured: vLLM serving runs "
+                 "(inference-sim, LLMServingSim)", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("vidur", nargs="?", type=Path, help="Vidur's data/profiling")
     parser.add_argument("--apex", type=Path, help="apex_plus (or its profile/comm)")
-    parser.add_argument("--llmservingsim", type=Path, help="LLMServingSim (llm_profile)")
+    parser.add_argument("--llmservingsim", type=Path, help="an LLMServingSim checkout")
+    parser.add_argument("--ground-truth", type=Path, action="append", default=[],
+                        help="measured vLLM serving runs to replay (repeatable)")  # fmt: skip
+    parser.add_argument("--hardware", action="append", default=[], metavar="GPU=PROFILE",
+                        help="the profile replaying a GPU's runs (H100=h100-sxm)")  # fmt: skip
+    parser.add_argument("--out", type=Path, help="write the replay's tables and plot here")
     args = parser.parse_args(argv)
-    if args.vidur is None and args.apex is None and args.llmservingsim is None:
+    if args.vidur is None and args.apex is None and args.llmservingsim is None and not args.ground_truth:
         print(__doc__)
         return 2
     if args.vidur is not None:
@@ -204,7 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.apex is not None:
         apex_checks(args.apex, args.vidur)
     if args.llmservingsim is not None:
-        attention_checks(args.llmservingsim)
+        from servelab.lab.llmservingsim_data import LLMSERVINGSIM_GPUS, has_bundles, perf_dir
+
+        if (perf_dir(args.llmservingsim) / "H100").is_dir():
+            attention_checks(args.llmservingsim)
+        for profile, gpu in LLMSERVINGSIM_GPUS.items():
+            if has_bundles(args.llmservingsim, gpu):
+                bundle_checks(args.llmservingsim, gpu, profile)
+    if args.ground_truth:
+        hardware = dict(item.split("=", 1) for item in args.hardware)
+        ground_truth(args.ground_truth, hardware, args.out)
     return 0
 
 

@@ -69,7 +69,7 @@ def test_every_group_has_options_and_the_defaults_list_is_kept():
         "tiny", "tiny-llama", "tiny-qwen2",
     ]  # fmt: skip
     assert options("executor") == ["model", "simulated"]
-    assert options("hardware") == ["a100-80g", "cpu-local", "h100-sxm", "h200", "l40s"]
+    assert options("hardware") == ["a100-80g", "cpu-local", "h100-sxm", "h100-sxm-fa3", "h200", "l40s", "rtx-pro-6000"]
     assert options("device") == ["cpu", "cuda"]
 
 

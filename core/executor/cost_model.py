@@ -32,13 +32,23 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
   one op of n x max_q x max_k;
 - attention's kernel blocks, per layer: a block is one query head of one sequence's tile
   of up to 128 query rows (a decode: one row) and streams the K/V of every key its rows
-  attend to (e d 2 per key) from memory or L2; the op costs at least each of
+  attend to (e d 2 per key) from memory or L2; with `attention_gqa_packing` a decode's
+  block is one KV head of one sequence instead, its query heads packed into the block's
+  rows, so each KV head is streamed once (1: in steps of one-query decodes alone, as
+  vLLM's FlashAttention 2 swaps a one-token query's heads into rows; 2: in every step,
+  as FlashAttention 3 packs them); `attention_wave_blocks` blocks run at once (about the
+  device's cores x the blocks each holds): a packed call of fewer splits each block's
+  keys (in tiles of 128 keys at least) until it has that many (split-KV decoding); the
+  op costs at least each of
   streamed bytes / (peak bandwidth x `attention_stream_efficiency`), the longest
   block's keys x `attention_key_time` (a block runs on one SM: one long sequence cannot
-  use the device) and blocks x `attention_block_overhead` (each figure 0: off);
+  use the device; with `attention_wave_blocks`, times the waves: blocks / wave blocks
+  when more) and blocks x `attention_block_overhead` (each figure 0: off);
 - element-wise, per layer, bytes only: two RMSNorms (read + write h), two residual
   adds (read 2h, write h), RoPE on q and k (read + write), SiLU x up (read 2I/p,
-  write I/p); six launches;
+  write I/p); six launches. Their data is what the kernel before wrote, so it is read
+  from L2 where it fits (the kernel efficiencies may exceed 1); with `l2_bytes` set, the
+  bytes beyond it come from DRAM at `bandwidth_efficiency`;
 - all-reduce, two per layer when p > 1 (after o and down), ring, of a message of
   b = e T h bytes: latency + latency_per_device x (p - 1)
   + 2 (p - 1) / p x b / (interconnect bandwidth x curve(b)),
@@ -85,6 +95,7 @@ class Op:
     streamed: float = 0.0
     span: float = 0.0
     blocks: float = 0.0
+    split: float = 0.0  # 1: its blocks may split their keys (a packed decode call)
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,23 @@ def prefill_blocks(q, start, heads: float, bytes_per_head: float) -> tuple[float
     return streamed, float(np.max(s + q)), float(heads * np.sum(tiles))
 
 
+def split_blocks(span, blocks, split, wave: float):
+    """An attention call's longest block's keys, its blocks and the waves they take when
+    `wave` blocks run at once: a call that may `split` (a packed decode) and has fewer
+    blocks splits each block's keys, in tiles of BLOCK_ROWS keys at least, until it has
+    `wave` (split-KV decoding); more take blocks / wave waves. Scalars or arrays."""
+    if not wave:
+        return span, blocks, 1.0
+    if np.ndim(span) == 0:  # one op (the hot path): plain floats
+        splits = max(1.0, min(wave / blocks, span / BLOCK_ROWS)) if split and blocks else 1.0
+        span, blocks = span / splits, blocks * splits
+        return span, blocks, max(1.0, blocks / wave)
+    safe = np.where(blocks > 0, blocks, 1.0)
+    splits = np.where(split > 0, np.clip(np.minimum(wave / safe, span / BLOCK_ROWS), 1.0, None), 1.0)
+    span, blocks = span / splits, blocks * splits
+    return span, blocks, np.maximum(1.0, blocks / wave)
+
+
 def matmul_op(name: str, tokens: float, m: float, n: float, e: float) -> Op:
     flops, data = 2 * tokens * m * n, e * (m * n + tokens * m + tokens * n)
     return Op(name, MATMUL, flops, data, rows=tokens, call=MATMUL)
@@ -262,6 +290,9 @@ class CostModel:
         stream = profile.memory_bandwidth * profile.attention_stream_efficiency
         self.blocks_priced = bool(stream or profile.attention_key_time
                                   or profile.attention_block_overhead)  # fmt: skip
+        self.l2_bytes = profile.l2_bytes or float("inf")
+        self.packing = profile.attention_gqa_packing
+        self.unified = bool(profile.attention_unified)
         self.stream_bandwidth = stream or float("inf")
         self._by_tokens: dict[int, tuple] = {}  # see _token_parts
         self._by_step: dict[tuple[int, int], float] = {}  # see _once_time
@@ -283,9 +314,10 @@ class CostModel:
         bytes, the longest block's keys, their count (each term 0 where its figure is)."""
         prof = self.profile
         fixed = op.launches * prof.launch_overhead + self.call_cost[op.call]
-        blocks = max(op.streamed / self.stream_bandwidth, op.span * prof.attention_key_time,
-                     op.blocks * prof.attention_block_overhead)  # fmt: skip
-        return max(seconds, blocks + fixed)
+        span, blocks, waves = split_blocks(op.span, op.blocks, op.split, prof.attention_wave_blocks)
+        held = max(op.streamed / self.stream_bandwidth, span * prof.attention_key_time * waves,
+                   blocks * prof.attention_block_overhead)  # fmt: skip
+        return max(seconds, held + fixed)
 
     def seconds(self, kind: str, flops: float, data: float, rows: float,
                 launches: float = 1.0, call: str = "", name: str = "") -> float:  # fmt: skip
@@ -302,6 +334,8 @@ class CostModel:
             full = self.full_rows[kind]
             wave = max(rows, full) / rows if full and rows else 1.0
             memory = data * wave / bandwidth
+            if kind == ELEMENTWISE and data > self.l2_bytes:  # what L2 cannot hold: DRAM
+                memory = max(memory, (data - self.l2_bytes) / self.bandwidth)
         fixed = launches * self.profile.launch_overhead + self.call_cost[call]
         return max(compute, memory) + fixed
 
@@ -335,6 +369,8 @@ class CostModel:
             call = PREFILL if max_q > 1 else DECODE
             return [Op("attention_padded", ATTENTION, flops, data, rows=n * max_q, call=call)]
         ops = []
+        if self.unified and len(step.prefill_q) and len(step.decode_keys):
+            return [self.mixed_op(step)]
         if len(step.prefill_q):
             q, s = step.prefill_q, step.prefill_start
             flops = attention_flops(q, s, d, heads)
@@ -344,22 +380,50 @@ class CostModel:
             ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows,
                           call=PREFILL, streamed=streamed, span=span, blocks=blocks))  # fmt: skip
         if len(step.decode_keys):
-            ops.append(self.decode_op(*step.decode_sums()))
+            ops.append(self.decode_op(*step.decode_sums(), packed=self.packed(step)))
         return ops
 
-    def decode_op(self, keys: float, rows: int, queries: float, pairs: float) -> Op:
-        """The decode rows' attention op (`StepShape.decode_sums`): one call, a block per
-        query head of each sequence, its rows' query tokens as the curve's rows."""
-        flops, data = self.decode_attention(keys, rows, queries, pairs)
-        streamed, span, blocks = self.decode_blocks(keys, rows)
-        return Op("attention_decode", ATTENTION, flops, data, rows=queries, call=DECODE,
-                  streamed=streamed, span=span, blocks=blocks)  # fmt: skip
-
-    def decode_blocks(self, keys: float, rows: int) -> tuple[float, float, float]:
-        """Streamed bytes, keys of the longest block (the mean sequence's: the hot path
-        knows the sum alone) and blocks of `rows` decodes over `keys` keys in all."""
+    def mixed_op(self, step: StepShape) -> Op:
+        """Prefill chunks and decodes in one kernel call (`attention_unified`): one fixed
+        cost, their flops, bytes, rows, blocks and streamed bytes summed, the longest
+        block the longest of either."""
         c = self.shape
-        heads = c.num_heads / self.tp
+        q, s = step.prefill_q, step.prefill_start
+        d, heads, kv = c.head_dim, c.num_heads / self.tp, c.num_kv_heads / self.tp
+        flops = attention_flops(q, s, d, heads)
+        data = self.e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
+        streamed, span, blocks = prefill_blocks(q, s, heads, self.e * d)
+        decode = self.decode_op(*step.decode_sums(), packed=self.packed(step))
+        return Op("attention_mixed", ATTENTION, flops + decode.flops, float(data) + decode.bytes,
+                  rows=float(np.sum(q)) + decode.rows, call=PREFILL,
+                  streamed=streamed + decode.streamed, span=max(span, decode.span),
+                  blocks=blocks + decode.blocks)  # fmt: skip
+
+    def packed(self, step: StepShape) -> bool:
+        """Whether the step's decodes pack each KV head's query heads into one block
+        (`attention_gqa_packing`: 2 always, 1 when the step is one-query decodes alone)."""
+        if self.packing >= 2:
+            return True
+        if self.packing < 1 or len(step.prefill_q):
+            return False
+        return step.decode_q is None or bool(np.all(step.decode_q == 1))
+
+    def decode_op(self, keys: float, rows: int, queries: float, pairs: float,
+                  packed: bool = False) -> Op:  # fmt: skip
+        """The decode rows' attention op (`StepShape.decode_sums`): one call, a block per
+        query head of each sequence (`packed`: per KV head), its rows' query tokens as the
+        curve's rows."""
+        flops, data = self.decode_attention(keys, rows, queries, pairs)
+        streamed, span, blocks = self.decode_blocks(keys, rows, packed)
+        return Op("attention_decode", ATTENTION, flops, data, rows=queries, call=DECODE,
+                  streamed=streamed, span=span, blocks=blocks, split=float(packed))  # fmt: skip
+
+    def decode_blocks(self, keys: float, rows: int, packed: bool = False) -> tuple[float, float, float]:
+        """Streamed bytes, keys of the longest block (the mean sequence's: the hot path
+        knows the sum alone) and blocks of `rows` decodes over `keys` keys in all: a block
+        per query head of each sequence, or with `packed` per KV head (read once)."""
+        c = self.shape
+        heads = (c.num_kv_heads if packed else c.num_heads) / self.tp
         return self.e * c.head_dim * 2 * heads * keys, keys / rows, rows * heads
 
     def decode_attention(
@@ -416,17 +480,18 @@ class CostModel:
             for op in self.attention_ops(step):
                 layer += self.op_time(op)
         elif step.decode_q is not None:  # decodes, some verifying drafts
-            layer += self.op_time(self.decode_op(*step.decode_sums()))
+            layer += self.op_time(self.decode_op(*step.decode_sums(), packed=self.packed(step)))
         else:  # only one-query decodes (most steps): the decode op, priced without building it
             rows = len(step.decode_keys)
             keys = float(step.decode_keys.sum())
             flops, data = self.decode_attention(keys, rows)
             seconds = self.seconds(ATTENTION, flops, data, rows, 1.0, DECODE)
             if self.blocks_priced:
-                streamed, span, blocks = self.decode_blocks(keys, rows)
+                streamed, span, blocks = self.decode_blocks(keys, rows, self.packing >= 1)
                 seconds = self.with_blocks(seconds, Op("attention_decode", ATTENTION, flops,
                                            data, rows=rows, call=DECODE, streamed=streamed,
-                                           span=span, blocks=blocks))  # fmt: skip
+                                           span=span, blocks=blocks,
+                                           split=float(self.packing >= 1)))  # fmt: skip
             layer += seconds
         for seconds in elementwise:
             layer += seconds

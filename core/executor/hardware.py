@@ -41,6 +41,7 @@ FITTED = (
     "attention_stream_efficiency",
     "attention_key_time",
     "attention_block_overhead",
+    "attention_wave_blocks",
     "interconnect_latency",
     "interconnect_half_bytes",
     "interconnect_latency_per_device",
@@ -68,6 +69,7 @@ class HardwareProfile:
     elementwise_efficiency: float = 0.0
     elementwise_full_rows: float = 0.0
     kernel_efficiency: dict[str, float] = field(default_factory=dict)  # by element-wise op name
+    l2_bytes: float = 0.0  # L2 cache: element-wise bytes beyond it come from DRAM (0: off)
     matmul_overhead: float = 0.0  # seconds each matmul costs besides its roofline
     # seconds each attention call costs besides its flops and bytes, per layer
     attention_prefill_overhead: float = 0.0
@@ -78,6 +80,18 @@ class HardwareProfile:
     attention_stream_efficiency: float = 0.0
     attention_key_time: float = 0.0
     attention_block_overhead: float = 0.0
+    # the attention kernel's blocks for decodes: 0, one per query head (FlashAttention 2
+    # varlen); 1, one per KV head with its query heads packed in, in steps of one-query
+    # decodes alone (vLLM's FlashAttention 2); 2, so in every step (FlashAttention 3).
+    # Not fitted: the kernel measured (the fits of measured attention pick the best)
+    attention_gqa_packing: float = 0.0
+    # attention blocks the device runs at once (about its cores x the blocks each holds):
+    # a call of more takes waves of them, and a packed decode call of fewer splits each
+    # block's keys over more blocks up to this many (split-KV decoding); 0: off
+    attention_wave_blocks: float = 0.0
+    # 1: a step's prefill chunks and decodes are one attention call (vLLM's FlashAttention
+    # backend: one varlen launch), priced as one op; 0: a call each
+    attention_unified: float = 0.0
     interconnect_bandwidth: float = 0.0  # bytes/s per device and direction (all-reduce)
     interconnect_latency: float = 0.0  # seconds per collective
     interconnect_half_bytes: float = 0.0  # a message of this size reaches half the bandwidth
@@ -153,6 +167,9 @@ def load_profile(node: Any) -> HardwareProfile:
         raise ConfigError(
             f"hardware profile basis must be one of {', '.join(BASES)}, got {values['basis']!r}"
         )
+    if values.get("attention_gqa_packing", 0) not in (0, 1, 2):
+        raise ConfigError(f"hardware profile attention_gqa_packing must be 0, 1 or 2, got "
+                          f"{values['attention_gqa_packing']!r}")  # fmt: skip
     kernels = dict(values.get("kernel_efficiency") or {})
     values["kernel_efficiency"] = {str(k): float(v) for k, v in kernels.items()}
     for key in names - {"name", "memory", "peak_flops", "sources", "kernel_efficiency", "basis"}:

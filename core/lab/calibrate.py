@@ -9,7 +9,8 @@ peaks held fixed. The launch overhead is kept: a step's launch count barely
 varies, so it cannot be told apart from the per-step overhead. With
 `--from-vidur DIR` it fits a GPU profile to measured operator times instead
 (`calibrate_vidur`), with `--from-apex DIR` its collective figures to measured NCCL
-times (`apex_data`).
+times (`apex_data`), with `--from-llmservingsim DIR` to operator times measured inside
+vLLM or attention times (`calibrate_llmservingsim`).
 """
 
 from __future__ import annotations
@@ -314,21 +315,28 @@ def from_apex(args: argparse.Namespace, base: HardwareProfile) -> int:
 
 
 def from_llmservingsim(args: argparse.Namespace, base: HardwareProfile) -> int:
-    """Fits `base`'s attention figures to LLMServingSim's measured attention times."""
+    """Fits `base` to LLMServingSim's measured operator times: every figure its profile
+    bundles for the GPU can tell, or (v0 profiles) the attention figures."""
     from servelab.errors import ConfigError
-    from servelab.lab.calibrate_vidur import fit_attention
-    from servelab.lab.llmservingsim_data import LLMSERVINGSIM_GPUS, perf_dir, read_llmservingsim
+    from servelab.lab.calibrate_llmservingsim import fit_from_llmservingsim
+    from servelab.lab.llmservingsim_data import LLMSERVINGSIM_GPUS
 
     gpu = args.llmservingsim_gpu or LLMSERVINGSIM_GPUS.get(base.name)
     if gpu is None:
         raise ConfigError(f"no LLMServingSim GPU known for profile {base.name!r}; pass "
-                          f"--llmservingsim-gpu (a folder of perf_models, e.g. H100)")  # fmt: skip
-    root = perf_dir(args.from_llmservingsim)
-    ops = read_llmservingsim(root, gpu)
-    fitted, sources = fit_attention(base, ops, root, "github.com/casys-kaist/LLMServingSim, "
-                                    "llm_profile/perf_models", args.llmservingsim_commit)  # fmt: skip
-    write_profile(fitted.with_fitted(sources={**base.sources, **sources}), args.out, None)
-    print(f"{sources['attention']}\nwrote {args.out}")
+                          f"--llmservingsim-gpu (a folder of profiler/perf or of perf_models, "
+                          f"e.g. RTXPRO6000, H100)")  # fmt: skip
+    fitted, sources = fit_from_llmservingsim(base, args.from_llmservingsim, gpu,
+                                             args.llmservingsim_commit, args.llmservingsim_configs,
+                                             measured_bandwidth=args.measured_bandwidth)  # fmt: skip
+    kept = dict(base.sources)
+    if "measured" in sources:  # every compute figure fitted: the profile is measured
+        kept = {k: v for k, v in kept.items() if k not in ("efficiencies", "basis")}
+        fitted = fitted.with_fitted(basis="measured")
+    write_profile(fitted.with_fitted(sources={**kept, **sources}), args.out, None)
+    for text in sources.values():
+        print(text)
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -368,10 +376,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the apex_plus commit the data comes from, for the profile's sources")  # fmt: skip
     parser.add_argument(
         "--from-llmservingsim", type=Path, metavar="DIR",
-        help="fit the attention figures to LLMServingSim's measured attention times (a "
-        "checkout of a commit with llm_profile/perf_models)",
+        help="fit to LLMServingSim's measured operator times (a checkout: its profile "
+        "bundles, profiler/perf/<GPU>, give every compute figure; its v0 perf_models the "
+        "attention figures)",
     )  # fmt: skip
-    parser.add_argument("--llmservingsim-gpu", help="perf_models/<GPU> (default: by --profile)")
+    parser.add_argument("--llmservingsim-gpu",
+                        help="profiler/perf/<GPU> or perf_models/<GPU> (default: by --profile)")  # fmt: skip
+    parser.add_argument("--measured-bandwidth", type=float,
+                        help="peak memory bandwidth (bytes/s) of the GPU the LLMServingSim data "
+                        "was measured on, when not the profile's (a sibling with the same cores)")  # fmt: skip
+    parser.add_argument("--llmservingsim-configs", type=Path,
+                        help="the models' config.json files as <org>/<model>.json (default: "
+                        "the checkout's configs/model)")  # fmt: skip
     parser.add_argument("--llmservingsim-commit", default="unknown",
                         help="the LLMServingSim commit the data comes from")  # fmt: skip
     args = parser.parse_args(argv)

@@ -32,6 +32,7 @@ FIGURES = {
     "matmul_overhead": (0.0, 1e-3, 1e-6, MATMUL),
     "elementwise_full_rows": (0.0, 1e5, 100.0, ELEMENTWISE),
     "launch_overhead": (0.0, 1e-3, 1e-6, ELEMENTWISE),
+    "l2_bytes": (1e5, 1e10, 1e7, ELEMENTWISE),
     "attention_efficiency": (1e-3, 1.0, 1.0, ATTENTION),
     "attention_half_rows": (0.0, 1e4, 100.0, ATTENTION),
     "attention_prefill_overhead": (0.0, 1e-3, 1e-6, ATTENTION),
@@ -39,7 +40,11 @@ FIGURES = {
     "attention_stream_efficiency": (1e-3, 5.0, 1.0, ATTENTION),
     "attention_key_time": (0.0, 1e-6, 1e-8, ATTENTION),
     "attention_block_overhead": (0.0, 1e-6, 1e-8, ATTENTION),
+    "attention_wave_blocks": (0.0, 1e5, 100.0, ATTENTION),
 }
+# element-wise kernels' efficiency: achieved / peak DRAM bandwidth; above 1 where the
+# data sits in L2 (a kernel reading what the one before it wrote)
+KERNEL_BOUNDS = (1e-3, 5.0)
 COLLECTIVE = {
     "interconnect_latency": (0.0, 1e-2, 1e-5),
     "interconnect_latency_per_device": (0.0, 1e-3, 1e-6),
@@ -50,18 +55,31 @@ COLLECTIVE = {
 BANDS = ((1, 64), (65, 256), (257, 1023), (1024, float("inf")))  # tokens (or decode batch)
 
 
+OP_KEYS = ("kind", "call", "name", "flops", "bytes", "rows", "launches", "streamed", "span",
+           "blocks", "split")  # fmt: skip
+
+
 class OpArrays:
-    """A `MeasuredOps` as the arrays `op_times` reads."""
+    """A `MeasuredOps` as the arrays `op_times` reads (`op`: one entry per op), and one
+    entry per measurement: `seconds`, `tokens`, `tp`, `model`, `kind` (its first op's),
+    `call` (its label: prefill, decode, mixed...). `predict` prices each measurement as
+    the sum of its ops."""
 
     def __init__(self, ops: MeasuredOps) -> None:
-        for key in ("kind", "call", "name", "flops", "bytes", "rows", "launches", "seconds",
-                    "tokens", "tp", "model", "streamed", "span", "blocks"):  # fmt: skip
-            setattr(self, key, ops.array(key))
+        self.op = {key: ops.array(key) for key in OP_KEYS}
+        self.group = np.asarray(ops.columns["group"], dtype=np.int64)
+        first = np.unique(self.group, return_index=True)[1]
+        self.kind, self.name = self.op["kind"][first], self.op["name"][first]
+        self.call = ops.array("label")[first]
+        for key in ("seconds", "tokens", "tp", "model"):
+            setattr(self, key, ops.array(key)[first])
 
     def predict(self, profile: HardwareProfile) -> np.ndarray:
-        return op_times(profile, DTYPE, self.kind, self.flops, self.bytes, self.rows,
-                        self.launches, self.call, self.name, self.streamed, self.span,
-                        self.blocks)  # fmt: skip
+        o = self.op
+        times = op_times(profile, DTYPE, o["kind"], o["flops"], o["bytes"], o["rows"],
+                         o["launches"], o["call"], o["name"], o["streamed"], o["span"],
+                         o["blocks"], o["split"])  # fmt: skip
+        return np.bincount(self.group, weights=times, minlength=len(self.seconds))
 
 
 def _with(profile: HardwareProfile, names: Sequence[str], values: np.ndarray) -> HardwareProfile:
@@ -73,37 +91,80 @@ def _with(profile: HardwareProfile, names: Sequence[str], values: np.ndarray) ->
     return dataclasses.replace(profile, **plain)
 
 
+F_SCALE = 0.05  # the robust loss's scale: residuals (log ratios) beyond ~5% count less
+
+
 def _least_squares(residuals, start, lo, hi, scale) -> np.ndarray:
     return _solve(residuals, start, lo, hi, scale)[0]
 
 
-def _solve(residuals, start, lo, hi, scale) -> tuple[np.ndarray, float]:
+def _solve(residuals, start, lo, hi, scale, loss: str = "soft_l1") -> tuple[np.ndarray, float]:
     """The robust least-squares solution from `start`, and its cost."""
     from scipy.optimize import least_squares
 
     lo, hi, scale = np.array(lo), np.array(hi), np.array(scale)
     x0 = np.clip(np.array(start, dtype=np.float64), lo, hi) / scale
     result = least_squares(lambda x: residuals(x * scale), x0, bounds=(lo / scale, hi / scale),
-                           loss="soft_l1", f_scale=0.05, x_scale="jac", max_nfev=3000)  # fmt: skip
+                           loss=loss, f_scale=F_SCALE, x_scale="jac", max_nfev=3000)  # fmt: skip
     return result.x * scale, float(result.cost)
 
 
-def fit_ops(profile: HardwareProfile, ops: MeasuredOps) -> HardwareProfile:
-    """The profile with every figure the measured op kinds can tell fitted to them."""
+def soft_l1(r: np.ndarray) -> np.ndarray:
+    """Residuals whose squares sum to scipy's soft-L1 cost of `r` (so a weight can scale
+    each one's share of the robust cost)."""
+    z = (r / F_SCALE) ** 2
+    return np.sign(r) * F_SCALE * np.sqrt(2.0 * (np.sqrt(1.0 + z) - 1.0))
+
+
+# figures whose residuals are flat over much of their range (the L2 size: above every
+# row's bytes nothing moves), so a fit starts from each of these too and keeps the best
+MULTI_START = {"l2_bytes": (1e6, 8e6, 3.2e7, 1.28e8)}
+
+
+def _starts(names: list[str], start: list[float]) -> list[list[float]]:
+    """`start`, and it with each other starting value of the MULTI_START figures."""
+    out = [list(start)]
+    for name, values in MULTI_START.items():
+        if name in names:
+            i = names.index(name)
+            out += [[*start[:i], v, *start[i + 1:]] for v in values]
+    return out
+
+
+def label_weights(labels: np.ndarray) -> np.ndarray:
+    """Residual weights giving every label (prefill, decode, mixed, each kernel) the
+    same say in a fit however many rows it has: 1 / sqrt(its rows)."""
+    names, index, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    return 1.0 / np.sqrt(counts[index])
+
+
+def fit_ops(profile: HardwareProfile, ops: MeasuredOps, balance: bool = False,
+            skip: Sequence[str] = ()) -> HardwareProfile:  # fmt: skip
+    """The profile with every figure the measured op kinds can tell fitted to them (but
+    `skip`). `balance`: every label (`OpArrays.call`) weighs the same in the fit."""
     table = OpArrays(ops)
-    kinds = set(table.kind.tolist())
-    names = [n for n, spec in FIGURES.items() if spec[3] in kinds]
-    kernels = sorted(set(table.name[table.kind == ELEMENTWISE].tolist()))
-    lo = [FIGURES[n][0] for n in names] + [1e-3] * len(kernels)
-    hi = [FIGURES[n][1] for n in names] + [1.0] * len(kernels)
+    kinds = set(table.op["kind"].tolist())
+    names = [n for n, spec in FIGURES.items() if spec[3] in kinds and n not in skip]
+    kernels = sorted(set(table.op["name"][table.op["kind"] == ELEMENTWISE].tolist()))
+    lo = [FIGURES[n][0] for n in names] + [KERNEL_BOUNDS[0]] * len(kernels)
+    hi = [FIGURES[n][1] for n in names] + [KERNEL_BOUNDS[1]] * len(kernels)
     scale = [FIGURES[n][2] for n in names] + [1.0] * len(kernels)
     start = [getattr(profile, n) or FIGURES[n][2] for n in names] + [0.5] * len(kernels)
     names += [f"kernel:{k}" for k in kernels]
+    weights = label_weights(table.call) if balance else None
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        return np.log(table.predict(_with(profile, names, x)) / table.seconds)
+        r = np.log(table.predict(_with(profile, names, x)) / table.seconds)
+        return r if weights is None else weights * soft_l1(r)
 
-    fitted = _with(profile, names, _least_squares(residuals, start, lo, hi, scale))
+    loss = "soft_l1" if weights is None else "linear"  # weighted: soft-L1 already applied
+    best: tuple[np.ndarray, float] | None = None
+    for starts in _starts(names, start):
+        solution = _solve(residuals, starts, lo, hi, scale, loss)
+        if best is None or solution[1] < best[1]:
+            best = solution
+    assert best is not None
+    fitted = _with(profile, names, best[0])
     if kernels:  # element-wise ops without a measured kernel (the final norm): their median
         middle = float(np.median(list(fitted.kernel_efficiency.values())))
         fitted = dataclasses.replace(fitted, elementwise_efficiency=middle)

@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from servelab.executor.cost_model import ATTENTION, DECODE, ELEMENTWISE, MATMUL, PREFILL
+from servelab.executor.cost_model import (
+    ATTENTION,
+    DECODE,
+    ELEMENTWISE,
+    MATMUL,
+    PREFILL,
+    split_blocks,
+)
 from servelab.executor.hardware import HardwareProfile
 
 
 def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.ndarray,
              data: np.ndarray, rows: np.ndarray, launches: np.ndarray,
              call: np.ndarray, names: np.ndarray, streamed: np.ndarray | None = None,
-             span: np.ndarray | None = None, blocks: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+             span: np.ndarray | None = None, blocks: np.ndarray | None = None,
+             split: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """`CostModel.op_time` over arrays of ops (a test holds the two equal); attention's
     kernel blocks (`streamed`, `span`, `blocks`) where given."""
     peak = profile.flops(dtype)
@@ -42,11 +50,20 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
     fixed = fixed + np.where(call == MATMUL, profile.matmul_overhead, 0.0)
     fixed = fixed + np.where(call == PREFILL, profile.attention_prefill_overhead, 0.0)
     fixed = fixed + np.where(call == DECODE, profile.attention_decode_overhead, 0.0)
-    seconds = np.maximum(compute, data * wave / bandwidth) + fixed
+    memory = data * wave / bandwidth
+    if profile.l2_bytes:  # element-wise bytes beyond L2 come from DRAM
+        dram = np.maximum(data - profile.l2_bytes, 0.0) / (
+            profile.memory_bandwidth * profile.bandwidth_efficiency
+        )
+        memory = np.where(elementwise, np.maximum(memory, dram), memory)
+    seconds = np.maximum(compute, memory) + fixed
     stream = profile.memory_bandwidth * profile.attention_stream_efficiency
     if blocks is not None and (stream or profile.attention_key_time
                                or profile.attention_block_overhead):  # fmt: skip
-        held = np.maximum(streamed / stream if stream else 0.0, span * profile.attention_key_time)
+        span, blocks, waves = split_blocks(span, blocks, split if split is not None else 0.0,
+                                           profile.attention_wave_blocks)  # fmt: skip
+        held = np.maximum(streamed / stream if stream else 0.0,
+                          span * profile.attention_key_time * waves)  # fmt: skip
         held = np.maximum(held, blocks * profile.attention_block_overhead)
         seconds = np.where(blocks > 0, np.maximum(seconds, held + fixed), seconds)
     return seconds

@@ -20,7 +20,8 @@ from typing import Any
 # "median abs error 7.4%", "median abs step error 21.7%", "median abs error by file: all_reduce 5.7%"
 ERROR = re.compile(r"median abs (?:step )?error(?: by file: \w+)? (\d+(?:\.\d+)?)%")
 # what each `sources` entry of a profile measured
-MEASURED = {"fitted": "operators", "efficiencies": "steps", "interconnect": "all-reduce"}
+MEASURED = {"fitted": "operators", "measured": "operators", "efficiencies": "steps",
+            "interconnect": "all-reduce", "attention": "attention"}  # fmt: skip
 
 
 def accuracy(hardware: Mapping | None) -> str | None:

@@ -53,7 +53,11 @@ ELEMENTWISE_OPS = {
 @dataclass
 class MeasuredOps:
     """Measured ops as flat arrays (one entry per op and row): what they are, the cost
-    model's op for them, and their measured median seconds."""
+    model's op for them, and their measured median seconds. A measurement may be several
+    of the cost model's ops (a fused kernel, one attention call over prefill chunks and
+    decodes): they share a `group`, each carries the measurement's seconds, and the
+    measurement is priced as their sum (`calibrate_vidur.OpArrays`); `label` names what
+    was measured (by default the op's call)."""
 
     columns: dict[str, list] = field(
         default_factory=lambda: {
@@ -72,35 +76,60 @@ class MeasuredOps:
                 "streamed",
                 "span",
                 "blocks",
+                "split",
                 "seconds",
                 "file",
+                "group",
+                "label",
             )
         }  # fmt: skip
     )
 
-    def add(self, op: Op, model: str, tp: int, tokens: float, seconds: float, file: str) -> None:
+    def add(self, op: Op, model: str, tp: int, tokens: float, seconds: float, file: str,
+            group: int | None = None, label: str | None = None) -> None:  # fmt: skip
+        """One op measured alone, or (`group`) one part of a measurement of several."""
+        group = self.groups() if group is None else group
         values = dict(model=model, tp=tp, tokens=tokens, name=op.name, kind=op.kind,
                       call=op.call, flops=op.flops, bytes=op.bytes, rows=op.rows,
                       launches=op.launches, streamed=op.streamed, span=op.span,
-                      blocks=op.blocks, seconds=seconds, file=file)  # fmt: skip
+                      blocks=op.blocks, split=op.split, seconds=seconds, file=file, group=group,
+                      label=op.call if label is None else label)  # fmt: skip
         for key, value in values.items():
             self.columns[key].append(value)
 
+    def add_group(self, ops: list[Op], model: str, tp: int, tokens: float, seconds: float,
+                  file: str, label: str | None = None) -> None:  # fmt: skip
+        """One measurement of several ops, priced as their sum."""
+        group = self.groups()
+        for op in ops:
+            self.add(op, model, tp, tokens, seconds, file, group, label)
+
+    def groups(self) -> int:
+        """How many measurements (groups are numbered 0, 1, ... as they are added)."""
+        group = self.columns["group"]
+        return group[-1] + 1 if group else 0
+
     def array(self, key: str) -> np.ndarray:
         values = self.columns[key]
-        numeric = key not in ("model", "name", "kind", "call", "file")
+        numeric = key not in ("model", "name", "kind", "call", "file", "label")
         return np.asarray(values, dtype=np.float64 if numeric else object).astype(
             np.float64 if numeric else str
         )
 
     def __len__(self) -> int:
-        return len(self.columns["seconds"])
+        """The measurements (an op measured alone is one)."""
+        return self.groups()
 
     def select(self, mask: np.ndarray) -> MeasuredOps:
+        """The ops where `mask` holds, their groups renumbered (a mask by model, TP or
+        file keeps or drops a measurement's ops together)."""
         out = MeasuredOps()
         index = np.flatnonzero(mask)
         for key, values in self.columns.items():
             out.columns[key] = [values[i] for i in index]
+        kept = out.columns["group"]
+        renumber = {g: i for i, g in enumerate(dict.fromkeys(kept))}
+        out.columns["group"] = [renumber[g] for g in kept]
         return out
 
 
@@ -169,14 +198,16 @@ def read_mlp(path: Path, measured: MeasuredOps, model: str) -> int:
     return kept
 
 
-def read_attention(path: Path, measured: MeasuredOps, model: str, kv_total: bool = False) -> int:
+def read_attention(path: Path, measured: MeasuredOps, model: str, kv_total: bool = False,
+                   kernel: HardwareProfile | None = None) -> int:  # fmt: skip
     """Adds one attention.csv's rows (prefill chunks of batch 1, decode batches).
     `kv_cache_size` is Vidur's: the keys cached before a prefill chunk, each decode's
     keys; with `kv_total` it is LLMServingSim's: a chunk's whole context (itself
     included), a decode batch's keys in all, split evenly (rows of fewer keys than
-    sequences are skipped: they time empty sequences)."""
+    sequences are skipped: they time empty sequences). `kernel`: a profile whose
+    attention figures build the kernel's calls (None: the defaults)."""
     kept = 0
-    profile = HardwareProfile("shape-only", 1, {DTYPE: 1.0}, 1.0)
+    profile = kernel or HardwareProfile("shape-only", 1, {DTYPE: 1.0}, 1.0)
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             shape, tp = _shape(row, "n_q_head"), int(row["num_tensor_parallel_workers"])

@@ -127,7 +127,7 @@ def test_tensor_parallelism_is_checked():
 
 
 def test_every_profile_loads_with_its_sources():
-    assert profile_names() == ["a100-80g", "cpu-local", "h100-sxm", "h200", "l40s"]
+    assert profile_names() == ["a100-80g", "cpu-local", "h100-sxm", "h100-sxm-fa3", "h200", "l40s", "rtx-pro-6000"]
     for name in profile_names():
         profile = load_profile(name)
         assert profile.sources and profile.memory > 0 and profile.memory_bandwidth > 0
@@ -137,7 +137,13 @@ def test_every_profile_loads_with_its_sources():
     for name in ("a100-80g", "h100-sxm"):
         profile = load_profile(name)
         assert profile.basis == "measured" and "microsoft/vidur" in profile.sources["fitted"]
-    assert load_profile("h200").basis == load_profile("l40s").basis == "datasheet"
+    rtx = load_profile("rtx-pro-6000")  # fitted to LLMServingSim's operator times in vLLM
+    assert rtx.basis == "measured" and "casys-kaist/LLMServingSim" in rtx.sources["measured"]
+    assert "kernel vllm-fa2" in rtx.sources["attention"] and rtx.attention_gqa_packing == 1
+    assert load_profile("l40s").basis == "datasheet"
+    assert load_profile("h200").basis == "measured" and "H200" in load_profile("h200").sources["basis"]
+    fa3 = load_profile("h100-sxm-fa3")  # h100-sxm with FlashAttention 3's attention figures
+    assert fa3.attention_gqa_packing == 2 and fa3.matmul_efficiency == load_profile("h100-sxm").matmul_efficiency
     h200 = load_profile("h200")
     # measured: 790 TFLOP/s of a 989 TFLOP/s peak; 4.3 TB/s of 4.8
     assert h200.flops("bfloat16") * h200.matmul_efficiency == pytest.approx(790e12, rel=0.01)

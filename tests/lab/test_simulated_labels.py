@@ -35,6 +35,8 @@ def profile(name: str) -> dict:
         ("h100-sxm", "median abs error 7.4% (operators), 6.3% (all-reduce)"),
         ("a100-80g", "median abs error 5.7% (operators), 4.2% (all-reduce)"),
         ("h200", "median abs error 5.7% (all-reduce)"),
+        ("h100-sxm-fa3", "median abs error 7.4% (operators), 6.3% (all-reduce), 7.8% (attention)"),
+        ("rtx-pro-6000", "median abs error 7.6% (operators), 12.0% (attention)"),
         ("cpu-local", "median abs error 21.7% (steps)"),
         ("l40s", None),
     ],

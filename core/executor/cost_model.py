@@ -68,8 +68,11 @@ MATMUL, ATTENTION, MEMORY, ELEMENTWISE = "matmul", "attention", "memory", "eleme
 PREFILL, DECODE = "prefill", "decode"
 BLOCK_ROWS = 128  # query rows per attention kernel block (FlashAttention's tile)
 CACHE_SIZE = 1 << 16  # token counts (and sampling rows) whose step pieces are kept priced
+PRICED_MODELS = 16  # cost models (shape, profile, dtype, tp) whose priced pieces are kept
 _EMPTY = np.zeros(0)
 _EMPTY.flags.writeable = False
+# (shape, profile, dtype, bytes per element, tp) -> the step pieces priced so far
+_PRICED: dict[tuple, tuple[dict[int, tuple], dict[tuple[int, int], float]]] = {}
 
 
 @dataclass(frozen=True)
@@ -263,8 +266,12 @@ class CostModel:
         self.blocks_priced = bool(stream or profile.attention_key_time
                                   or profile.attention_block_overhead)  # fmt: skip
         self.stream_bandwidth = stream or float("inf")
-        self._by_tokens: dict[int, tuple] = {}  # see _token_parts
-        self._by_step: dict[tuple[int, int], float] = {}  # see _once_time
+        # the priced pieces (_token_parts, _once_time), shared by every cost model of the
+        # same shape, profile, dtype and tp (a cluster's replicas price the same steps)
+        key = (shape, repr(profile), dtype, self.e, tp)
+        if key not in _PRICED and len(_PRICED) >= PRICED_MODELS:
+            _PRICED.clear()  # a fit tries many profiles: keep the registry small
+        self._by_tokens, self._by_step = _PRICED.setdefault(key, ({}, {}))
 
     def curve(self, op: Op) -> float:
         """The share of its class's efficiency an op of `op.rows` rows reaches."""
@@ -449,7 +456,8 @@ class CostModel:
             matmuls = tuple(self.op_time(op) for op in ops if op.kind == MATMUL)
             elementwise = tuple(self.op_time(op) for op in ops if op.kind == ELEMENTWISE)
             parts = (matmuls, elementwise, 2 * self.all_reduce_time(tokens))
-            self._by_tokens = self._by_tokens if len(self._by_tokens) < CACHE_SIZE else {}
+            if len(self._by_tokens) >= CACHE_SIZE:
+                self._by_tokens.clear()
             self._by_tokens[tokens] = parts
         return parts
 
@@ -461,7 +469,8 @@ class CostModel:
             step = StepShape(_EMPTY, _EMPTY, np.zeros(tokens), sampling)
             seconds = sum(self.op_time(op) for op in self.step_ops(step))
             seconds += self.all_reduce_time(tokens) + self.gather_time(sampling)
-            self._by_step = self._by_step if len(self._by_step) < CACHE_SIZE else {}
+            if len(self._by_step) >= CACHE_SIZE:
+                self._by_step.clear()
             self._by_step[(tokens, sampling)] = seconds
         return seconds
 

@@ -11,6 +11,7 @@ See docs/ablation.md for each figure's definition.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,17 +44,16 @@ def decode_stalls(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
     (token_steps[i], token_steps[i+1]]; it is a stall when those steps computed
     prefill tokens (another request's prompt, or its own recompute)."""
     index = [s.step for s in steps]
-    cumulative = np.concatenate([[0], np.cumsum([s.prefill_tokens for s in steps])])
-
-    def prefill_between(after: int, upto: int) -> int:
-        lo, hi = bisect.bisect_right(index, after), bisect.bisect_right(index, upto)
-        return int(cumulative[hi] - cumulative[lo])
-
+    # prefill tokens of the steps up to each position of `index` (Python ints: exact)
+    cumulative = list(itertools.accumulate((s.prefill_tokens for s in steps), initial=0))
     stall = Stall()
     for req in requests:
-        pairs = zip(req.token_steps, req.token_steps[1:], req.token_times, req.token_times[1:])
-        for step_a, step_b, time_a, time_b in pairs:
-            prefill = prefill_between(step_a, step_b)
+        token_steps, token_times = req.token_steps, req.token_times
+        # the prefill tokens up to each token's step: a gap's are the difference of its ends'
+        upto = [cumulative[bisect.bisect_right(index, step)] for step in token_steps]
+        pairs = zip(upto, upto[1:], token_steps, token_steps[1:], token_times, token_times[1:])
+        for before, after, step_a, step_b, time_a, time_b in pairs:
+            prefill = after - before
             if prefill:
                 stall.seconds = max(stall.seconds, time_b - time_a)
                 stall.steps = max(stall.steps, step_b - step_a)

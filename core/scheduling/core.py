@@ -450,7 +450,7 @@ class SchedulerCore:
                 stop_if_done(target, self.max_model_len, self.allocator, stopped)
         if stopped or self._holds_slots:
             for group in list(queues.running):  # in queue order
-                if not group.is_finished or (group not in stopped and not self._holds_slots):
+                if group.num_unfinished or (group not in stopped and not self._holds_slots):
                     continue
                 if self._holds_slots and self.policy.keeps_slot(group):
                     continue
@@ -525,12 +525,11 @@ class SchedulerCore:
         # the block each row wrote its token into, and the rows whose token filled it
         starts = plan.starts[:n]
         written = plan.decode_blocks.tolist()
-        filled = np.flatnonzero(plan.decode_offsets == self.allocator.block_size - 1).tolist()
+        filled = (plan.decode_offsets == self.allocator.block_size - 1).nonzero()[0].tolist()
         rewritten = self.allocator.commit_decodes(seqs, written, filled)
         # candidates to stop: at their length now (num_tokens is start + 2), or a token
         # some row stops on (each applies its own rules in stop_if_done)
-        gaps = plan.stop_at[:n] - starts
-        candidates = np.flatnonzero(gaps <= 2).tolist() if gaps.min() <= 2 else []
+        candidates = (plan.stop_at[:n] - starts <= 2).nonzero()[0].tolist()
         if plan.stop_tokens:
             stops, at_length = plan.stop_tokens, set(candidates)
             candidates += [

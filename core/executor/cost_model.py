@@ -175,7 +175,7 @@ def attention_flops(q, start, head_dim: int, heads: float) -> float:
     """4 d heads x sum over chunks of q s + q (q + 1) / 2 (causal, after s cached)."""
     q = np.asarray(q, dtype=np.float64)
     s = np.asarray(start, dtype=np.float64)
-    return float(4 * head_dim * heads * np.sum(q * s + q * (q + 1) / 2))
+    return float(4 * head_dim * heads * (q * s + q * (q + 1) / 2).sum())
 
 
 def prefill_blocks(q, start, heads: float, bytes_per_head: float) -> tuple[float, float, float]:
@@ -188,8 +188,8 @@ def prefill_blocks(q, start, heads: float, bytes_per_head: float) -> tuple[float
     # the tiles' key counts s + 128, s + 256, ..., s + q, summed per chunk
     full = tiles - 1
     keys = tiles * s + BLOCK_ROWS * full * (full + 1) / 2 + q
-    streamed = float(bytes_per_head * 2 * heads * np.sum(keys))
-    return streamed, float(np.max(s + q)), float(heads * np.sum(tiles))
+    streamed = float(bytes_per_head * 2 * heads * keys.sum())
+    return streamed, float((s + q).max()), float(heads * tiles.sum())
 
 
 def matmul_op(name: str, tokens: float, m: float, n: float, e: float) -> Op:
@@ -288,11 +288,17 @@ class CostModel:
     def with_blocks(self, seconds: float, op: Op) -> float:
         """An attention op's time held up to what its kernel blocks cost: their streamed
         bytes, the longest block's keys, their count (each term 0 where its figure is)."""
+        return self.held_to_blocks(seconds, op.streamed, op.span, op.blocks, op.launches,
+                                   op.call)  # fmt: skip
+
+    def held_to_blocks(self, seconds: float, streamed: float, span: float, blocks: float,
+                       launches: float, call: str) -> float:  # fmt: skip
+        """`with_blocks` of the op these fields describe (the hot path prices without an Op)."""
         prof = self.profile
-        fixed = op.launches * prof.launch_overhead + self.call_cost[op.call]
-        blocks = max(op.streamed / self.stream_bandwidth, op.span * prof.attention_key_time,
-                     op.blocks * prof.attention_block_overhead)  # fmt: skip
-        return max(seconds, blocks + fixed)
+        fixed = launches * prof.launch_overhead + self.call_cost[call]
+        floor = max(streamed / self.stream_bandwidth, span * prof.attention_key_time,
+                    blocks * prof.attention_block_overhead)  # fmt: skip
+        return max(seconds, floor + fixed)
 
     def seconds(self, kind: str, flops: float, data: float, rows: float,
                 launches: float = 1.0, call: str = "", name: str = "") -> float:  # fmt: skip
@@ -345,8 +351,9 @@ class CostModel:
         if len(step.prefill_q):
             q, s = step.prefill_q, step.prefill_start
             flops = attention_flops(q, s, d, heads)
-            data = e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
-            rows = float(np.sum(q))
+            queries = q.sum()  # numpy's sum, once (the array method: no dispatch)
+            data = e * d * (2 * kv * (s + q).sum() + 2 * kv * queries + 2 * heads * queries)
+            rows = float(queries)
             streamed, span, blocks = prefill_blocks(q, s, heads, e * d)
             ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows,
                           call=PREFILL, streamed=streamed, span=span, blocks=blocks))  # fmt: skip
@@ -430,10 +437,8 @@ class CostModel:
             flops, data = self.decode_attention(keys, rows)
             seconds = self.seconds(ATTENTION, flops, data, rows, 1.0, DECODE)
             if self.blocks_priced:
-                streamed, span, blocks = self.decode_blocks(keys, rows)
-                seconds = self.with_blocks(seconds, Op("attention_decode", ATTENTION, flops,
-                                           data, rows=rows, call=DECODE, streamed=streamed,
-                                           span=span, blocks=blocks))  # fmt: skip
+                seconds = self.held_to_blocks(seconds, *self.decode_blocks(keys, rows), 1.0,
+                                              DECODE)  # fmt: skip
             layer += seconds
         for seconds in elementwise:
             layer += seconds

@@ -44,20 +44,36 @@ def decode_stalls(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
     (token_steps[i], token_steps[i+1]]; it is a stall when those steps computed
     prefill tokens (another request's prompt, or its own recompute)."""
     index = [s.step for s in steps]
-    # prefill tokens of the steps up to each position of `index` (Python ints: exact)
     cumulative = list(itertools.accumulate((s.prefill_tokens for s in steps), initial=0))
+    # every request's tokens end to end (its steps and times, cut to the shorter list)
+    lengths = [min(len(r.token_steps), len(r.token_times)) for r in requests]
+    chained = itertools.chain.from_iterable
+    token_steps = np.fromiter(
+        chained(r.token_steps[:n] for r, n in zip(requests, lengths)), np.int64, sum(lengths)
+    )
+    token_times = np.fromiter(
+        chained(r.token_times[:n] for r, n in zip(requests, lengths)), np.float64, sum(lengths)
+    )
     stall = Stall()
-    for req in requests:
-        token_steps, token_times = req.token_steps, req.token_times
-        # the prefill tokens up to each token's step: a gap's are the difference of its ends'
-        upto = [cumulative[bisect.bisect_right(index, step)] for step in token_steps]
-        pairs = zip(upto, upto[1:], token_steps, token_steps[1:], token_times, token_times[1:])
-        for before, after, step_a, step_b, time_a, time_b in pairs:
-            prefill = after - before
-            if prefill:
-                stall.seconds = max(stall.seconds, time_b - time_a)
-                stall.steps = max(stall.steps, step_b - step_a)
-                stall.prefill_tokens = max(stall.prefill_tokens, prefill)
+    if len(token_steps) < 2:
+        return stall
+    # the prefill tokens of the steps up to each token's (bisected as a list: a cluster's
+    # replicas number their steps apart), looked up once per step number
+    first = int(token_steps.min())
+    upto = np.array(
+        [cumulative[bisect.bisect_right(index, step)]
+         for step in range(first, int(token_steps.max()) + 1)], np.int64
+    )[token_steps - first]  # fmt: skip
+    prefill = upto[1:] - upto[:-1]
+    stalled = prefill != 0
+    # a gap is between two tokens of one request, never from one request's last to the next's
+    last_tokens = np.cumsum(lengths) - 1
+    stalled[last_tokens[(last_tokens >= 0) & (last_tokens < len(stalled))]] = False
+    gaps = np.flatnonzero(stalled)
+    if len(gaps):
+        stall.seconds = max(stall.seconds, float((token_times[gaps + 1] - token_times[gaps]).max()))
+        stall.steps = max(stall.steps, int((token_steps[gaps + 1] - token_steps[gaps]).max()))
+        stall.prefill_tokens = max(stall.prefill_tokens, int(prefill[gaps].max()))
     return stall
 
 

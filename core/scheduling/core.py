@@ -266,9 +266,11 @@ class SchedulerCore:
             plan = self.decode_phase.schedule()
             if plan is not None:
                 if self.queues.waiting:
-                    assert plan.running_rows is not None  # the decode phase's plan takes them
-                    budget = self.max_num_batched_tokens - len(plan.running_rows)
-                    self.admission.admit(plan, budget, self._resume)
+                    rows = plan.running_rows
+                    assert rows is not None  # the decode phase's plan takes them
+                    # the rows are the running sequences (DecodePhase.check): no need to count
+                    budget = self.max_num_batched_tokens - len(rows)
+                    self.admission.admit(plan, budget, self._resume, running_seqs=len(rows))
                 return self._finish_plan(plan)
         self.decode_phase.drop()  # planning a group at a time may change what the rows mirror
         plan = plan if plan is not None else StepPlan()

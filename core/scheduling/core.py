@@ -441,7 +441,8 @@ class SchedulerCore:
                 self._deliver_hidden(seq, sampled, count)
             seq.num_computed_tokens += count
             self.allocator.commit(seq)
-            tokens = sampled.get(seq.seq_id) if samples else None
+            # the decode rows' tokens come first: look only past them
+            tokens = sampled.get(seq.seq_id, num_decodes) if samples else None
             if tokens is None:
                 continue
             targets = [seq] + self._fork(seq, len(tokens) - 1)

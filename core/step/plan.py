@@ -463,12 +463,20 @@ class SampledTokens:
         # structured outputs: (rows masked, seconds the masks took) when any row was
         self.grammar_mask: tuple[int, float] | None = None
         self._by_seq: dict[int, list[int]] | None = None
+        self._indexed_from = 0  # the first entry `_by_seq` indexes
 
-    def get(self, seq_id: int) -> list[int] | None:
-        """The tokens sampled for `seq_id` (n for a prompt that forked), None if none."""
-        if self._by_seq is None:
+    def get(self, seq_id: int, first: int = 0) -> list[int] | None:
+        """The tokens sampled for `seq_id` (n for a prompt that forked), None if none;
+        `first`: the entries before it belong to other sequences (a plan's decode rows,
+        which come first), so only the later ones need indexing (an index from an
+        earlier entry answers the same)."""
+        if self._by_seq is None or self._indexed_from > first:
+            self._indexed_from = first
             by_seq: dict[int, list[int]] = {}
-            for owner, token in zip(self.owners, self.tokens):
+            owners, tokens = self.owners, self.tokens
+            if first:
+                owners, tokens = owners[first:], tokens[first:]
+            for owner, token in zip(owners, tokens):
                 if owner in by_seq:
                     by_seq[owner].append(token)
                 else:

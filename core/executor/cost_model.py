@@ -321,18 +321,26 @@ class CostModel:
     # -- the operations of one step
     def layer_ops(self, step: StepShape) -> list[Op]:
         """The operations of one layer (every layer is the same)."""
-        c, p, e = self.shape, self.tp, self.e
         t = step.num_tokens
+        return self.layer_matmul_ops(t) + self.attention_ops(step) + self.layer_elementwise_ops(t)
+
+    def layer_matmul_ops(self, t: float) -> list[Op]:
+        """One layer's projections of `t` tokens."""
+        c, p, e = self.shape, self.tp, self.e
         d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
         h, inter = c.hidden_size, c.intermediate_size / p
-        ops = [
+        return [
             matmul_op("qkv_proj", t, h, (heads + 2 * kv) * d, e),
             matmul_op("o_proj", t, heads * d, h, e),
             matmul_op("gate_up_proj", t, h, 2 * inter, e),
             matmul_op("down_proj", t, inter, h, e),
         ]
-        ops += self.attention_ops(step)
-        return ops + elementwise_ops(t, h, (heads + kv) * d, inter, e)
+
+    def layer_elementwise_ops(self, t: float) -> list[Op]:
+        """One layer's element-wise kernels on `t` tokens."""
+        c, p = self.shape, self.tp
+        d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
+        return elementwise_ops(t, c.hidden_size, (heads + kv) * d, c.intermediate_size / p, self.e)
 
     def attention_ops(self, step: StepShape) -> list[Op]:
         c, p, e = self.shape, self.tp, self.e
@@ -456,10 +464,8 @@ class CostModel:
         all-reduces, for a step of `tokens` tokens (cached: a run sees few token counts)."""
         parts = self._by_tokens.get(tokens)
         if parts is None:
-            ops = self.layer_ops(StepShape(_EMPTY, _EMPTY, np.zeros(tokens), 0))
-            # layer_ops lists the matmuls, then attention, then the element-wise kernels
-            matmuls = tuple(self.op_time(op) for op in ops if op.kind == MATMUL)
-            elementwise = tuple(self.op_time(op) for op in ops if op.kind == ELEMENTWISE)
+            matmuls = tuple(self.op_time(op) for op in self.layer_matmul_ops(tokens))
+            elementwise = tuple(self.op_time(op) for op in self.layer_elementwise_ops(tokens))
             parts = (matmuls, elementwise, 2 * self.all_reduce_time(tokens))
             if len(self._by_tokens) >= CACHE_SIZE:
                 self._by_tokens.clear()

@@ -42,6 +42,13 @@ class ReplicaLedger:
         self._queued = [[0, 0] for _ in range(num_replicas)]
         self._running = [[0, 0] for _ in range(num_replicas)]
         self.routed_count = [0] * num_replicas
+        # each replica's state as `states` publishes it, rebuilt when its counts change
+        # (a request changes one replica's: a routing decision reads them all)
+        self._states = [ReplicaState(i) for i in range(num_replicas)]
+
+    def _changed(self, replica: int) -> None:
+        q, r = self._queued[replica], self._running[replica]
+        self._states[replica] = ReplicaState(replica, q[0], r[0], q[1], r[1])
 
     def routed(self, request: RoutedRequest, replica: int) -> None:
         tokens = len(request.prompt_token_ids) + request.max_tokens
@@ -49,6 +56,7 @@ class ReplicaLedger:
         self._queued[replica][0] += 1
         self._queued[replica][1] += tokens
         self.routed_count[replica] += 1
+        self._changed(replica)
 
     def started(self, request_id: str) -> None:
         """The request's first token came back: queued -> running."""
@@ -60,6 +68,7 @@ class ReplicaLedger:
         self._queued[entry.replica][1] -= entry.tokens
         self._running[entry.replica][0] += 1
         self._running[entry.replica][1] += entry.tokens
+        self._changed(entry.replica)
 
     def finished(self, request_id: str) -> int | None:
         """Forgets a finished request; the replica it ran on (None if unknown)."""
@@ -69,13 +78,11 @@ class ReplicaLedger:
             return None
         self._running[entry.replica][0] -= 1
         self._running[entry.replica][1] -= entry.tokens
+        self._changed(entry.replica)
         return entry.replica
 
     def states(self, request: RoutedRequest | None = None) -> list[ReplicaState]:
-        return [
-            ReplicaState(i, q[0], r[0], q[1], r[1])
-            for i, (q, r) in enumerate(zip(self._queued, self._running))
-        ]
+        return list(self._states)  # frozen states: shared, the list a copy
 
 
 class NoLiveReplica(ServelabError):

@@ -466,7 +466,7 @@ def _prompt_token_ids(prompt: Any, tokenizer: Any, request_id: str) -> list[int]
             f"request {request_id!r}: a prompt is text or a list of token ids, "
             f"got {type(prompt).__name__}: {prompt!r:.80}"
         )
-    if all(type(t) is int for t in prompt):  # the common case, without a check per type
+    if set(map(type, prompt)) <= {int}:  # the common case, without a Python check per token
         return list(prompt)
     bad = [t for t in prompt if not is_integer(t)]
     if bad:
@@ -478,8 +478,8 @@ def _prompt_token_ids(prompt: Any, tokenizer: Any, request_id: str) -> list[int]
 def _check_tokens(token_ids: list[int], request_id: str, vocab_size: int, max_model_len: int):
     if not token_ids:
         raise RequestError(f"request {request_id!r}: the prompt is empty")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # C passes, then the culprit
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         raise RequestError(f"request {request_id!r}: token id {bad[0]!r} is outside the "
                            f"vocabulary [0, {vocab_size})")  # fmt: skip
     if len(token_ids) > max_model_len:

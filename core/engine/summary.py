@@ -11,6 +11,7 @@ See docs/ablation.md for each figure's definition.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from servelab.engine.metrics import RequestRecord, StepRecord
 
 def percentiles(values: Iterable[float], qs=(50, 90, 99)) -> dict[str, float]:
     """Mean and the given percentiles (numpy's linear interpolation); NaN when empty."""
-    arr = np.asarray(list(values), dtype=np.float64)
+    arr = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=np.float64)
     if arr.size == 0:
         return {"mean": math.nan, **{f"p{q}": math.nan for q in qs}}
     return {"mean": float(arr.mean()), **{f"p{q}": float(np.percentile(arr, q)) for q in qs}}
@@ -38,26 +39,52 @@ class Stall:
     prefill_tokens: int = 0  # prompt tokens computed inside one such gap
 
 
+def _end_to_end(lists: list[list], dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """The lists' values end to end, and which consecutive pairs of them lie within one
+    list (the rest join one list's last value to the next's first)."""
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    flat: np.ndarray = np.fromiter(itertools.chain.from_iterable(lists), dtype, int(lengths.sum()))
+    within = np.ones(max(len(flat) - 1, 0), dtype=bool)
+    last = np.cumsum(lengths) - 1  # each list's last value
+    within[last[(last >= 0) & (last < len(within))]] = False
+    return flat, within
+
+
+def inter_token_gaps(requests: Sequence[RequestRecord]) -> np.ndarray:
+    """Every request's `itls` (the gaps between its consecutive token times), in order."""
+    times, within = _end_to_end([r.token_times for r in requests], np.float64)
+    return (times[1:] - times[:-1])[within]
+
+
 def decode_stalls(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> Stall:
     """A gap between tokens i and i+1 of a request spans steps
     (token_steps[i], token_steps[i+1]]; it is a stall when those steps computed
     prefill tokens (another request's prompt, or its own recompute)."""
     index = [s.step for s in steps]
-    cumulative = np.concatenate([[0], np.cumsum([s.prefill_tokens for s in steps])])
-
-    def prefill_between(after: int, upto: int) -> int:
-        lo, hi = bisect.bisect_right(index, after), bisect.bisect_right(index, upto)
-        return int(cumulative[hi] - cumulative[lo])
-
+    cumulative = list(itertools.accumulate((s.prefill_tokens for s in steps), initial=0))
+    # every request's tokens end to end (its steps and times, cut to the shorter list)
+    lengths = [min(len(r.token_steps), len(r.token_times)) for r in requests]
+    token_steps, within = _end_to_end(
+        [r.token_steps[:n] for r, n in zip(requests, lengths)], np.int64
+    )
+    token_times, _ = _end_to_end([r.token_times[:n] for r, n in zip(requests, lengths)], np.float64)
     stall = Stall()
-    for req in requests:
-        pairs = zip(req.token_steps, req.token_steps[1:], req.token_times, req.token_times[1:])
-        for step_a, step_b, time_a, time_b in pairs:
-            prefill = prefill_between(step_a, step_b)
-            if prefill:
-                stall.seconds = max(stall.seconds, time_b - time_a)
-                stall.steps = max(stall.steps, step_b - step_a)
-                stall.prefill_tokens = max(stall.prefill_tokens, prefill)
+    if len(token_steps) < 2:
+        return stall
+    # the prefill tokens of the steps up to each token's (bisected as a list: a cluster's
+    # replicas number their steps apart), looked up once per step number
+    first = int(token_steps.min())
+    upto = np.array(
+        [cumulative[bisect.bisect_right(index, step)]
+         for step in range(first, int(token_steps.max()) + 1)], np.int64
+    )[token_steps - first]  # fmt: skip
+    prefill = upto[1:] - upto[:-1]
+    # a gap is between two tokens of one request, never from one request's last to the next's
+    gaps = np.flatnonzero((prefill != 0) & within)
+    if len(gaps):
+        stall.seconds = max(stall.seconds, float((token_times[gaps + 1] - token_times[gaps]).max()))
+        stall.steps = max(stall.steps, int((token_steps[gaps + 1] - token_steps[gaps]).max()))
+        stall.prefill_tokens = max(stall.prefill_tokens, int(prefill[gaps].max()))
     return stall
 
 
@@ -124,7 +151,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
         "total_tok_s": per_second(out_tokens + prompt_tokens),
         **_latency_figures("ttft", (r.ttft for r in done if r.ttft is not None)),
         **_latency_figures("tpot", (r.tpot for r in done if r.tpot is not None)),
-        **_latency_figures("itl", (x for r in done for x in r.itls)),
+        **_latency_figures("itl", inter_token_gaps(done)),
         **_latency_figures("e2e", (r.e2e for r in done)),
         **_latency_figures("queue", (r.queue_time for r in done if r.queue_time is not None)),
         "step_ms_mean": 1000.0 * float(np.mean(step_times)) if steps else math.nan,

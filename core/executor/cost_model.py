@@ -78,8 +78,11 @@ MATMUL, ATTENTION, MEMORY, ELEMENTWISE = "matmul", "attention", "memory", "eleme
 PREFILL, DECODE = "prefill", "decode"
 BLOCK_ROWS = 128  # query rows per attention kernel block (FlashAttention's tile)
 CACHE_SIZE = 1 << 16  # token counts (and sampling rows) whose step pieces are kept priced
+PRICED_MODELS = 16  # cost models (shape, profile, dtype, tp) whose priced pieces are kept
 _EMPTY = np.zeros(0)
 _EMPTY.flags.writeable = False
+# (shape, profile, dtype, bytes per element, tp) -> the step pieces priced so far
+_PRICED: dict[tuple, tuple[dict[int, tuple], dict[tuple[int, int], float]]] = {}
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ def attention_flops(q, start, head_dim: int, heads: float) -> float:
     """4 d heads x sum over chunks of q s + q (q + 1) / 2 (causal, after s cached)."""
     q = np.asarray(q, dtype=np.float64)
     s = np.asarray(start, dtype=np.float64)
-    return float(4 * head_dim * heads * np.sum(q * s + q * (q + 1) / 2))
+    return float(4 * head_dim * heads * (q * s + q * (q + 1) / 2).sum())
 
 
 def prefill_blocks(q, start, heads: float, bytes_per_head: float) -> tuple[float, float, float]:
@@ -196,8 +199,8 @@ def prefill_blocks(q, start, heads: float, bytes_per_head: float) -> tuple[float
     # the tiles' key counts s + 128, s + 256, ..., s + q, summed per chunk
     full = tiles - 1
     keys = tiles * s + BLOCK_ROWS * full * (full + 1) / 2 + q
-    streamed = float(bytes_per_head * 2 * heads * np.sum(keys))
-    return streamed, float(np.max(s + q)), float(heads * np.sum(tiles))
+    streamed = float(bytes_per_head * 2 * heads * keys.sum())
+    return streamed, float((s + q).max()), float(heads * tiles.sum())
 
 
 def split_blocks(span, blocks, split, wave: float):
@@ -294,8 +297,12 @@ class CostModel:
         self.packing = profile.attention_gqa_packing
         self.unified = bool(profile.attention_unified)
         self.stream_bandwidth = stream or float("inf")
-        self._by_tokens: dict[int, tuple] = {}  # see _token_parts
-        self._by_step: dict[tuple[int, int], float] = {}  # see _once_time
+        # the priced pieces (_token_parts, _once_time), shared by every cost model of the
+        # same shape, profile, dtype and tp (a cluster's replicas price the same steps)
+        key = (shape, repr(profile), dtype, self.e, tp)
+        if key not in _PRICED and len(_PRICED) >= PRICED_MODELS:
+            _PRICED.clear()  # a fit tries many profiles: keep the registry small
+        self._by_tokens, self._by_step = _PRICED.setdefault(key, ({}, {}))
 
     def curve(self, op: Op) -> float:
         """The share of its class's efficiency an op of `op.rows` rows reaches."""
@@ -312,10 +319,16 @@ class CostModel:
     def with_blocks(self, seconds: float, op: Op) -> float:
         """An attention op's time held up to what its kernel blocks cost: their streamed
         bytes, the longest block's keys, their count (each term 0 where its figure is)."""
+        return self.held_to_blocks(seconds, op.streamed, op.span, op.blocks, op.launches,
+                                   op.call, op.split)  # fmt: skip
+
+    def held_to_blocks(self, seconds: float, streamed: float, span: float, blocks: float,
+                       launches: float, call: str, split: float = 0.0) -> float:  # fmt: skip
+        """`with_blocks` of the op these fields describe (the hot path prices without an Op)."""
         prof = self.profile
-        fixed = op.launches * prof.launch_overhead + self.call_cost[op.call]
-        span, blocks, waves = split_blocks(op.span, op.blocks, op.split, prof.attention_wave_blocks)
-        held = max(op.streamed / self.stream_bandwidth, span * prof.attention_key_time * waves,
+        fixed = launches * prof.launch_overhead + self.call_cost[call]
+        span, blocks, waves = split_blocks(span, blocks, split, prof.attention_wave_blocks)
+        held = max(streamed / self.stream_bandwidth, span * prof.attention_key_time * waves,
                    blocks * prof.attention_block_overhead)  # fmt: skip
         return max(seconds, held + fixed)
 
@@ -342,18 +355,26 @@ class CostModel:
     # -- the operations of one step
     def layer_ops(self, step: StepShape) -> list[Op]:
         """The operations of one layer (every layer is the same)."""
-        c, p, e = self.shape, self.tp, self.e
         t = step.num_tokens
+        return self.layer_matmul_ops(t) + self.attention_ops(step) + self.layer_elementwise_ops(t)
+
+    def layer_matmul_ops(self, t: float) -> list[Op]:
+        """One layer's projections of `t` tokens."""
+        c, p, e = self.shape, self.tp, self.e
         d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
         h, inter = c.hidden_size, c.intermediate_size / p
-        ops = [
+        return [
             matmul_op("qkv_proj", t, h, (heads + 2 * kv) * d, e),
             matmul_op("o_proj", t, heads * d, h, e),
             matmul_op("gate_up_proj", t, h, 2 * inter, e),
             matmul_op("down_proj", t, inter, h, e),
         ]
-        ops += self.attention_ops(step)
-        return ops + elementwise_ops(t, h, (heads + kv) * d, inter, e)
+
+    def layer_elementwise_ops(self, t: float) -> list[Op]:
+        """One layer's element-wise kernels on `t` tokens."""
+        c, p = self.shape, self.tp
+        d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
+        return elementwise_ops(t, c.hidden_size, (heads + kv) * d, c.intermediate_size / p, self.e)
 
     def attention_ops(self, step: StepShape) -> list[Op]:
         c, p, e = self.shape, self.tp, self.e
@@ -374,8 +395,9 @@ class CostModel:
         if len(step.prefill_q):
             q, s = step.prefill_q, step.prefill_start
             flops = attention_flops(q, s, d, heads)
-            data = e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
-            rows = float(np.sum(q))
+            queries = q.sum()  # numpy's sum, once (the array method: no dispatch)
+            data = e * d * (2 * kv * (s + q).sum() + 2 * kv * queries + 2 * heads * queries)
+            rows = float(queries)
             streamed, span, blocks = prefill_blocks(q, s, heads, e * d)
             ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows,
                           call=PREFILL, streamed=streamed, span=span, blocks=blocks))  # fmt: skip
@@ -487,11 +509,9 @@ class CostModel:
             flops, data = self.decode_attention(keys, rows)
             seconds = self.seconds(ATTENTION, flops, data, rows, 1.0, DECODE)
             if self.blocks_priced:
+                split = float(self.packing >= 1)
                 streamed, span, blocks = self.decode_blocks(keys, rows, self.packing >= 1)
-                seconds = self.with_blocks(seconds, Op("attention_decode", ATTENTION, flops,
-                                           data, rows=rows, call=DECODE, streamed=streamed,
-                                           span=span, blocks=blocks,
-                                           split=float(self.packing >= 1)))  # fmt: skip
+                seconds = self.held_to_blocks(seconds, streamed, span, blocks, 1.0, DECODE, split)
             layer += seconds
         for seconds in elementwise:
             layer += seconds
@@ -509,12 +529,11 @@ class CostModel:
         all-reduces, for a step of `tokens` tokens (cached: a run sees few token counts)."""
         parts = self._by_tokens.get(tokens)
         if parts is None:
-            ops = self.layer_ops(StepShape(_EMPTY, _EMPTY, np.zeros(tokens), 0))
-            # layer_ops lists the matmuls, then attention, then the element-wise kernels
-            matmuls = tuple(self.op_time(op) for op in ops if op.kind == MATMUL)
-            elementwise = tuple(self.op_time(op) for op in ops if op.kind == ELEMENTWISE)
+            matmuls = tuple(self.op_time(op) for op in self.layer_matmul_ops(tokens))
+            elementwise = tuple(self.op_time(op) for op in self.layer_elementwise_ops(tokens))
             parts = (matmuls, elementwise, 2 * self.all_reduce_time(tokens))
-            self._by_tokens = self._by_tokens if len(self._by_tokens) < CACHE_SIZE else {}
+            if len(self._by_tokens) >= CACHE_SIZE:
+                self._by_tokens.clear()
             self._by_tokens[tokens] = parts
         return parts
 
@@ -526,7 +545,8 @@ class CostModel:
             step = StepShape(_EMPTY, _EMPTY, np.zeros(tokens), sampling)
             seconds = sum(self.op_time(op) for op in self.step_ops(step))
             seconds += self.all_reduce_time(tokens) + self.gather_time(sampling)
-            self._by_step = self._by_step if len(self._by_step) < CACHE_SIZE else {}
+            if len(self._by_step) >= CACHE_SIZE:
+                self._by_step.clear()
             self._by_step[(tokens, sampling)] = seconds
         return seconds
 

@@ -41,11 +41,24 @@ def stand_in_token(key: int, position: int, vocab: int) -> int:
 
 
 def stand_in_tokens(keys: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
-    """`stand_in_token` over arrays (uint64 arithmetic wraps as `& MASK64` does)."""
-    x = keys.astype(np.uint64) + positions.astype(np.uint64) * np.uint64(GOLDEN)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return (x ^ (x >> np.uint64(31))) % np.uint64(vocab)
+    """`stand_in_token` over arrays (uint64 arithmetic wraps as `& MASK64` does), in
+    place on one fresh array."""
+    x = positions.astype(np.uint64)
+    x *= _GOLDEN
+    x += keys.astype(np.uint64, copy=False)
+    x ^= x >> _30
+    x *= _MIX1
+    x ^= x >> _27
+    x *= _MIX2
+    x ^= x >> _31
+    x %= np.uint64(vocab)
+    return x
+
+
+# splitmix64's constants as numpy scalars (uint64 arithmetic: no Python int per call)
+_GOLDEN = np.uint64(GOLDEN)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_30, _27, _31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def avoid_eos(tokens: list[int], vocab: int, eos: Collection[int]) -> list[int]:

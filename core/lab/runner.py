@@ -13,6 +13,7 @@ waiting for the next arrival jumps to it instead of sleeping.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
@@ -35,6 +36,7 @@ from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
 from servelab.lab.arrivals import ArrivalQueue
 from servelab.lab.fairness import fairness_figures
+from servelab.lab.gc_passes import fewer_gc_passes
 from servelab.lab.progress import Progress, is_terminal
 from servelab.lab.provenance import cpu_snapshot, machine_load, provenance
 from servelab.lab.report import report_options
@@ -125,7 +127,7 @@ def serve(
     start = engine.now()
     virtual = engine.executor.virtual_clock
     tokens: dict[str, list[list[int]]] = {}
-    with bar:
+    with bar, fewer_gc_passes() if virtual else contextlib.nullcontext():
         while arrivals or engine.has_unfinished():
             now = engine.now() - start
             for req in arrivals.pop_due(now):

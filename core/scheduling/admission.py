@@ -135,6 +135,9 @@ class Admission:
         self.reserved_blocks: dict[str, int] = {}  # reserve mode: request -> worst-case blocks
         self.prefilled: list[PendingPrefilled] = []
         self.num_prefilled = {"admitted": 0, "recomputed": 0, "prefix_hit_tokens": 0}
+        # while `admit` runs with a known count of running sequences: that count, kept
+        # current as groups start (None: the seat check counts them)
+        self._running_seqs: int | None = None
 
     def order_key(self, group: SequenceGroup) -> tuple:
         """A group's place in the base order (`order`): lower first."""
@@ -169,7 +172,10 @@ class Admission:
     def fits(self, group: SequenceGroup, num_seqs: int) -> bool:
         """Seats for `num_seqs` more sequences and, in reserve mode, room for the
         group's worst case next to every admitted group's."""
-        if not self.queues.has_seats(num_seqs):
+        if self._running_seqs is None:
+            if not self.queues.has_seats(num_seqs):
+                return False
+        elif self._running_seqs + num_seqs > self.queues.max_num_seqs:
             return False
         if self.mode == "reserve":
             need = self.worst_case_blocks(group)
@@ -182,6 +188,8 @@ class Admission:
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
         self.queues.running.append(group)
+        if self._running_seqs is not None:
+            self._running_seqs += len(seqs)
 
     def release(self, group: SequenceGroup) -> None:
         """Frees what a group that left the queues still holds."""
@@ -190,9 +198,20 @@ class Admission:
             self.allocator.free(seq)
 
     # -- the waiting phase
-    def admit(self, plan: StepPlan, budget: int, resume: Resume) -> None:
+    def admit(
+        self, plan: StepPlan, budget: int, resume: Resume, running_seqs: int | None = None
+    ) -> None:
         """Admits (or `resume`s, when swapped) the policy's `admission_order` one
-        group at a time until one does not fit."""
+        group at a time until one does not fit. `running_seqs`: the running sequences
+        when the caller knows them (the decode phase's rows), so that the seat check
+        does not count them for every candidate."""
+        self._running_seqs = running_seqs
+        try:
+            self._admit(plan, budget, resume)
+        finally:
+            self._running_seqs = None
+
+    def _admit(self, plan: StepPlan, budget: int, resume: Resume) -> None:
         queues = self.queues
         # swapped groups first (by arrival), then the waiting ones in the base order;
         # a group swapped out in this step is no candidate
@@ -203,8 +222,8 @@ class Admission:
             candidates += queues.waiting
         else:
             candidates += sorted(queues.waiting, key=self.order_key)
-        allowed = set(candidates)
-        for group in self._checked(self.policy.admission_order(list(candidates), plan), allowed):
+        order = self.policy.admission_order(list(candidates), plan)
+        for group in self._checked(order, candidates):
             if group in queues.swapped:
                 used = resume(group, plan, budget)
             else:
@@ -216,10 +235,19 @@ class Admission:
                 break
 
     def _checked(
-        self, order: Iterable[SequenceGroup], allowed: set[SequenceGroup]
+        self, order: Iterable[SequenceGroup], candidates: list[SequenceGroup]
     ) -> Iterable[SequenceGroup]:
-        """The policy's order, refusing a group that was not a candidate or came twice."""
-        for group in order:
+        """The policy's order, refusing a group that was not a candidate or came twice.
+        While it follows the candidates' own order (the default's), each is one by
+        position; the set of the ones left is built only where it departs (a long
+        waiting queue would otherwise be hashed every step, for the few admitted)."""
+        allowed: set[SequenceGroup] | None = None
+        for i, group in enumerate(order):
+            if allowed is None:
+                if i < len(candidates) and group is candidates[i]:
+                    yield group
+                    continue
+                allowed = set(candidates[i:])  # the first i came in order, once each
             if group not in allowed:
                 raise SchedulingPolicyError(
                     f"{type(self.policy).__name__}.admission_order returned request "

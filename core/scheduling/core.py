@@ -266,9 +266,11 @@ class SchedulerCore:
             plan = self.decode_phase.schedule()
             if plan is not None:
                 if self.queues.waiting:
-                    assert plan.running_rows is not None  # the decode phase's plan takes them
-                    budget = self.max_num_batched_tokens - len(plan.running_rows)
-                    self.admission.admit(plan, budget, self._resume)
+                    rows = plan.running_rows
+                    assert rows is not None  # the decode phase's plan takes them
+                    # the rows are the running sequences (DecodePhase.check): no need to count
+                    budget = self.max_num_batched_tokens - len(rows)
+                    self.admission.admit(plan, budget, self._resume, running_seqs=len(rows))
                 return self._finish_plan(plan)
         self.decode_phase.drop()  # planning a group at a time may change what the rows mirror
         plan = plan if plan is not None else StepPlan()
@@ -439,7 +441,8 @@ class SchedulerCore:
                 self._deliver_hidden(seq, sampled, count)
             seq.num_computed_tokens += count
             self.allocator.commit(seq)
-            tokens = sampled.get(seq.seq_id) if samples else None
+            # the decode rows' tokens come first: look only past them
+            tokens = sampled.get(seq.seq_id, num_decodes) if samples else None
             if tokens is None:
                 continue
             targets = [seq] + self._fork(seq, len(tokens) - 1)
@@ -450,7 +453,7 @@ class SchedulerCore:
                 stop_if_done(target, self.max_model_len, self.allocator, stopped)
         if stopped or self._holds_slots:
             for group in list(queues.running):  # in queue order
-                if not group.is_finished or (group not in stopped and not self._holds_slots):
+                if group.num_unfinished or (group not in stopped and not self._holds_slots):
                     continue
                 if self._holds_slots and self.policy.keeps_slot(group):
                     continue
@@ -525,12 +528,11 @@ class SchedulerCore:
         # the block each row wrote its token into, and the rows whose token filled it
         starts = plan.starts[:n]
         written = plan.decode_blocks.tolist()
-        filled = np.flatnonzero(plan.decode_offsets == self.allocator.block_size - 1).tolist()
+        filled = (plan.decode_offsets == self.allocator.block_size - 1).nonzero()[0].tolist()
         rewritten = self.allocator.commit_decodes(seqs, written, filled)
         # candidates to stop: at their length now (num_tokens is start + 2), or a token
         # some row stops on (each applies its own rules in stop_if_done)
-        gaps = plan.stop_at[:n] - starts
-        candidates = np.flatnonzero(gaps <= 2).tolist() if gaps.min() <= 2 else []
+        candidates = (plan.stop_at[:n] - starts <= 2).nonzero()[0].tolist()
         if plan.stop_tokens:
             stops, at_length = plan.stop_tokens, set(candidates)
             candidates += [

@@ -85,10 +85,12 @@ class StepPlan:
         self.stop_at = _EMPTY
         self.stop_tokens: frozenset[int] = frozenset()
         self.all_greedy = True  # every sampling row takes the argmax (no sampling, no processing)
-        # the decode rows' blocks their tokens go to, offsets in them, and slots (`close`)
+        # the decode rows' blocks their tokens go to and offsets in them (`close`); their
+        # slots are `decode_slots`
         self.decode_blocks: np.ndarray = _EMPTY
         self.decode_offsets: np.ndarray = _EMPTY
-        self.decode_slots: np.ndarray = _EMPTY
+        self._block_size = 1
+        self._decode_slots: np.ndarray | None = None
         self.copies = BlockCopies()
         self.preempted: list[Sequence] = preempted if preempted is not None else []
         self.idle_slots = 0  # static batching: finished sequences still holding a slot
@@ -130,8 +132,17 @@ class StepPlan:
         # a flat take: cheaper than a two-dimensional fancy index
         block_index += row_numbers(n) * self.tables.shape[1]
         self.decode_blocks = self.tables.ravel().take(block_index)
-        self.decode_slots = np.multiply(self.decode_blocks, block_size, dtype=np.int64)
-        self.decode_slots += self.decode_offsets
+        self._block_size = block_size
+
+    @property
+    def decode_slots(self) -> np.ndarray:
+        """Where each decode row's token goes (block x block_size + offset): the model
+        runner's, built on first use (the simulated executor never asks)."""
+        if self._decode_slots is None:
+            slots = np.multiply(self.decode_blocks, self._block_size, dtype=np.int64)
+            slots += self.decode_offsets
+            self._decode_slots = slots
+        return self._decode_slots
 
     def _close_rows(self, block_table: Callable[[Sequence], list[int]], max_model_len: int) -> None:
         bulk, listed = self.running_rows, self._listed_rows
@@ -195,6 +206,8 @@ class StepPlan:
     # -- reading a closed plan
     def rows(self, first: int = 0) -> Iterator[tuple[Sequence, int, int, bool]]:
         """(sequence, start, count, samples) of each row from `first`."""
+        if first >= len(self.seqs):  # e.g. the rows after a decode-only plan's decodes
+            return iter(())
         return zip(
             self.seqs[first:],
             self.starts[first:].tolist(),
@@ -204,11 +217,15 @@ class StepPlan:
 
     def step_counts(self) -> tuple[int, int, int]:
         """(sequences, decodes, sampling rows) of this step. A decode computes one
-        token, so its decodes are also its decode tokens; every other token is prefill."""
-        return len(self.seqs), self.num_decodes, int(self.samples.sum())
+        token, so its decodes are also its decode tokens; every other token is prefill.
+        Every decode samples: a decode-only plan's sampling rows are its rows."""
+        n = len(self.seqs)
+        return n, self.num_decodes, n if n == self.num_decodes else int(self.samples.sum())
 
     @property
     def num_tokens(self) -> int:
+        if len(self.seqs) == self.num_decodes:  # a decode computes one token
+            return self.num_decodes
         return int(self.counts.sum())
 
     def __repr__(self) -> str:
@@ -227,6 +244,7 @@ for _array in (_EMPTY, _NO_SAMPLES, _NO_TABLES):
     _array.flags.writeable = False
 _ONES: dict[tuple[int, type], np.ndarray] = {}
 _ROWS: dict[int, np.ndarray] = {}
+FEW_ROWS = 8  # rows up to which per-row Python beats a handful of whole-array numpy calls
 
 
 def row_numbers(n: int) -> np.ndarray:
@@ -284,6 +302,12 @@ def block_table_array(block_tables: list[list[int]], width: int | None = None) -
     longest table's length, at least one column), padded with 0, in three numpy
     calls whatever the batch."""
     num_seqs = len(block_tables)
+    if num_seqs <= FEW_ROWS:  # a few tables (a prompt joining): one slice each is cheaper
+        longest = max(map(len, block_tables), default=0)
+        array = np.zeros((num_seqs, max(longest, 1) if width is None else width), dtype=np.int32)
+        for row, table in enumerate(block_tables):
+            array[row, : len(table)] = table
+        return array
     lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
     longest = int(lens.max()) if num_seqs else 0
     array = np.zeros((num_seqs, max(longest, 1) if width is None else width), dtype=np.int32)
@@ -367,7 +391,8 @@ class RunningRows:
         self.stop_at = self.stop_at[mask]
         self.tables = self.tables[mask]
         self.table_lens = self.table_lens[mask]
-        self.all_greedy = all(map(_greedy, self.seqs))
+        if not self.all_greedy:  # the rows left may all be greedy now (a subset of greedy is)
+            self.all_greedy = all(map(_greedy, self.seqs))
 
     # -- one step
     def used_tables(self) -> np.ndarray:
@@ -383,11 +408,17 @@ class RunningRows:
 
     def rows_needing_block(self, starts: np.ndarray) -> np.ndarray:
         """Rows whose next token (at `starts`) starts a new block."""
-        return np.flatnonzero(starts >= self.table_lens * self.block_size)
+        return (starts >= self.table_lens * self.block_size).nonzero()[0]
 
     def add_blocks(self, rows: list[int], blocks: list[int]) -> None:
         """Row `rows[i]`'s table gained block `blocks[i]` at its end."""
-        if rows:
+        if len(rows) <= FEW_ROWS:  # most steps: none or a row or two
+            tables, lens = self.tables, self.table_lens
+            for row, block in zip(rows, blocks):
+                end = lens[row]
+                tables[row, end] = block
+                lens[row] = end + 1
+        else:
             index = np.asarray(rows, dtype=np.int64)
             self.tables[index, self.table_lens[index]] = blocks
             self.table_lens[index] += 1
@@ -432,12 +463,20 @@ class SampledTokens:
         # structured outputs: (rows masked, seconds the masks took) when any row was
         self.grammar_mask: tuple[int, float] | None = None
         self._by_seq: dict[int, list[int]] | None = None
+        self._indexed_from = 0  # the first entry `_by_seq` indexes
 
-    def get(self, seq_id: int) -> list[int] | None:
-        """The tokens sampled for `seq_id` (n for a prompt that forked), None if none."""
-        if self._by_seq is None:
+    def get(self, seq_id: int, first: int = 0) -> list[int] | None:
+        """The tokens sampled for `seq_id` (n for a prompt that forked), None if none;
+        `first`: the entries before it belong to other sequences (a plan's decode rows,
+        which come first), so only the later ones need indexing (an index from an
+        earlier entry answers the same)."""
+        if self._by_seq is None or self._indexed_from > first:
+            self._indexed_from = first
             by_seq: dict[int, list[int]] = {}
-            for owner, token in zip(self.owners, self.tokens):
+            owners, tokens = self.owners, self.tokens
+            if first:
+                owners, tokens = owners[first:], tokens[first:]
+            for owner, token in zip(owners, tokens):
                 if owner in by_seq:
                     by_seq[owner].append(token)
                 else:

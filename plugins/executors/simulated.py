@@ -25,7 +25,7 @@ which the step pays once. Its weights and KV are not taken from the KV budget.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -47,9 +47,20 @@ from servelab.model.loader import load_shape, model_source
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.verify import kept_tokens
 
-SCALAR_ROWS = 48  # decode rows up to which stand-in tokens are drawn with Python ints
+SCALAR_ROWS = 16  # decode rows up to which stand-in tokens are drawn with Python ints
 _EMPTY = np.zeros(0)
 _EMPTY.flags.writeable = False
+
+
+class DecodeRows(NamedTuple):
+    """A plan's decode rows as the stand-in tokens read them: each row's key, and what
+    turns its position into its output position (1 - its prompt length); as arrays
+    too when there are more than SCALAR_ROWS (drawn with numpy), else None."""
+
+    keys: list[int]
+    offsets: list[int]
+    key_array: np.ndarray | None
+    offset_array: np.ndarray | None
 
 
 class SimulatedExecutor(Executor):
@@ -86,7 +97,7 @@ class SimulatedExecutor(Executor):
         self.block_bytes = 0
         self.padded = False
         self._keys: dict[int, int] = {}  # seq_id -> its sample's hash key
-        self._rows: tuple[list[int], list[int], list[int]] | None = None  # see _decode_rows
+        self._rows: tuple[list[int], DecodeRows] | None = None  # see _decode_rows
         self.eos = frozenset(c.eos_token_ids or ())
 
     # -- sizing
@@ -216,16 +227,17 @@ class SimulatedExecutor(Executor):
         owners: list[int] = plan.seq_ids[:n]
         tokens: list[int] = []
         if n:
-            row_keys, offsets = self._decode_rows(plan)
+            rows = self._decode_rows(plan)
             if n <= SCALAR_ROWS:  # a few rows: Python ints beat numpy's per-call cost
                 starts = plan.starts[:n].tolist()
                 drawn = [
-                    stand_in_token(k, s + o, vocab) for k, s, o in zip(row_keys, starts, offsets)
+                    stand_in_token(k, s + o, vocab)
+                    for k, s, o in zip(rows.keys, starts, rows.offsets)
                 ]
             else:
-                positions = plan.starts[:n] + np.asarray(offsets, dtype=np.int64)
-                keys = np.array(row_keys, dtype=np.uint64)
-                drawn = stand_in_tokens(keys, positions, vocab).tolist()
+                assert rows.key_array is not None and rows.offset_array is not None
+                positions = plan.starts[:n] + rows.offset_array
+                drawn = stand_in_tokens(rows.key_array, positions, vocab).tolist()
             tokens = self.avoid_eos(drawn, vocab)
         drafts = plan.draft_counts.tolist() if plan.draft_counts is not None else None
         for row, (seq, _, _, samples) in enumerate(plan.rows(n), n):
@@ -252,22 +264,28 @@ class SimulatedExecutor(Executor):
                 tokens += self.avoid_eos([stand_in_token(key, num_outputs, vocab)], vocab)
         return step_shape(plan, self.padded), owners, tokens
 
-    def _decode_rows(self, plan) -> tuple[list[int], list[int]]:
-        """Each decode row's key, and what turns its position into its output
-        position (1 - its prompt length). Kept while the rows are the same list
+    def _decode_rows(self, plan) -> DecodeRows:
+        """The decode rows' keys and offsets. Kept while the rows are the same list
         (a plan of only the decode phase's rows shares the phase's list, which is
         replaced, never edited, when rows join or leave)."""
         n = plan.num_decodes
         ids = plan.seq_ids
         cached = self._rows
         if cached is not None and cached[0] is ids and n == len(ids):
-            return cached[1], cached[2]
+            return cached[1]
         seqs = plan.seqs[:n]
         keys = [self.key_of(s.seq_id, s.request_id, s.sample_index) for s in seqs]
         offsets = [1 - s.num_prompt_tokens for s in seqs]
+        wide = n > SCALAR_ROWS
+        rows = DecodeRows(
+            keys,
+            offsets,
+            np.array(keys, dtype=np.uint64) if wide else None,
+            np.array(offsets, dtype=np.int64) if wide else None,
+        )
         if n == len(ids):
-            self._rows = (ids, keys, offsets)
-        return keys, offsets
+            self._rows = (ids, rows)
+        return rows
 
     def key_of(self, seq_id: int, request_id: str, sample_index: int) -> int:
         key = self._keys.get(seq_id)

@@ -33,6 +33,7 @@ from servelab.lab.cluster.replica_set import (
     workload_node,
 )
 from servelab.lab.cluster.simulated import SimulatedCluster
+from servelab.lab.gc_passes import fewer_gc_passes
 from servelab.lab.runner import output_digest
 from servelab.lab.workload import make_workload
 from servelab.registry.construct import construct
@@ -48,10 +49,15 @@ def run_cluster(config: Mapping, feed: StateFeed | None = None) -> ClusterResult
             "cluster.decode=1, a real executor); replicas on Ray are served by "
             "`servelab route --ray N`, and a simulated cluster runs on one virtual clock"
         )
-    if is_disaggregated(options):
-        from servelab.lab.cluster.run_disaggregated import run_disaggregated
+    with fewer_gc_passes():  # every replica runs on a virtual clock (SimulatedCluster checks)
+        if is_disaggregated(options):
+            from servelab.lab.cluster.run_disaggregated import run_disaggregated
 
-        return run_disaggregated(config, options, feed)
+            return run_disaggregated(config, options, feed)
+        return _run_colocated(config, options, feed)
+
+
+def _run_colocated(config: Mapping, options: Mapping, feed: StateFeed | None) -> ClusterResult:
     workload = workload_node(config)
     engines = build_replicas(config, options["replicas"])
     router = construct(

@@ -420,13 +420,15 @@ def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> di
 def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
     line = f"{system:9s} {dtype:9s} {run['output_tokens'] / run['wall_s']:7.2f} out tok/s"
     line += f"  ({run['wall_s']:.1f} s; process {run['process_s']:.0f} s)"
-    if "batched" in run:
+    if "batched" in run:  # llama.cpp's
         line += "  batched API" if run["batched"] else "  one request at a time (no batched API)"
-    if "prefill_s" in run and run["prefill_s"] > 0:
+        line += f": prefill {run['prefill_s']:.1f} s, decode {run['decode_s']:.1f} s"
+        line += f" (mean batch {run['decode_rows'] / max(run['decode_steps'], 1):.1f})"
+    if "prefill_flop" in run and run["prefill_s"] > 0:
         flops = run["prefill_flop"] / run["prefill_s"]
         peak = peaks["float32"] if dtype == "float32" else max(peaks["float32"], peaks["bfloat16"])
         line += f"  prefill {flops / 1e12:.3g} TFLOP/s = {flops / peak:.1%} of peak"
-    if run.get("decode_s", 0) > 0:
+    if "decode_weight_bytes" in run and run["decode_s"] > 0:
         weights = run["decode_weight_bytes"] / run["decode_s"]
         rate = weights + run.get("decode_kv_bytes", 0) / run["decode_s"]
         line += f"  decode {rate / 1e9:.3g} GB/s = {rate / peaks['read_bytes_s']:.1%} of read bw"

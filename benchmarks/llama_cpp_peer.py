@@ -16,7 +16,9 @@ unused entries up to the checkpoint's size.
 argmax), every request to its `max_tokens` whatever it samples (EOS included).
 All prompts are decoded first, up to `n_batch` tokens a call, then each step
 decodes one token of every unfinished request. The K/V cache holds the model's
-dtype (float32 or bfloat16). Printed: one JSON line, each workload's tokens,
+dtype (float32 or bfloat16) and is split, one buffer a sequence (`kv_unified`
+off, llama.cpp's advice where sequences share no prefix: a unified one makes each
+sequence's attention read every other sequence's K/V too). Printed: one JSON line, each workload's tokens,
 wall time, and the prefill / decode split.
 
     PYTHON llama_cpp_peer.py convert CHECKPOINT OUT.gguf --outtype f32 --converter CONVERTER
@@ -93,12 +95,13 @@ class Peer:
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
 
     def context(self, tokens: int, sequences: int):
+        """A context for `sequences` sequences of up to `tokens` tokens each."""
         ll = self.ll
         params = ll.llama_context_default_params()
-        params.n_ctx = tokens + 256
+        params.n_ctx = tokens * sequences  # n_ctx / n_seq_max (rounded up to 256) each
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = sequences
-        params.kv_unified = True  # one cache for all sequences, not n_ctx / n_seq_max each
+        params.kv_unified = False
         params.n_threads = params.n_threads_batch = self.threads
         params.type_k = params.type_v = KV_TYPE[self.dtype]
         ctx = ll.llama_init_from_model(self.model, params)
@@ -149,7 +152,7 @@ class Peer:
 
     def serve(self, requests: list[dict]) -> dict:
         ll = self.ll
-        ctx = self.context(sum(len(r["prompt"]) + r["max_tokens"] for r in requests), len(requests))
+        ctx = self.context(max(len(r["prompt"]) + r["max_tokens"] for r in requests), len(requests))
         self.generate(ctx, [{"prompt": [1, 2, 3, 4], "max_tokens": 2}])  # warm-up
         ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
         run = self.generate(ctx, requests)
@@ -180,9 +183,8 @@ def main(argv=None) -> int:
     peer = Peer(args.gguf, args.threads, args.dtype)
     batch1 = peer.serve(json.loads(args.batch1.read_text()))
     run = peer.serve(json.loads(args.workload.read_text()))
-    tokens = run["tokens"]
-    print(json.dumps({"wall_s": run["wall_s"], "output_tokens": sum(map(len, tokens)),
-                      "tokens": tokens, "batched": True, "batch1": batch1}))  # fmt: skip
+    run.update(output_tokens=sum(map(len, run["tokens"])), batched=True, batch1=batch1)
+    print(json.dumps(run))
     return 0
 
 

@@ -322,14 +322,18 @@ def servelab_worker(args) -> dict:
     engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():  # warm-up: packing, first-call costs
         engine.step()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i, r in enumerate(requests):
         params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
         engine.add_request(r["prompt"], params, request_id=str(i))
     first = len(engine.metrics.steps)
-    outputs = {}
+    outputs, decode_cpu_s = {}, 0.0
     while engine.has_unfinished():
-        for o in engine.step():  # the requests that finished in the step
+        n, cpu = len(engine.metrics.steps), time.process_time()
+        finished = engine.step()  # the requests that finished in the step
+        if all(s.prefill_tokens == 0 for s in engine.metrics.steps[n:]):
+            decode_cpu_s += time.process_time() - cpu
+        for o in finished:
             outputs[o.request_id] = list(o.token_ids)
     # the engine's own step records say which steps ran a prompt (or a chunk of one)
     steps = engine.metrics.steps[first:]
@@ -337,7 +341,7 @@ def servelab_worker(args) -> dict:
     decode = [s for s in steps if s.prefill_tokens == 0]
     decode_s, decode_steps = sum(s.wall_time for s in decode), len(decode)
     decode_rows = sum(s.decode_tokens for s in decode)
-    wall = time.perf_counter() - start
+    wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     weight_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8  # the KV cache's too
     c = shape.config()
     lm_head = c.vocab_size * c.hidden_size
@@ -345,6 +349,8 @@ def servelab_worker(args) -> dict:
     prompt_tokens = sum(len(r["prompt"]) for r in requests)
     return {
         "wall_s": wall,
+        "cpu_s": cpu_s,  # the process's CPU seconds, all threads: a busy machine's
+        "decode_cpu_s": decode_cpu_s,  # other processes count in the wall time only
         "output_tokens": sum(len(t) for t in outputs.values()),
         "tokens": [outputs[str(i)] for i in range(len(requests))],
         "prefill_s": prefill_s,
@@ -420,6 +426,8 @@ def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> di
 def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
     line = f"{system:9s} {dtype:9s} {run['output_tokens'] / run['wall_s']:7.2f} out tok/s"
     line += f"  ({run['wall_s']:.1f} s; process {run['process_s']:.0f} s)"
+    if "cpu_s" in run:
+        line += f"  {cpu_rate(run):.2f} tok per CPU-s"
     if "batched" in run:  # llama.cpp's
         line += "  batched API" if run["batched"] else "  one request at a time (no batched API)"
         line += f": prefill {run['prefill_s']:.1f} s, decode {run['decode_s']:.1f} s"
@@ -442,10 +450,20 @@ def decode_rate(run: dict) -> float:
     return run["decode_rows"] / run["decode_s"]
 
 
+def cpu_rate(run: dict) -> float:
+    """Output tokens per CPU-second of the process (less sensitive to a busy machine)."""
+    return run["output_tokens"] / run["cpu_s"]
+
+
+def decode_cpu_rate(run: dict) -> float:
+    return run["decode_rows"] / run["decode_cpu_s"]
+
+
 def describe_batch1(system: str, dtype: str, run: dict) -> str:
     return (
         f"{system:9s} {dtype:9s} batch 1: {decode_rate(run):7.2f} decode tok/s"
         f"  ({run['decode_rows']} tokens in {run['decode_s']:.2f} s; prefill {run['prefill_s']:.2f} s)"
+        f"  {decode_cpu_rate(run):.2f} decode tok per CPU-s"
     )
 
 
@@ -494,6 +512,28 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return text
 
 
+def report(runs: list[dict], batch1_runs: list[dict], dtypes: list[str]) -> None:
+    """servelab / each peer, for the workload and for batch-1 decode: the wall-clock
+    ratio, the CPU-second one where both sides counted it, and the greedy tokens'
+    agreement (the first runs')."""
+    comparisons = (
+        ("", runs, None, cpu_rate),
+        ("batch-1 decode ", batch1_runs, decode_rate, decode_cpu_rate),
+    )
+    for dtype in dtypes:
+        for peer, name in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
+            for label, rows, rate, cpu in comparisons:
+                mine = [r for r in rows if r["dtype"] == dtype and r["system"] == "servelab"]
+                theirs = [r for r in rows if r["dtype"] == dtype and r["system"] == peer]
+                if not (mine and theirs):
+                    continue
+                text = f"{dtype}: {label}servelab / {name} = {compare(mine, theirs, rate)}"
+                if all("cpu_s" in r for r in mine + theirs):
+                    text += f" (per CPU-second {compare(mine, theirs, cpu)})"
+                tokens = agreement(mine[0]["tokens"], theirs[0]["tokens"])
+                print(f"{text}; greedy tokens {tokens}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -539,17 +579,7 @@ def main(argv=None) -> int:
                         batch1_runs.append({"system": system, "dtype": dtype, "round": k, **one})
                         print(describe_batch1(system, dtype, one), flush=True)
                     print(describe(system, dtype, run, peaks), flush=True)
-        for dtype in args.dtypes:
-            for peer, name in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
-                for label, rows, rate in (
-                    ("", runs, None),
-                    ("batch-1 decode ", batch1_runs, decode_rate),
-                ):
-                    mine = [r for r in rows if r["dtype"] == dtype and r["system"] == "servelab"]
-                    theirs = [r for r in rows if r["dtype"] == dtype and r["system"] == peer]
-                    if mine and theirs:
-                        print(f"{dtype}: {label}servelab / {name} = {compare(mine, theirs, rate)}; "
-                              f"greedy tokens {agreement(mine[0]['tokens'], theirs[0]['tokens'])}")  # fmt: skip
+        report(runs, batch1_runs, args.dtypes)
     if args.json:
         args.json.write_text(
             json.dumps({"peaks": peaks, "runs": runs, "batch1_runs": batch1_runs}, indent=1)

@@ -130,7 +130,7 @@ class Peer:
                     row = ll.llama_get_logits_ith(ctx, i)
                     out[seq].append(int(np.ctypeslib.as_array(row, shape=(self.n_vocab,)).argmax()))
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         prompt = [
             (t, pos, seq, pos == len(r["prompt"]) - 1)
             for seq, r in enumerate(requests)
@@ -138,17 +138,18 @@ class Peer:
         ]
         for k in range(0, len(prompt), N_BATCH):
             decode(prompt[k : k + N_BATCH])
-        prefilled = time.perf_counter()
+        prefilled, cpu_prefilled = time.perf_counter(), time.process_time()
         steps = rows = 0
         while live := [s for s, r in enumerate(requests) if len(out[s]) < r["max_tokens"]]:
             decode(
                 [(out[s][-1], len(requests[s]["prompt"]) + len(out[s]) - 1, s, True) for s in live]
             )
             steps, rows = steps + 1, rows + len(live)
-        end = time.perf_counter()
+        end, cpu_end = time.perf_counter(), time.process_time()
         ll.llama_batch_free(batch)
         return {"tokens": out, "wall_s": end - start, "prefill_s": prefilled - start,
-                "decode_s": end - prefilled, "decode_steps": steps, "decode_rows": rows}  # fmt: skip
+                "decode_s": end - prefilled, "decode_steps": steps, "decode_rows": rows,
+                "cpu_s": cpu_end - cpu_start, "decode_cpu_s": cpu_end - cpu_prefilled}  # fmt: skip
 
     def serve(self, requests: list[dict]) -> dict:
         ll = self.ll

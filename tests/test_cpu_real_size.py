@@ -152,6 +152,6 @@ def test_the_converter_defaults_to_the_sdist_beside_the_llama_venv(bench):
 
 
 def test_batch1_decode_rate_leaves_the_prefill_out(bench):
-    run = {"decode_rows": 63, "decode_s": 0.5, "prefill_s": 9.0}
+    run = {"decode_rows": 63, "decode_s": 0.5, "prefill_s": 9.0, "decode_cpu_s": 1.0}
     assert bench.decode_rate(run) == 126.0
     assert "126.00 decode tok/s" in bench.describe_batch1("servelab", "float32", run)

@@ -18,8 +18,9 @@ All prompts are decoded first, up to `n_batch` tokens a call, then each step
 decodes one token of every unfinished request. The K/V cache holds the model's
 dtype (float32 or bfloat16) and is split, one buffer a sequence (`kv_unified`
 off, llama.cpp's advice where sequences share no prefix: a unified one makes each
-sequence's attention read every other sequence's K/V too). Printed: one JSON line, each workload's tokens,
-wall time, and the prefill / decode split.
+sequence's attention read every other sequence's K/V too). Printed: one JSON
+line, the workload's tokens, wall and CPU seconds and their prefill / decode
+split, with batch 1's under "batch1".
 
     PYTHON llama_cpp_peer.py convert CHECKPOINT OUT.gguf --outtype f32 --converter CONVERTER
     PYTHON llama_cpp_peer.py run OUT.gguf --workload W.json --batch1 B.json --threads 2 --dtype float32
@@ -153,6 +154,7 @@ class Peer:
 
     def serve(self, requests: list[dict]) -> dict:
         ll = self.ll
+        assert len(requests) <= N_BATCH, "a decode step's batch holds one token a request"
         ctx = self.context(max(len(r["prompt"]) + r["max_tokens"] for r in requests), len(requests))
         self.generate(ctx, [{"prompt": [1, 2, 3, 4], "max_tokens": 2}])  # warm-up
         ll.llama_memory_clear(ll.llama_get_memory(ctx), True)

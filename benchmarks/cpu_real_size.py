@@ -1,5 +1,6 @@
 """servelab on this CPU at a real model's size: Qwen3-0.6B's shape with random
-weights, against the machine's measured limits, optionally beside vLLM's CPU backend.
+weights, against the machine's measured limits, optionally beside vLLM's CPU backend
+and llama.cpp.
 
 `--shape` picks a checkpoint shape and the workload that goes with it (SHAPES):
 `qwen3-0.6b` (default; 28 layers, hidden 1,024, 16 query / 8 KV heads, head_dim
@@ -23,14 +24,27 @@ greedy tokens' agreement with vLLM's. With two runs or more a side, servelab /
 vLLM comes with a 95% interval (`servelab.lab.stats.ratio_estimate`, paired by
 round).
 
+Batch 1 is a row of its own: one request (a `--batch1-prompt`-token prompt,
+`--batch1-tokens` output tokens, greedy, `ignore_eos`) served alone, reported as
+decode tok/s: the tokens after the first over the decode steps' seconds, prefill
+excluded. servelab runs it in a process of its own once per round and dtype.
+
+With `--llama-cpp PYTHON` (a venv with llama-cpp-python), llama.cpp joins: the
+checkpoint is converted once per dtype with llama.cpp's own converter (F32 or
+BF16; the GGUF is cached beside the checkpoint, named by a hash of its files)
+and `llama_cpp_peer.py` serves batch 1 and then the workload through llama.cpp's
+batched API, with `--threads` threads; both are compared with servelab's tokens.
+
     python benchmarks/cpu_real_size.py --dtypes float32 bfloat16
     python benchmarks/cpu_real_size.py --vllm-python /work/venvs/vllm/bin/python --requests 8
     python benchmarks/cpu_real_size.py --shape tiny --dtypes float32 --vllm-python ...
+    python benchmarks/cpu_real_size.py --llama-cpp /work/venvs/llama/bin/python --requests 8
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -41,6 +55,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+LLAMA_PEER = HERE.parent / "llama_cpp_peer.py"
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vllm-python", type=Path, help="a python with vllm installed")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile")
+    p.add_argument("--llama-cpp", type=Path, metavar="PYTHON",
+                   help="a python with llama-cpp-python: llama.cpp on the same checkpoint")  # fmt: skip
+    p.add_argument("--gguf-converter", type=Path,
+                   help="llama.cpp's convert_hf_to_gguf.py (default: "
+                        "llama-src/vendor/llama.cpp/ beside --llama-cpp's venv)")  # fmt: skip
+    p.add_argument("--batch1-prompt", type=int, default=128, help="batch 1's prompt tokens")
+    p.add_argument("--batch1-tokens", type=int, default=128, help="batch 1's output tokens")
     p.add_argument("--cpu-kernels", default="auto", help="servelab's engine.cpu_kernels")
     p.add_argument("--attention-impl", default="auto", help="flash_varlen's impl for servelab")
     p.add_argument("--kv-cache", default="3GiB", help="servelab's engine.kv_cache_memory")
@@ -221,6 +244,52 @@ def write_workload(path: Path, shape: Shape, num_requests: int | None = None) ->
     return requests
 
 
+def write_batch1(path: Path, shape: Shape, prompt_tokens: int, output_tokens: int) -> list[dict]:
+    """The batch-1 workload: one request, its prompt's ids uniform over the vocabulary."""
+    import numpy as np
+
+    prompt = np.random.default_rng(1).integers(0, shape.config().vocab_size, prompt_tokens)
+    requests = [{"prompt": prompt.tolist(), "max_tokens": output_tokens}]
+    path.write_text(json.dumps(requests))
+    return requests
+
+
+def gguf_path(checkpoint: Path, dtype: str) -> Path:
+    """Where the checkpoint's GGUF of `dtype` is cached: beside the checkpoint's
+    folder, named by a hash of its config and weights, so another checkpoint in
+    the same place is converted anew."""
+    digest = hashlib.sha256()
+    for f in sorted(checkpoint.glob("*.json")) + sorted(checkpoint.glob("*.safetensors")):
+        digest.update(f.name.encode())
+        with f.open("rb") as data:
+            digest.update(hashlib.file_digest(data, "sha256").digest())
+    return (
+        checkpoint.parent / f"{checkpoint.name}-{digest.hexdigest()[:16]}-{GGUF_TYPE[dtype]}.gguf"
+    )
+
+
+def gguf_converter(args) -> Path:
+    """llama.cpp's HF-to-GGUF converter: --gguf-converter, else the unpacked
+    llama-cpp-python sdist at llama-src/ beside the venv of --llama-cpp."""
+    if args.gguf_converter is not None:
+        return args.gguf_converter
+    # PYTHON is VENV/bin/python; don't resolve it: a venv's python links elsewhere
+    venv = Path(os.path.abspath(args.llama_cpp)).parent.parent
+    return venv.parent / "llama-src" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+
+def ensure_gguf(args, dtype: str) -> Path:
+    """The checkpoint as GGUF, converted by llama.cpp's converter unless cached."""
+    out = gguf_path(args.checkpoint, dtype)
+    if not out.exists():
+        cmd = [str(args.llama_cpp), str(LLAMA_PEER), "convert", str(args.checkpoint), str(out),
+               "--outtype", GGUF_TYPE[dtype], "--converter", str(gguf_converter(args))]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"GGUF conversion failed:\n{done.stderr[-3000:]}")
+    return out
+
+
 def matmul_params(shape: Shape) -> int:
     """Weights a token's projections multiply (no embedding, no LM head)."""
     c = shape.config()
@@ -253,14 +322,18 @@ def servelab_worker(args) -> dict:
     engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():  # warm-up: packing, first-call costs
         engine.step()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i, r in enumerate(requests):
         params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
         engine.add_request(r["prompt"], params, request_id=str(i))
     first = len(engine.metrics.steps)
-    outputs = {}
+    outputs, decode_cpu_s = {}, 0.0
     while engine.has_unfinished():
-        for o in engine.step():  # the requests that finished in the step
+        n, cpu = len(engine.metrics.steps), time.process_time()
+        finished = engine.step()  # the requests that finished in the step
+        if all(s.prefill_tokens == 0 for s in engine.metrics.steps[n:]):
+            decode_cpu_s += time.process_time() - cpu
+        for o in finished:
             outputs[o.request_id] = list(o.token_ids)
     # the engine's own step records say which steps ran a prompt (or a chunk of one)
     steps = engine.metrics.steps[first:]
@@ -268,7 +341,7 @@ def servelab_worker(args) -> dict:
     decode = [s for s in steps if s.prefill_tokens == 0]
     decode_s, decode_steps = sum(s.wall_time for s in decode), len(decode)
     decode_rows = sum(s.decode_tokens for s in decode)
-    wall = time.perf_counter() - start
+    wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     weight_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8  # the KV cache's too
     c = shape.config()
     lm_head = c.vocab_size * c.hidden_size
@@ -276,6 +349,8 @@ def servelab_worker(args) -> dict:
     prompt_tokens = sum(len(r["prompt"]) for r in requests)
     return {
         "wall_s": wall,
+        "cpu_s": cpu_s,  # the process's CPU seconds, all threads: a busy machine's
+        "decode_cpu_s": decode_cpu_s,  # other processes count in the wall time only
         "output_tokens": sum(len(t) for t in outputs.values()),
         "tokens": [outputs[str(i)] for i in range(len(requests))],
         "prefill_s": prefill_s,
@@ -319,15 +394,22 @@ def vllm_worker(args) -> dict:
 
 
 def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> dict:
+    """One fresh process of `system` serving `workload`; llama.cpp's serves the
+    batch-1 workload (`batch1.json` beside it) first, in the same process."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if system == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    cmd = [python, str(HERE), "--worker", system, "--shape", args.shape, "--dtype", dtype,
-           "--workload", str(workload),
-           "--checkpoint", str(args.checkpoint), "--threads", str(args.threads),
-           "--cpu-kernels", args.cpu_kernels, "--kv-cache", args.kv_cache,
-           "--attention-impl", args.attention_impl]  # fmt: skip
-    if args.vllm_eager:
+    if system == "llama.cpp":
+        cmd = [python, str(LLAMA_PEER), "run", str(ensure_gguf(args, dtype)),
+               "--workload", str(workload), "--batch1", str(workload.parent / "batch1.json"),
+               "--threads", str(args.threads), "--dtype", dtype]  # fmt: skip
+    else:
+        cmd = [python, str(HERE), "--worker", system, "--shape", args.shape, "--dtype", dtype,
+               "--workload", str(workload),
+               "--checkpoint", str(args.checkpoint), "--threads", str(args.threads),
+               "--cpu-kernels", args.cpu_kernels, "--kv-cache", args.kv_cache,
+               "--attention-impl", args.attention_impl]  # fmt: skip
+    if args.vllm_eager and system == "vllm":
         cmd.append("--vllm-eager")
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -342,13 +424,19 @@ def run_worker(args, system: str, dtype: str, python: str, workload: Path) -> di
 
 
 def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
-    line = f"{system:8s} {dtype:9s} {run['output_tokens'] / run['wall_s']:7.2f} out tok/s"
+    line = f"{system:9s} {dtype:9s} {run['output_tokens'] / run['wall_s']:7.2f} out tok/s"
     line += f"  ({run['wall_s']:.1f} s; process {run['process_s']:.0f} s)"
-    if "prefill_s" in run and run["prefill_s"] > 0:
+    if "cpu_s" in run:
+        line += f"  {cpu_rate(run):.2f} tok per CPU-s"
+    if "batched" in run:  # llama.cpp's
+        line += "  batched API" if run["batched"] else "  one request at a time (no batched API)"
+        line += f": prefill {run['prefill_s']:.1f} s, decode {run['decode_s']:.1f} s"
+        line += f" (mean batch {run['decode_rows'] / max(run['decode_steps'], 1):.1f})"
+    if "prefill_flop" in run and run["prefill_s"] > 0:
         flops = run["prefill_flop"] / run["prefill_s"]
         peak = peaks["float32"] if dtype == "float32" else max(peaks["float32"], peaks["bfloat16"])
         line += f"  prefill {flops / 1e12:.3g} TFLOP/s = {flops / peak:.1%} of peak"
-    if run.get("decode_s", 0) > 0:
+    if "decode_weight_bytes" in run and run["decode_s"] > 0:
         weights = run["decode_weight_bytes"] / run["decode_s"]
         rate = weights + run.get("decode_kv_bytes", 0) / run["decode_s"]
         line += f"  decode {rate / 1e9:.3g} GB/s = {rate / peaks['read_bytes_s']:.1%} of read bw"
@@ -357,16 +445,40 @@ def describe(system: str, dtype: str, run: dict, peaks: dict) -> str:
     return line
 
 
-def compare(mine: list[dict], theirs: list[dict]) -> str:
-    """servelab / vLLM output tok/s: the ratio of means; with two runs or more a
+def decode_rate(run: dict) -> float:
+    """Decode tok/s: the tokens the decode steps made over their seconds (no prefill)."""
+    return run["decode_rows"] / run["decode_s"]
+
+
+def cpu_rate(run: dict) -> float:
+    """Output tokens per CPU-second of the process (less sensitive to a busy machine)."""
+    return run["output_tokens"] / run["cpu_s"]
+
+
+def decode_cpu_rate(run: dict) -> float:
+    return run["decode_rows"] / run["decode_cpu_s"]
+
+
+def describe_batch1(system: str, dtype: str, run: dict) -> str:
+    return (
+        f"{system:9s} {dtype:9s} batch 1: {decode_rate(run):7.2f} decode tok/s"
+        f"  ({run['decode_rows']} tokens in {run['decode_s']:.2f} s; prefill {run['prefill_s']:.2f} s)"
+        f"  {decode_cpu_rate(run):.2f} decode tok per CPU-s"
+    )
+
+
+def compare(mine: list[dict], theirs: list[dict], rate=None) -> str:
+    """servelab / a peer's output tok/s (or `rate`'s): the ratio of means; with two runs or more a
     side, `ratio_estimate`'s ratio and 95% interval: paired by round (each round's
     runs of a side averaged) over two rounds or more, else over the runs."""
     import math
 
     from servelab.lab.stats import ratio_estimate
 
-    def rate(r: dict) -> float:
-        return r["output_tokens"] / r["wall_s"]
+    if rate is None:
+
+        def rate(r: dict) -> float:
+            return r["output_tokens"] / r["wall_s"]
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs)
@@ -400,6 +512,28 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return text
 
 
+def report(runs: list[dict], batch1_runs: list[dict], dtypes: list[str]) -> None:
+    """servelab / each peer, for the workload and for batch-1 decode: the wall-clock
+    ratio, the CPU-second one where both sides counted it, and the greedy tokens'
+    agreement (the first runs')."""
+    comparisons = (
+        ("", runs, None, cpu_rate),
+        ("batch-1 decode ", batch1_runs, decode_rate, decode_cpu_rate),
+    )
+    for dtype in dtypes:
+        for peer, name in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
+            for label, rows, rate, cpu in comparisons:
+                mine = [r for r in rows if r["dtype"] == dtype and r["system"] == "servelab"]
+                theirs = [r for r in rows if r["dtype"] == dtype and r["system"] == peer]
+                if not (mine and theirs):
+                    continue
+                text = f"{dtype}: {label}servelab / {name} = {compare(mine, theirs, rate)}"
+                if all("cpu_s" in r for r in mine + theirs):
+                    text += f" (per CPU-second {compare(mine, theirs, cpu)})"
+                tokens = agreement(mine[0]["tokens"], theirs[0]["tokens"])
+                print(f"{text}; greedy tokens {tokens}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -411,7 +545,7 @@ def main(argv=None) -> int:
         f"machine ({args.threads} threads): float32 matmul {peaks['float32'] / 1e9:.1f} GFLOP/s "
         f"({peaks['float32_path']}), "
         f"bfloat16 matmul {peaks['bfloat16'] / 1e9:.1f} GFLOP/s ({peaks['bfloat16_path']}), "
-        f"read {peaks['read_bytes_s'] / 1e9:.1f} GB/s"
+        f"read {peaks['read_bytes_s'] / 1e9:.1f} GB/s; load average {os.getloadavg()[0]:.1f}"
     )
     with tempfile.TemporaryDirectory(prefix="servelab-real-size-") as tmp:
         if args.checkpoint is None:
@@ -419,28 +553,37 @@ def main(argv=None) -> int:
             write_checkpoint(args.checkpoint, SHAPES[args.shape])
         workload = Path(tmp) / "workload.json"
         requests = write_workload(workload, SHAPES[args.shape], args.requests)
+        batch1 = workload.parent / "batch1.json"
+        write_batch1(batch1, SHAPES[args.shape], args.batch1_prompt, args.batch1_tokens)
         print(f"shape {args.shape}: {len(requests)} requests, "
               f"{sum(len(r['prompt']) for r in requests)} prompt tokens, "
-              f"{sum(r['max_tokens'] for r in requests)} output tokens")  # fmt: skip
+              f"{sum(r['max_tokens'] for r in requests)} output tokens; batch 1: "
+              f"{args.batch1_prompt} prompt tokens, {args.batch1_tokens} output tokens")  # fmt: skip
         systems = [("servelab", sys.executable)]
         if args.vllm_python:
             systems.append(("vllm", str(args.vllm_python)))
+        if args.llama_cpp:
+            systems.append(("llama.cpp", str(args.llama_cpp)))
         order = systems + systems[::-1] if args.pattern == "ABBA" else systems
-        runs = []
+        runs, batch1_runs = [], []
         for k in range(args.repeats):
             for dtype in args.dtypes:
+                run = run_worker(args, "servelab", dtype, sys.executable, batch1)
+                batch1_runs.append({"system": "servelab", "dtype": dtype, "round": k, **run})
+                print(describe_batch1("servelab", dtype, run), flush=True)
                 for system, python in order:
                     run = run_worker(args, system, dtype, python, workload)
                     runs.append({"system": system, "dtype": dtype, "round": k, **run})
+                    if "batch1" in run:
+                        one = run.pop("batch1")
+                        batch1_runs.append({"system": system, "dtype": dtype, "round": k, **one})
+                        print(describe_batch1(system, dtype, one), flush=True)
                     print(describe(system, dtype, run, peaks), flush=True)
-        for dtype in args.dtypes:
-            mine = [r for r in runs if r["dtype"] == dtype and r["system"] == "servelab"]
-            theirs = [r for r in runs if r["dtype"] == dtype and r["system"] == "vllm"]
-            if mine and theirs:
-                print(f"{dtype}: servelab / vLLM = {compare(mine, theirs)}; greedy tokens "
-                      f"{agreement(mine[0]['tokens'], theirs[0]['tokens'])}")  # fmt: skip
+        report(runs, batch1_runs, args.dtypes)
     if args.json:
-        args.json.write_text(json.dumps({"peaks": peaks, "runs": runs}, indent=1))
+        args.json.write_text(
+            json.dumps({"peaks": peaks, "runs": runs, "batch1_runs": batch1_runs}, indent=1)
+        )
     return 0
 
 

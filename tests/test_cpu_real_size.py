@@ -120,3 +120,38 @@ def test_agreement_counts_identical_requests_and_where_the_others_differ(bench):
     assert bench.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == "2/2 identical"
     text = bench.agreement([[1, 2, 3], [4, 5], [6, 7, 8]], [[1, 9, 3], [4, 5], [6, 7, 0]])
     assert text == "1/3 identical; the other 2 first differ at token 1.5 on average"
+
+
+def test_batch1_is_one_request_of_the_asked_lengths(bench, tmp_path):
+    shape = bench.SHAPES["tiny"]
+    (request,) = bench.write_batch1(tmp_path / "b.json", shape, 100, 7)
+    assert json.loads((tmp_path / "b.json").read_text()) == [request]
+    assert len(request["prompt"]) == 100 and request["max_tokens"] == 7
+    assert all(0 <= t < shape.config().vocab_size for t in request["prompt"])
+    assert bench.write_batch1(tmp_path / "c.json", shape, 100, 7) == [request]
+
+
+def test_the_gguf_is_cached_beside_the_checkpoint_under_its_files_hash(bench, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 64)
+    f32 = bench.gguf_path(ckpt, "float32")
+    assert f32.parent == tmp_path and f32.name.startswith("ckpt-") and f32.suffix == ".gguf"
+    assert f32 == bench.gguf_path(ckpt, "float32") != bench.gguf_path(ckpt, "bfloat16")
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 63 + b"\1")  # another checkpoint
+    assert bench.gguf_path(ckpt, "float32") != f32
+
+
+def test_the_converter_defaults_to_the_sdist_beside_the_llama_venv(bench):
+    args = bench.parse_args(["--llama-cpp", "/v/llama/bin/python"])
+    expected = "/v/llama-src/vendor/llama.cpp/convert_hf_to_gguf.py"
+    assert str(bench.gguf_converter(args)) == expected
+    args = bench.parse_args(["--llama-cpp", "/v/llama/bin/python", "--gguf-converter", "/c.py"])
+    assert str(bench.gguf_converter(args)) == "/c.py"
+
+
+def test_batch1_decode_rate_leaves_the_prefill_out(bench):
+    run = {"decode_rows": 63, "decode_s": 0.5, "prefill_s": 9.0, "decode_cpu_s": 1.0}
+    assert bench.decode_rate(run) == 126.0
+    assert "126.00 decode tok/s" in bench.describe_batch1("servelab", "float32", run)

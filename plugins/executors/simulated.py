@@ -55,6 +55,7 @@ _EMPTY.flags.writeable = False
 class SimulatedExecutor(Executor):
     description = "a cost model of the hardware profile; stand-in tokens, a virtual clock"
     virtual_clock = True
+    runs_tier_copies = True  # priced; there is no K/V to move
     samples_stand_ins = True  # its sampled tokens are servelab.executor.stand_in's
     graphs_status = "off (simulated)"
 
@@ -173,6 +174,12 @@ class SimulatedExecutor(Executor):
         self.bytes_swapped_in += back
         self.bytes_copied += copied
         self.time += self.cost.copy_time(out + back, copied)
+        if copies.has_tier_copies:  # a KV tier's copies: over the host link, like swaps
+            stored = (len(copies.tier_out) + len(copies.tier_save)) * self.block_bytes
+            loaded = (len(copies.tier_in) + len(copies.tier_fetch)) * self.block_bytes
+            load_time = self.cost.copy_time(loaded, 0)
+            self.time += self.cost.copy_time(stored, 0) + load_time
+            self.tier_load_seconds += load_time
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         step, owners, tokens = self.read_plan(plan)

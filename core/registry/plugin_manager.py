@@ -57,6 +57,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "servelab.plugins.proposers.simulated",
     "servelab.plugins.kv_tiers.none",
     "servelab.plugins.kv_tiers.host",
+    "servelab.plugins.kv_tiers.disk",
+    "servelab.plugins.kv_tiers.tiered",
     "servelab.plugins.routers.round_robin",
     "servelab.plugins.routers.least_load",
     "servelab.plugins.routers.power_of_two",

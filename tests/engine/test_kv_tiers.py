@@ -1,6 +1,8 @@
 """KV tiers change what is prefilled, never a token: the oracle (transformers'
-float64 greedy tokens) with every built-in tier, on the paged (hashed prefix
-caching) and radix allocators, under recompute, swap and hybrid preemption.
+float64 greedy tokens) with every built-in tier (host memory write-back and
+write-through, a disk folder write-through and write-back, host over disk), on
+the paged (hashed prefix caching) and radix allocators, under recompute, swap
+and hybrid preemption, with whole-prompt and chunked prefills.
 
 The oracle's prompts run twice, the second round after the first finished (a
 conversation's next turn): the device cache (160 tokens) cannot keep the first
@@ -36,7 +38,7 @@ SCHEDULERS = [
 ]
 
 
-TIERS = ["host", "host_write_through"]
+TIERS = ["host", "host_write_through", "disk", "disk_write_back", "tiered"]
 # host memory for swap and the host tier, in tokens of the oracle model's K/V (1 KiB each)
 KIB = 1024
 
@@ -51,6 +53,11 @@ def tier_setup(which: str, folder) -> tuple[dict, dict]:
             {"name": "host", "policy": "write_through"},
             {"swap_space": 512 * KIB},
         ),
+        # every computed block written to a file, read back and checked on a hit
+        "disk": ({"name": "disk", "path": str(folder)}, {}),
+        "disk_write_back": ({"name": "disk", "path": str(folder), "policy": "write_back"}, {}),
+        # host memory over the disk: the host pool (96 tokens) keeps the latest blocks
+        "tiered": ({"name": "tiered", "path": str(folder)}, {}),
     }[which]
 
 
@@ -103,3 +110,6 @@ def test_every_tier_gives_the_oracles_tokens(combo, tier, tmp_path):
     figures = llm.engine.kv_tier.figures
     assert figures.hits > 0, f"[{combo_id(combo)}] nothing was loaded from the tier: {figures}"
     assert figures.hit_tokens == figures.hits * llm.engine.allocator.block_size
+    if tier == "tiered":  # both levels served: host memory first, the disk what it dropped
+        stats = llm.engine.kv_tier.stats()
+        assert stats["host_hits"] > 0 and stats["disk_hits"] > 0, stats

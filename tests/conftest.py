@@ -78,6 +78,7 @@ SLOW = (
     "tests/lab/test_repeats.py",
     "tests/plugins/test_allocator_stateful.py",
     "tests/plugins/test_kv_tier_stateful.py",
+    "tests/engine/test_kv_tier_pressure.py",
     "tests/testing/test_conformance.py",
     "tests/testing/test_conformance_proposer.py",
     "tests/test_gpu_check.py::test_dry_run_runs_every_phase_and_writes_the_report",

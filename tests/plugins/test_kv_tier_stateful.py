@@ -10,6 +10,8 @@ really loaded from the tier.
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from servelab.registry.plugin_manager import registered
@@ -29,10 +31,12 @@ HOST_TIERS = [
 ]
 
 
-def tier_maker(name: str, options: dict, made: list):
+def tier_maker(name: str, options: dict, made: list, folder: str | None = None):
     cls = registered("kv_tier")[name].cls
 
     def make(block_size: int):
+        if folder is not None:  # a fresh folder per run: no run starts warm from another's
+            options["path"] = tempfile.mkdtemp(dir=folder)
         tier = cls(
             block_bytes=block_size * 8,
             kv_identity={"model": "shadow", "block_size": block_size},
@@ -57,5 +61,29 @@ def test_host_tier_state_machine(name, options, tier_options):
         steps=50,
         tier=tier_maker("host", tier_options, made),
         derandomize=True,  # the same runs each time: the hit count below is then fixed
+    )
+    assert sum(t.figures.hits for t in made) > 0, "no run loaded a block from the tier"
+
+
+# below the host pool: files holding the shadow blocks' tokens, read back and checked
+FILE_TIERS = [
+    ("disk", {}),
+    ("disk", {"policy": "write_back", "capacity_blocks": 6}),
+    ("tiered", {"host_capacity_blocks": 3}),
+]
+
+
+@pytest.mark.parametrize("tier,tier_options", FILE_TIERS, ids=str)
+@pytest.mark.parametrize("name,options", ALLOCATORS[::2], ids=str)
+def test_file_tier_state_machine(name, options, tier, tier_options, tmp_path):
+    made: list = []
+    run_allocator_machine(
+        registered("allocator")[name].cls,
+        options,
+        capacity=36,
+        max_examples=30,
+        steps=50,
+        tier=tier_maker(tier, dict(tier_options), made, str(tmp_path)),
+        derandomize=True,
     )
     assert sum(t.figures.hits for t in made) > 0, "no run loaded a block from the tier"

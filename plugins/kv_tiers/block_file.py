@@ -91,9 +91,16 @@ def write_block(
     return len(data)
 
 
-def read_block(path: Path, key: bytes, tokens: tuple[int, ...], identity: str) -> torch.Tensor:
+def read_block(
+    path: Path,
+    key: bytes,
+    tokens: tuple[int, ...],
+    identity: str,
+    layout: tuple[tuple[int, ...], str] | None = None,
+) -> torch.Tensor:
     """The K/V of the block file `path`, checked against what the lookup asked
-    for; `BlockFileError` when anything does not match."""
+    for (and `layout`, the `(shape, dtype)` a block must have, when given);
+    `BlockFileError` when anything does not match."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -118,6 +125,8 @@ def read_block(path: Path, key: bytes, tokens: tuple[int, ...], identity: str) -
         raise BlockFileError(f"is truncated ({len(payload)} of {expected} payload bytes)")
     if header.get("sha256") != _checksum(key, tokens, payload):
         raise BlockFileError("fails its checksum")
+    if layout is not None and (tuple(shape), header["dtype"]) != (tuple(layout[0]), layout[1]):
+        raise BlockFileError(f"holds K/V of shape {shape} {header['dtype']}, not {layout}")
     try:
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
     except RuntimeError:

@@ -60,6 +60,7 @@ class DiskTier(KVTier):
         self.write_through = write_through("disk", policy)
         self.capacity = capacity_of("disk", capacity_blocks, capacity_bytes, block_bytes)
         self.identity = identity_digest(self.kv_identity)
+        self.layout = block_layout(self.kv_identity)
         self.folder = _folder(path) if payloads else Path(str(path))
         self.index: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self.pending: set[bytes] = set()  # queued for writing: not loadable yet
@@ -107,7 +108,7 @@ class DiskTier(KVTier):
             start = time.perf_counter()
             path = self._path(key)
             try:
-                kv = read_block(path, key, tokens, self.identity)
+                kv = read_block(path, key, tokens, self.identity, self.layout)
             except BlockFileError as exc:
                 log.warning(
                     "kv_tier disk: %s %s; it is removed and its block computed instead",
@@ -212,6 +213,16 @@ class _Staged:
 
     def __call__(self) -> Any:
         return self.kv
+
+
+def block_layout(kv_identity: dict[str, Any]) -> tuple[tuple[int, ...], str] | None:
+    """The shape and dtype one block's K/V has (`KVCache`'s layout), from the
+    identity; None when the identity does not say (a tier built outside an engine)."""
+    names = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    if not all(n in kv_identity for n in names):
+        return None
+    layers, size, heads, dim, dtype = (kv_identity[n] for n in names)
+    return (2, layers, size, heads, dim), str(dtype)
 
 
 def _folder(path: str) -> Path:

@@ -1,6 +1,7 @@
 """The `disk` tier's folder across engines: a second engine on the same folder
 loads what the first computed instead of prefilling it, and a file it cannot
-trust (truncated, altered, another prefix's, another model's or block size's)
+trust (truncated, altered, another prefix's, another model's or block size's,
+K/V of another shape)
 or a write the disk refuses costs a recompute and one warning, never a wrong
 token. Every run is checked against transformers' tokens (the oracle's case).
 """
@@ -101,6 +102,13 @@ def corrupt_other_prefix(path, llm):
     write_block(path, key, (1, 2, 3, 4), llm.engine.kv_tier.identity, kv)
 
 
+def corrupt_other_shape(path, llm):
+    key, _ = block_file.parse_name(path.name)
+    tokens = tuple(cached_case("qwen3").prompts[LONG][8:12])
+    kv = block_file.read_block(path, key, tokens, llm.engine.kv_tier.identity)
+    write_block(path, key, tokens, llm.engine.kv_tier.identity, kv[:, :, :2])
+
+
 def corrupt_not_a_block(path, llm):
     path.write_text("not K/V")
 
@@ -112,6 +120,7 @@ def corrupt_not_a_block(path, llm):
         (corrupt_flipped_byte, "fails its checksum"),
         (corrupt_other_model, "was written for another model"),
         (corrupt_other_prefix, "holds another prefix's block"),
+        (corrupt_other_shape, "holds K/V of shape"),
         (corrupt_not_a_block, "is not a servelab KV block file"),
     ],
     ids=lambda x: getattr(x, "__name__", ""),

@@ -41,6 +41,7 @@ from servelab.plugins.kv_tiers.options import capacity_of, write_through
 from servelab.step.plan import BlockCopies
 
 log = logging.getLogger(__name__)
+DEFAULT_PATH = "~/.cache/servelab/kv_blocks"  # beside the kernel cache; one folder per user
 
 
 class DiskTier(KVTier):
@@ -51,7 +52,7 @@ class DiskTier(KVTier):
         block_bytes: int,
         kv_identity: dict[str, Any],
         payloads: bool,
-        path: str,
+        path: str = DEFAULT_PATH,
         capacity_blocks: int | None = None,
         capacity_bytes: int | str | None = None,
         policy: str = "write_through",

@@ -70,7 +70,7 @@ def test_none_is_the_default():
         ({"name": "host", "capacity_bytes": "1KiB"}, {}, "holds no block"),
         ({"name": "host", "capacity_bytes": "lots"}, {}, "cannot read 'lots' as a size"),
         ({"name": "host"}, {"swap_space": 0}, "raise engine.swap_space"),
-        ({"name": "disk"}, {}, "kv_tier 'disk' needs option 'path'"),
+        ({"name": "disk", "path": ""}, {}, "path must name a folder"),
         ({"name": "tiered", "path": "{tmp}", "policy": "lazy"}, {},
          "policy must be one of write_back, write_through"),
         ({"name": "disk", "path": "{tmp}/a-file"}, {}, "cannot make the folder"),

@@ -113,3 +113,19 @@ def test_every_tier_gives_the_oracles_tokens(combo, tier, tmp_path):
     if tier == "tiered":  # both levels served: host memory first, the disk what it dropped
         stats = llm.engine.kv_tier.stats()
         assert stats["host_hits"] > 0 and stats["disk_hits"] > 0, stats
+
+
+@pytest.mark.parametrize("tier", ["host", "tiered"])
+@pytest.mark.parametrize("allocator", [ALLOCATORS[0], ALLOCATORS[1]], ids=str)
+def test_a_decode_engine_with_a_tier_takes_handed_over_kv(allocator, tier, tmp_path):
+    """Prefill/decode disaggregation with a tier on both engines: admitting a
+    prefilled request may evict blocks into the tier and load others from it, and
+    those copies run before its received K/V is written into its fresh blocks."""
+    from servelab.testing.disaggregation import run_disaggregated
+
+    node, engine = tier_setup(tier, tmp_path)
+    combo = {**COMBOS[0], "allocator": allocator, "kv_tier": node}
+    # a decode cache of one max_model_len: admitting a handover evicts the shared prefix
+    small = {"kv_cache_memory": 64 * KIB}
+    run = run_disaggregated(cached_case("qwen3"), combo, decode_overrides=small, **engine)
+    assert run.tokens == cached_case("qwen3").expected

@@ -4,6 +4,8 @@ of them without a tier."""
 
 from __future__ import annotations
 
+import pytest
+
 from servelab.engine.summary import TIER_COUNTS, summarize
 from tests.engine.test_kv_tiers import run_rounds
 
@@ -28,7 +30,7 @@ def test_step_records_and_the_summary_count_the_tiers_work():
     assert summary["tier_bytes_loaded"] == figures.hits * tier.block_bytes
     assert summary["tier_hit_rate"] == figures.hits / (figures.hits + figures.misses)
     assert summary["tier_host_blocks"] == len(tier.entries)
-    assert summary["tier_load_ms"] > 0
+    assert summary["tier_load_ms"] == pytest.approx(sum(r["tier_load_ms"] for r in rows))
 
 
 def test_no_tier_no_tier_figures():

@@ -64,6 +64,7 @@ class LLM:
         attention: str | dict = KINDS["attention"].default,
         executor: str | dict = KINDS["executor"].default,
         proposer: str | dict = KINDS["proposer"].default,
+        kv_tier: str | dict = KINDS["kv_tier"].default,
         hardware: str | dict | None = None,
         **engine_options: Any,
     ) -> None:
@@ -76,6 +77,7 @@ class LLM:
                 "attention": attention,
                 "executor": executor,
                 "proposer": proposer,
+                "kv_tier": kv_tier,
                 "hardware": hardware,
                 "engine": with_device_dtype(engine_options),
             }

@@ -77,6 +77,8 @@ SLOW = (
     "tests/lab/test_presets.py",
     "tests/lab/test_repeats.py",
     "tests/plugins/test_allocator_stateful.py",
+    "tests/plugins/test_kv_tier_stateful.py",
+    "tests/engine/test_kv_tier_pressure.py",
     "tests/testing/test_conformance.py",
     "tests/testing/test_conformance_proposer.py",
     "tests/test_gpu_check.py::test_dry_run_runs_every_phase_and_writes_the_report",
@@ -108,6 +110,7 @@ SLOW = (
 # fast tier (the code path is exercised), the rest are slow.
 SWEEPS = (
     "tests/test_oracle.py::test_qwen3_every_combination",
+    "tests/engine/test_kv_tiers.py::test_every_tier_gives_the_oracles_tokens",
     "tests/test_oracle.py::test_other_architectures",
     "tests/test_oracle_speculative.py::test_every_combination_with_drafts",
     "tests/test_oracle_speculative.py::test_every_built_in_proposer",

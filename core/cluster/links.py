@@ -35,6 +35,16 @@ LINKS: dict[str, Link] = {
 }
 
 
+# where a KV tier keeps blocks below the device cache (servelab.contracts.kv_tier), as the
+# simulated executor prices a tier's copies: host memory over the device's host link (its
+# hardware profile's bandwidth, PCIe's latency), a tier's own storage over one NVMe SSD as
+# well (PCIe 4.0 x4 datacenter drives: about 7 GB/s sequential, e.g. Samsung PM9A3 or
+# Kioxia CM6; a read's latency of the order of 0.1 ms)
+STORAGE_LINKS: dict[str, Link] = {
+    link.name: link for link in (Link("nvme", 7e9, 100e-6),)
+}
+
+
 def link(name: str) -> Link:
     if name not in LINKS:
         raise ConfigError(f"unknown cluster.link {name!r}; links: {', '.join(LINKS)}")

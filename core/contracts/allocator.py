@@ -11,9 +11,11 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, ClassVar
 
+from servelab.errors import ConfigError
 from servelab.step.plan import BlockCopies
 
 if TYPE_CHECKING:
+    from servelab.contracts.kv_tier import KVTier
     from servelab.step.sequence import Sequence
 
 
@@ -129,6 +131,19 @@ class KVAllocator(abc.ABC):
         for seq in seqs:
             rewritten = self.commit(seq) or rewritten
         return rewritten
+
+    def attach_tier(self, tier: KVTier) -> None:
+        """Called once, before the first step, when the engine has a KV tier: the
+        prefix blocks this allocator evicts go to `tier` (or, for a write-through
+        tier, the blocks it completes), a new sequence's lookup continues there past
+        its device match, and the tier's copies leave with `take_copies`
+        (`servelab.contracts.kv_tier`). The default refuses: an allocator with no
+        prefix cache has nothing to keep below it."""
+        raise ConfigError(
+            f"allocator {getattr(self, 'name', type(self).__name__)!r} keeps no prefix cache, "
+            "so a KV tier has nothing to keep; use allocator=paged with "
+            "allocator.prefix_caching=true, or allocator=radix, or kv_tier=none"
+        )
 
     @abc.abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:

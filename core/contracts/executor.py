@@ -30,9 +30,9 @@ class Executor(abc.ABC):
 
     Rules: `execute(plan)` returns one token per sampling sequence (n for a
     prompt that forks now), in the model runner's order (a decode batch's rows
-    first); `apply(copies)` runs a step's copies in the order swap-out,
-    swap-in, copy-on-write and adds their bytes to `bytes_swapped_out` /
-    `bytes_swapped_in`; `now()` never goes backwards. An executor whose clock
+    first); `apply(copies)` runs a step's copies in `BlockCopies`' order (a KV
+    tier's stores, swap-out, a tier's loads, swap-in, copy-on-write) and adds the
+    swaps' bytes to `bytes_swapped_out` / `bytes_swapped_in`; `now()` never goes backwards. An executor whose clock
     is virtual (`virtual_clock`) advances it by what a step would cost, and
     `sleep` advances it instead of waiting.
 
@@ -46,11 +46,15 @@ class Executor(abc.ABC):
 
     description: ClassVar[str] = ""
     virtual_clock: ClassVar[bool] = False  # True: now() is modelled time, sleep() never waits
+    # True: `apply` runs a KV tier's copies (`BlockCopies.tier_*`); an engine refuses a
+    # tier with an executor that does not declare it (its loads would leave blocks unwritten)
+    runs_tier_copies: ClassVar[bool] = False
 
     model_config: Any  # servelab.model.config.ModelConfig
     tokenizer: Any = None  # None: prompts must be token ids
     bytes_swapped_out: int = 0
     bytes_swapped_in: int = 0
+    tier_load_seconds: float = 0.0  # time spent running a KV tier's loads (modelled, simulated)
     device: Any = None  # the torch.device its tensors live on; None: it keeps none
     tp: int = 1  # tensor-parallel ranks; over 1, each holds a share of every token's K/V
     scores_prompts: bool = True  # whether it computes prompt_logprobs (False: refused)
@@ -71,8 +75,9 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, copies: BlockCopies) -> None:
-        """Runs one step's block copies (swap-out, swap-in, copy-on-write); the
-        engine calls it only for a step that has some."""
+        """Runs one step's block copies in `BlockCopies`' order; the engine calls it
+        only for a step that has some (and once more after a step whose update
+        queued a write-through tier's stores)."""
 
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> SampledTokens:

@@ -60,6 +60,11 @@ def servelab_register_proposers() -> dict[str, type]:
 
 
 @hookspec
+def servelab_register_kv_tiers() -> dict[str, type]:
+    """KV tiers this plugin provides: `{name: subclass of servelab.contracts.kv_tier.KVTier}`."""
+
+
+@hookspec
 def servelab_register_routers() -> dict[str, type]:
     """Cluster routers this plugin provides: `{name: subclass of servelab.contracts.router.Router}`."""
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
+from servelab.contracts.kv_tier import KVTier
 from servelab.contracts.preemption import PreemptionPolicy
 from servelab.contracts.proposer import Proposer
 from servelab.contracts.router import Router
@@ -78,6 +79,15 @@ KINDS: dict[str, Kind] = {
             Proposer,
             "servelab_register_proposers",
             frozenset({"vocab_size", "engine_options"}),
+            "none",
+        ),
+        # below the device cache: where evicted prefix blocks go; `none` keeps none
+        # (servelab.contracts.kv_tier). Built after the allocator, whose block size it keeps
+        Kind(
+            "kv_tier",
+            KVTier,
+            "servelab_register_kv_tiers",
+            frozenset({"block_bytes", "kv_identity", "payloads"}),
             "none",
         ),
         # above the engine: a cluster builds one router for its replicas (servelab.cluster)

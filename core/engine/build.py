@@ -1,9 +1,9 @@
 """`build_engine`: the one place a config becomes an engine.
 
 A config is a mapping (a plain dict or a Hydra DictConfig) with the component
-nodes `model`, `scheduler`, `allocator`, `preemption`, `attention`, `executor`
-(each a name or `{name: ..., **options}`), an `engine` node of engine options,
-and optionally `hardware` (a profile the simulated executor reads).
+nodes `model`, `scheduler`, `allocator`, `preemption`, `attention`, `executor`,
+`proposer`, `kv_tier` (each a name or `{name: ..., **options}`), an `engine` node
+of engine options, and optionally `hardware` (a profile the simulated executor reads).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from servelab.contracts.kinds import ENGINE_KINDS, KINDS
 from servelab.engine.engine import Engine, Events
+from servelab.engine.tiers import build_kv_tier
 from servelab.errors import ConfigError
 from servelab.executor.device_memory import check_utilization
 from servelab.executor.forward import CPU_KERNEL_CHOICES
@@ -165,6 +166,9 @@ def build_engine(config: Mapping) -> Engine:
         host_token_capacity=host_capacity,
         max_model_len=max_model_len,
     )
+    kv_tier = build_kv_tier(
+        parts["kv_tier"], config.get("model", "tiny"), executor, allocator, opts
+    )
     preemption = construct("preemption", parts["preemption"])
     proposer = construct(
         "proposer",
@@ -197,6 +201,7 @@ def build_engine(config: Mapping) -> Engine:
         max_model_len,
         events=Events(get_plugin_manager()),
         config=described,
+        kv_tier=kv_tier,
     )
     engine.events.notify("servelab_engine_ready", engine=engine)
     return engine

@@ -26,6 +26,7 @@ import torch
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.attention import AttentionBackend
 from servelab.contracts.executor import Executor
+from servelab.contracts.kv_tier import KVTier
 from servelab.engine import handover
 from servelab.engine.failures import fail_step
 from servelab.engine.grammar_queue import GrammarQueue
@@ -76,6 +77,7 @@ class Engine:
         max_model_len: int,
         events: Events | None = None,
         config: dict | None = None,
+        kv_tier: KVTier | None = None,
     ) -> None:
         self.executor = executor  # the step's tensor work (or its cost model) and the clock
         self.model_config = executor.model_config
@@ -83,6 +85,7 @@ class Engine:
         self.scheduler = scheduler
         self.allocator = allocator
         self.backend = backend
+        self.kv_tier = kv_tier  # below the allocator's device cache (None: no tier)
         self.max_model_len = max_model_len
         self.config = config or {}
         self.events = events or Events()  # the event hooks: asked first, then called
@@ -301,6 +304,11 @@ class Engine:
             sampled = self._run(plan) if not plan.is_empty else SampledTokens([], [])
             stage = "scheduler.update"
             finished = self.scheduler.update(plan, sampled, self.now())
+            if self.kv_tier is not None:
+                stage = "executor.apply (a KV tier's stores of the blocks just computed)"
+                completed = self.allocator.take_copies()  # a write-through tier's
+                if completed:
+                    self.executor.apply(completed)
             # requests whose own sampling raised fail alone (request_failures)
             failed_alone = (
                 fail_sampled(self.groups, sampled, finished, self.scheduler, self.step_failures)
@@ -418,6 +426,7 @@ class Engine:
             scheduler=self.scheduler,
             executor=self.executor,
             backend=self.backend,
+            kv_tier=self.kv_tier,
         )
         self._step_index += 1
         if self.events.listened("servelab_step_end"):

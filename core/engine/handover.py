@@ -189,6 +189,12 @@ def add_prefilled_request(engine: Engine, request: PrefilledRequest, transfer: s
         kv = _check_kv(request.kv, executor, num_prompt, request_id)
 
         def write_kv(seq: Sequence, start: int) -> None:
+            if engine.kv_tier is not None:
+                # admitting it may have evicted blocks (their stores queued) and loaded
+                # some from the tier: those copies run first, then its K/V fills the rest
+                queued = engine.allocator.take_copies()
+                if queued:
+                    executor.apply(queued)
             executor.write_kv(engine.allocator.block_table(seq), kv, start, num_prompt)
 
     seq.token_times.append(now if request.first_token_time is None else request.first_token_time)

@@ -23,6 +23,7 @@ from servelab.step.sequence import FinishReason, SequenceStatus
 if TYPE_CHECKING:
     from servelab.contracts.allocator import KVAllocator
     from servelab.contracts.executor import Executor
+    from servelab.contracts.kv_tier import KVTier
     from servelab.scheduling.core import SchedulerCore
     from servelab.step.plan import SampledTokens, StepPlan
     from servelab.step.sequence import SequenceGroup
@@ -112,6 +113,20 @@ KNOWN_USAGE = frozenset({
 })  # fmt: skip
 
 
+def tier_counters(kv_tier: KVTier, executor: Executor) -> dict[str, float]:
+    """A KV tier's cumulative counts as `tier_<figure>` (`TierFigures`); its load time
+    is its own reading plus the executor's copies, in milliseconds (`tier_load_ms`)."""
+    counts = kv_tier.figures.as_dict()
+    seconds = counts.pop("read_seconds") + executor.tier_load_seconds
+    return {**{f"tier_{k}": v for k, v in counts.items()}, "tier_load_ms": 1e3 * seconds}
+
+
+def tier_levels(kv_tier: KVTier) -> dict[str, float]:
+    """The tier's own figures beyond the counts (what it holds), as `tier_<figure>`."""
+    counted = kv_tier.figures.as_dict()
+    return {f"tier_{k}": v for k, v in kv_tier.stats().items() if k not in counted}
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -185,6 +200,7 @@ class MetricsCollector:
         scheduler: SchedulerCore,
         executor: Executor,
         backend: AttentionBackend,
+        kv_tier: KVTier | None = None,
     ) -> StepRecord:
         """Records step number `step` (`sampled`: its executor's tokens; `now`: the
         engine's clock) with the parts' figures after it, and returns the record."""
@@ -203,6 +219,7 @@ class MetricsCollector:
                 "recomputed_tokens": stats.get("recomputed_tokens", 0),
                 # speculative decoding's counts (only with a proposer): per-step increases
                 **{k: v for k, v in stats.items() if k[:5] == "spec_"},
+                **(tier_counters(kv_tier, executor) if kv_tier is not None else {}),
                 # only a backend that keeps counters is asked for them
                 **(
                     {f"attn_{k}": v for k, v in backend.stats().items()}
@@ -241,6 +258,8 @@ class MetricsCollector:
             # increase, and the allocator's own figures as their values
             extra={**delta, **{f"kv_{k}": v for k, v in usage.items() if k not in KNOWN_USAGE}},
         )
+        if kv_tier is not None:  # what the tier holds after the step: values, not increases
+            record.extra.update(tier_levels(kv_tier))
         if sampled.grammar_mask is not None:  # structured outputs: the masks' cost
             rows, seconds = sampled.grammar_mask
             self.grammar_mask_seconds += seconds

@@ -195,8 +195,28 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
         "longest_stall_steps": stall.steps,
         "longest_stall_prefill_tokens": stall.prefill_tokens,
         **_speculation(steps),
+        **_tiers(steps),
     }
     return summary
+
+
+# a KV tier's per-step counts (servelab.engine.metrics.tier_counters): summed over the run
+TIER_COUNTS = ("tier_hits", "tier_misses", "tier_hit_tokens", "tier_blocks_stored",
+               "tier_blocks_dropped", "tier_blocks_evicted", "tier_load_failures",
+               "tier_bytes_loaded", "tier_bytes_stored", "tier_load_ms")  # fmt: skip
+
+
+def _tiers(steps: Sequence[StepRecord]) -> dict[str, float]:
+    """A KV tier's figures, for a run with one: its counts summed, the share of the
+    blocks missing on the device that it served (`tier_hit_rate`), and what it held
+    after the last step (`tier_<level>`)."""
+    if not steps or "tier_hits" not in steps[-1].extra:
+        return {}
+    out = {k: sum(s.extra.get(k, 0) for s in steps) for k in TIER_COUNTS}
+    looked_up = out["tier_hits"] + out["tier_misses"]
+    out["tier_hit_rate"] = out["tier_hits"] / looked_up if looked_up else 0.0
+    levels = {k: v for k, v in steps[-1].extra.items() if k[:5] == "tier_" and k not in out}
+    return out | levels
 
 
 def _speculation(steps: Sequence[StepRecord]) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """The KV tensors: the device pool every layer reads through block tables, the
-host pool swapped blocks live in, and `apply`, the one place block copies run.
+host pool swapped blocks (and a host KV tier's) live in, and `apply`, the one
+place block copies run.
 
 Layout: one tensor `[2 (k, v), num_layers, num_blocks, block_size,
 num_kv_heads, head_dim]`, so one indexed copy moves a block of every layer. `read` and `write` move one
@@ -7,6 +8,8 @@ sequence's tokens through its block table (prefill/decode disaggregation).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -37,6 +40,7 @@ class KVCache:
         self.bytes_swapped_out = 0
         self.bytes_swapped_in = 0
         self.bytes_copied = 0
+        self.tier_load_seconds = 0.0  # time running a KV tier's loads
 
     @staticmethod
     def bytes_per_token(
@@ -47,14 +51,18 @@ class KVCache:
         )
 
     def apply(self, copies: BlockCopies) -> None:
-        """Runs a step's copies in the only safe order: swap-out reads device blocks
-        before swap-in or copy-on-write may reuse them."""
+        """Runs a step's copies in the only safe order (`BlockCopies`): the reads of
+        device blocks (a tier's stores, swap-out) before the writes that may reuse them."""
+        if copies.has_tier_copies:
+            self._tier_stores(copies)
         if copies.swap_out:
             src, dst = self._index(copies.swap_out, self.device, "cpu")
             staged = self._download(self.device_pool[:, :, src])
             self._wait_for_downloads()  # the host reads `staged` next: its copy must be done
             self.host_pool[:, :, dst] = staged
             self.bytes_swapped_out += len(copies.swap_out) * self.block_bytes
+        if copies.tier_in or copies.tier_fetch:
+            self._tier_loads(copies)
         if copies.swap_in:
             src, dst = self._index(copies.swap_in, "cpu", self.device)
             self.device_pool[:, :, dst] = self.host_pool[:, :, src].to(
@@ -65,6 +73,34 @@ class KVCache:
             src, dst = self._index(copies.copy, self.device, self.device)
             self.device_pool[:, :, dst] = self.device_pool[:, :, src]
             self.bytes_copied += len(copies.copy) * self.block_bytes
+
+    # -- a KV tier's copies (servelab.contracts.kv_tier)
+    def _tier_stores(self, copies: BlockCopies) -> None:
+        if copies.tier_out:
+            src, dst = self._index(_last_writes(copies.tier_out), self.device, "cpu")
+            staged = self._download(self.device_pool[:, :, src])
+            self._wait_for_downloads()
+            self.host_pool[:, :, dst] = staged
+        if copies.tier_save:
+            blocks = [block for block, _ in copies.tier_save]
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            staged = self._download(self.device_pool[:, :, index])
+            self._wait_for_downloads()
+            for i, (_, sink) in enumerate(copies.tier_save):
+                sink(staged[:, :, i])
+
+    def _tier_loads(self, copies: BlockCopies) -> None:
+        start = time.perf_counter()
+        if copies.tier_in:
+            src, dst = self._index(_last_writes(copies.tier_in), "cpu", self.device)
+            self.device_pool[:, :, dst] = self.host_pool[:, :, src].to(self.device)
+        if copies.tier_fetch:
+            pairs = _last_writes(copies.tier_fetch)
+            dst = torch.tensor([block for _, block in pairs], dtype=torch.long, device=self.device)
+            kv = torch.stack([source() for source, _ in pairs], dim=2)
+            self.device_pool[:, :, dst] = kv.to(self.device, self.device_pool.dtype)
+        self._wait_for_downloads()  # so the time is the copies', not their launch
+        self.tier_load_seconds += time.perf_counter() - start
 
     # -- one sequence's tokens: token i at block_table[i // block_size], offset i % block_size
     def token_layout(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -113,3 +149,12 @@ class KVCache:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_device)
         return src, dst
+
+
+def _last_writes(pairs: list) -> list:
+    """`(src, dst)` pairs where a later pair writing the same `dst` replaces an
+    earlier one: one indexed assignment with a repeated index keeps an arbitrary one."""
+    last = {dst: i for i, (_, dst) in enumerate(pairs)}
+    if len(last) == len(pairs):
+        return pairs
+    return [pairs[i] for i in sorted(last.values())]

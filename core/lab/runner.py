@@ -338,6 +338,9 @@ CLUSTER_SECTION = ("replicas", "router", "requests_per_replica", "load_imbalance
 # a run with a proposer's own figures (docs/speculative.md)
 SPECULATION_SECTION = ("spec_draft_tokens", "spec_acceptance_pct", "spec_mean_accepted_length",
                        "spec_proposer_errors")  # fmt: skip
+# a run with a KV tier's own figures (docs/kv_tiers.md)
+TIER_SECTION = ("tier_hit_rate", "tier_hit_tokens", "tier_bytes_loaded", "tier_bytes_stored",
+                "tier_load_ms", "tier_load_failures")  # fmt: skip
 
 
 def print_summary(
@@ -356,6 +359,8 @@ def print_summary(
         sections["cluster"] = tuple(k for k in CLUSTER_SECTION if k in summary)
     if "spec_draft_tokens" in summary:
         sections["speculative decoding"] = SPECULATION_SECTION
+    if "tier_hits" in summary:
+        sections["kv tier"] = TIER_SECTION
     for section, keys in sections.items():
         table.add_section()
         table.add_row(f"[bold]{section}", "")

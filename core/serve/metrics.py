@@ -2,8 +2,8 @@
 never share figures): vLLM's names, types and `model_name` label, so a dashboard built
 for vLLM reads them unchanged, beside servelab's own `servelab_*` names.
 
-Engine state (queues, KV usage, preemptions, prefix-cache counters) is read when
-/metrics is scraped, so it is current whether the engine stepped, aborted or idles.
+Engine state (queues, KV usage, preemptions, prefix-cache and KV-tier counters)
+is read when /metrics is scraped, so it is current whether the engine stepped, aborted or idles.
 Request figures are observed when a request finishes, from the engine's own request
 record (queue, prefill, decode, TTFT, time per output token, end to end); inter-token
 gaps are the server's, between a request's Deltas.
@@ -90,6 +90,8 @@ class _EngineState:
         for kind, value in preempted.items():
             family.add_metric([kind], value)
         yield family
+        if engine.kv_tier is not None:  # a KV tier below the device cache
+            yield from _tier_families(engine)
         if engine.grammar_queue is not None:  # structured outputs, once a request had one
             grammars = engine.grammar_queue.stats()
             for key, doc in (("grammar_compiles", "grammars compiled"),
@@ -103,6 +105,33 @@ class _EngineState:
                                       value=engine.metrics.grammar_mask_seconds)  # fmt: skip
             yield GaugeMetricFamily("servelab_grammar_waiting", "requests waiting on a compile",
                                     value=grammars["grammar_waiting"])  # fmt: skip
+
+
+# a KV tier's counts (`servelab.contracts.kv_tier.TierFigures`): name -> what it counts
+_TIER_COUNTS = {
+    "hits": "blocks a lookup found below the device cache and loaded",
+    "misses": "blocks a lookup found neither on the device nor in the tier",
+    "hit_tokens": "tokens loaded from the tier instead of prefilled again",
+    "blocks_stored": "blocks copied into the tier",
+    "blocks_dropped": "blocks offered to the tier and not kept",
+    "blocks_evicted": "blocks the tier let go to make room",
+    "load_failures": "tier entries found damaged on load (their blocks recomputed)",
+    "bytes_loaded": "bytes loaded from the tier",
+    "bytes_stored": "bytes copied into the tier",
+}
+
+
+def _tier_families(engine):
+    """servelab_kv_tier_*: the tier's counts, its load time, and what it holds."""
+    counts = engine.kv_tier.figures.as_dict()
+    for key, doc in _TIER_COUNTS.items():
+        yield CounterMetricFamily(f"servelab_kv_tier_{key}", doc, value=counts[key])
+    seconds = counts["read_seconds"] + engine.executor.tier_load_seconds
+    yield CounterMetricFamily("servelab_kv_tier_load_seconds",
+                              "seconds spent loading blocks from the tier", value=seconds)  # fmt: skip
+    for key, value in engine.kv_tier.stats().items():
+        if key not in counts:  # what it holds now, e.g. host_blocks, disk_blocks
+            yield GaugeMetricFamily(f"servelab_kv_tier_{key}", f"the tier's {key}", value=value)
 
 
 class ServerMetrics:

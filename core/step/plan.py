@@ -30,10 +30,20 @@ if TYPE_CHECKING:
     from servelab.step.sequence import Sequence
 
 
+# one block's K/V ([2, layers, block_size, kv_heads, head_dim], on the CPU) to keep, and
+# a kept block's K/V to load: what a KV tier's storage exchanges with the executor
+BlockSink = Callable[[Any], None]
+BlockSource = Callable[[], Any]
+
+
 @dataclass
 class BlockCopies:
-    """Block copies an allocator asks for; `KVCache.apply` runs them, in this order:
-    swap-out (device -> host), swap-in (host -> device), copy-on-write (device -> device).
+    """Block copies an allocator asks for; the executor's `apply` runs them, in this
+    order: a KV tier's stores (`tier_out`, `tier_save`: they read evicted device blocks
+    before anything else may write them), swap-out (device -> host), a KV tier's loads
+    (`tier_in`, `tier_fetch`), swap-in (host -> device), copy-on-write (device -> device).
+    Within one list a later pair wins where two write the same block. The `tier_*`
+    lists stay empty without a KV tier (`servelab.contracts.kv_tier`).
     """
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
@@ -41,14 +51,37 @@ class BlockCopies:
     copy: list[tuple[int, int]] = field(
         default_factory=list
     )  # (src device block, dst device block)
+    # a KV tier keeping an evicted prefix block in a host block of the swap pool, and back
+    tier_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    tier_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # a KV tier's own storage (a disk): the executor hands a block's K/V to the sink, and
+    # writes what the source returns into a block (`servelab.contracts.kv_tier`)
+    tier_save: list[tuple[int, BlockSink]] = field(default_factory=list)
+    tier_fetch: list[tuple[BlockSource, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy)
+        return bool(
+            self.swap_out
+            or self.swap_in
+            or self.copy
+            or self.tier_out
+            or self.tier_in
+            or self.tier_save
+            or self.tier_fetch
+        )
+
+    @property
+    def has_tier_copies(self) -> bool:
+        return bool(self.tier_out or self.tier_in or self.tier_save or self.tier_fetch)
 
     def extend(self, other: BlockCopies) -> None:
         self.swap_out += other.swap_out
         self.swap_in += other.swap_in
         self.copy += other.copy
+        self.tier_out += other.tier_out
+        self.tier_in += other.tier_in
+        self.tier_save += other.tier_save
+        self.tier_fetch += other.tier_fetch
 
 
 class StepPlan:

@@ -7,14 +7,21 @@ That catches a missed copy-on-write, a prefix-cache hit on wrong content, a
 swap that loses a block, and a leaked or double-freed block
 (`check_integrity()`, and every block free once every sequence is freed).
 
+With a KV tier attached (`tier`: a function of the allocator's block size that
+makes one), the tier's copies are replayed too, its payloads being the shadow
+blocks' tokens: a load of another prefix's block reads back wrong tokens. The
+host pool must stay one budget: each host block free, swapped or the tier's.
+
     run_allocator_machine(PagedAllocator, {"block_size": 4})
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from servelab.contracts.allocator import KVAllocator
+from servelab.contracts.kv_tier import KVTier
 from servelab.step.sequence import SamplingParams, Sequence
 from servelab.testing.deps import require
 
@@ -61,25 +68,53 @@ class AllocatorMachine(stateful.RuleBasedStateMachine):
     cls: type
     options: dict = {}
     capacity: int | None = None
+    make_tier: Callable[[int], KVTier] | None = None  # block size -> a tier to attach
 
     def __init__(self) -> None:
         super().__init__()
         self.alloc = build_allocator(self.cls, self.options, self.capacity)
         bs = self.alloc.block_size
+        self.tier = None
+        if self.make_tier is not None:
+            self.tier = type(self).make_tier(bs)
+            self.alloc.attach_tier(self.tier)
         self.device = {b: [None] * bs for b in range(self.alloc.num_blocks)}
         self.host = {b: [None] * bs for b in range(getattr(self.alloc, "num_host_blocks", 0))}
         self.on_device: list[Sequence] = []
         self.on_host: list[list[Sequence]] = []
+        self.freed: list[list[int]] = []  # tokens of sequences freed: a later turn repeats one
 
     # -- shadow KV
     def replay(self) -> None:
+        """Runs the queued copies in the executor's order (`BlockCopies`)."""
         copies = self.alloc.take_copies()
+        for dev, host in copies.tier_out:
+            self.host[host] = list(self.device[dev])
+        for dev, sink in copies.tier_save:
+            sink(self.payload(self.device[dev]))
         for dev, host in copies.swap_out:
             self.host[host] = list(self.device[dev])
+        for host, dev in copies.tier_in:
+            self.device[dev] = list(self.host[host])
+        for source, dev in copies.tier_fetch:
+            self.device[dev] = self.unpayload(source())
         for host, dev in copies.swap_in:
             self.device[dev] = list(self.host[host])
         for src, dst in copies.copy:
             self.device[dst] = list(self.device[src])
+
+    @staticmethod
+    def payload(block: list) -> Any:
+        """A shadow block as an executor hands K/V to a tier's storage: a tensor of
+        the K/V layout ([2, layers, block_size, heads, head_dim]), tokens as values."""
+        import torch
+
+        values = [-1 if t is None else t for t in block]
+        return torch.tensor(values, dtype=torch.float64).reshape(1, 1, len(values), 1, 1)
+
+    @staticmethod
+    def unpayload(kv: Any) -> list:
+        return [None if t < 0 else int(t) for t in kv.reshape(-1).tolist()]
 
     def write(self, seq: Sequence, upto: int) -> None:
         """The forward: the sequence's tokens up to `upto` land in its slots."""
@@ -187,12 +222,32 @@ class AllocatorMachine(stateful.RuleBasedStateMachine):
         self.alloc.fork(parent, child)
         self.on_device.append(child)
 
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), max_size=4))
+    def readmit(self, data, tail):
+        """A later turn: a freed sequence's tokens again, maybe with more after them
+        (its prefix may still be cached, or evicted and kept below)."""
+        tokens = data.draw(st.sampled_from(self.freed)) + tail
+        seq = Sequence("r", tokens[:MAX_MODEL_LEN], SamplingParams())
+        if self.grow(seq, seq.num_tokens):
+            self.on_device.append(seq)
+
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.on_device))
         self.on_device.remove(seq)
+        self.freed.append(list(seq.token_ids[: seq.num_computed_tokens]))
         self.alloc.free(seq)
+
+    @precondition(lambda self: len(self.on_device) > 1)
+    @rule()
+    def drain(self):
+        """Every running sequence finishes (a batch ends): the cache holds only what it keeps."""
+        for seq in self.on_device:
+            self.freed.append(list(seq.token_ids[: seq.num_computed_tokens]))
+            self.alloc.free(seq)
+        self.on_device.clear()
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -229,6 +284,21 @@ class AllocatorMachine(stateful.RuleBasedStateMachine):
     @invariant()
     def integrity(self):
         self.alloc.check_integrity()
+        if self.tier is not None:
+            self.tier.check_integrity()
+
+    @invariant()
+    def host_memory_is_one_budget(self):
+        """Swapped blocks, the tier's and the free ones never exceed the host pool."""
+        alloc = self.alloc
+        if self.tier is None or not hasattr(alloc, "host_free"):
+            return
+        swapped = {b for table in alloc.host_tables.values() for b in table}
+        tier = self.tier.host_blocks_held()
+        assert len(swapped) + len(tier) + len(alloc.host_free) == alloc.num_host_blocks, (
+            f"host blocks: {len(swapped)} swapped + {len(tier)} in the tier + "
+            f"{len(alloc.host_free)} free != the pool's {alloc.num_host_blocks}"
+        )
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
@@ -253,14 +323,17 @@ class AllocatorMachine(stateful.RuleBasedStateMachine):
 
 
 def machine_for(
-    cls: type, options: dict[str, Any] | None = None, capacity: int | None = None
+    cls: type,
+    options: dict[str, Any] | None = None,
+    capacity: int | None = None,
+    tier: Callable[[int], KVTier] | None = None,
 ) -> type[AllocatorMachine]:
-    """An `AllocatorMachine` subclass bound to one allocator class and its options."""
-    return type(
-        f"{cls.__name__}Machine",
-        (AllocatorMachine,),
-        {"cls": cls, "options": dict(options or {}), "capacity": capacity},
-    )
+    """An `AllocatorMachine` subclass bound to one allocator class and its options
+    (and a KV tier below it: `tier(block_size)` makes one per run)."""
+    attrs = {"cls": cls, "options": dict(options or {}), "capacity": capacity}
+    if tier is not None:
+        attrs["make_tier"] = staticmethod(tier)
+    return type(f"{cls.__name__}Machine", (AllocatorMachine,), attrs)
 
 
 def run_allocator_machine(
@@ -270,11 +343,15 @@ def run_allocator_machine(
     capacity: int | None = None,
     max_examples: int = 60,
     steps: int = 30,
+    tier: Callable[[int], KVTier] | None = None,
+    derandomize: bool = False,
 ) -> None:
-    """Runs the state machine on `cls(**options)`; hypothesis raises (with the
-    shrunk sequence of actions) on the first broken property."""
-    machine = machine_for(cls, options, capacity)
+    """Runs the state machine on `cls(**options)` (with a KV tier from `tier`);
+    hypothesis raises (with the shrunk sequence of actions) on the first broken
+    property. `derandomize`: the same examples every run."""
+    machine = machine_for(cls, options, capacity, tier)
     settings = hypothesis.settings(
+        derandomize=derandomize,
         max_examples=max_examples,
         stateful_step_count=steps,
         deadline=None,

@@ -22,7 +22,9 @@ from collections import OrderedDict, deque
 
 from servelab.contracts.allocator import KVAllocator
 from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.kv_tier import KVTier, block_key
 from servelab.errors import ConfigError
+from servelab.plugins.allocators.tiering import TierLink
 from servelab.step.plan import BlockCopies
 from servelab.step.sequence import Sequence
 
@@ -64,6 +66,7 @@ class BlockTableAllocator(KVAllocator):
         self.prefix_hit_tokens = self.prefix_query_tokens = 0
         self.blocks_swapped_out = self.blocks_swapped_in = self.blocks_copied = 0
         self.evictions = 0  # cached blocks evicted so far (a subclass's cache counts them)
+        self.tier_link: TierLink | None = None  # a KV tier below the cache (`attach_tier`)
 
     # -- what a prefix cache provides
     @abc.abstractmethod
@@ -94,6 +97,17 @@ class BlockTableAllocator(KVAllocator):
         """A block others may read through the cache: a write into it copies it first."""
         return False
 
+    # -- what a KV tier below the cache needs (`tiering.TierLink`)
+    def attach_tier(self, tier: KVTier) -> None:
+        self.tier_link = TierLink(self, tier)
+
+    def _block_key(self, block: int) -> bytes:
+        """The tier key (`block_key`) of a cached block."""
+        raise NotImplementedError
+
+    def _adopt_loaded(self, seq: Sequence, table: list[int], start: int, keys: list[bytes]) -> None:
+        """`table[start:]` were just loaded from the tier under `keys`: cache them."""
+
     # -- block primitives
     def _revive(self, block: int) -> None:
         """One more table holds a block found in the prefix cache."""
@@ -117,7 +131,9 @@ class BlockTableAllocator(KVAllocator):
 
     # -- prefix matching and commits
     def match_prefix(self, seq: Sequence) -> int:
-        return len(self._matched_blocks(seq)) * self.block_size
+        matched = self._matched_blocks(seq)
+        below = len(self.tier_link.hits(seq, matched)) if self.tier_link is not None else 0
+        return (len(matched) + below) * self.block_size
 
     def commit(self, seq: Sequence) -> bool:
         table = self.tables.get(seq.seq_id)
@@ -171,6 +187,8 @@ class BlockTableAllocator(KVAllocator):
         table = self.tables.get(seq.seq_id)
         if table is None:
             table = self.tables[seq.seq_id] = self._attach(seq)
+            if self.tier_link is not None:  # the lookup goes on below the device cache
+                self.tier_link.load(seq, table, num_tokens)
             cached = len(table) * self.block_size
             self.filled_upto[seq.seq_id] = cached
             if self.prefix_caching:
@@ -229,6 +247,8 @@ class BlockTableAllocator(KVAllocator):
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         blocks = {b for s in seqs for b in self.tables[s.seq_id]}
+        if self.tier_link is not None:  # the tier gives its host blocks back to swap
+            return len(blocks) <= self.tier_link.host_blocks_free()
         return len(blocks) <= len(self.host_free)
 
     def _swapped_out(self, seq: Sequence) -> None:
@@ -238,6 +258,8 @@ class BlockTableAllocator(KVAllocator):
         """The sequence came back in fresh device blocks (shared where its host ones were)."""
 
     def swap_out(self, seqs: list[Sequence]) -> None:
+        if self.tier_link is not None:
+            self.tier_link.make_host_room(len({b for s in seqs for b in self.tables[s.seq_id]}))
         to_host: dict[int, int] = {}
         for seq in seqs:
             host_table = []
@@ -260,6 +282,8 @@ class BlockTableAllocator(KVAllocator):
 
     def swap_in(self, seqs: list[Sequence]) -> None:
         to_device: dict[int, int] = {}
+        if self.tier_link is not None:  # their host blocks are read by this step's copies
+            self.tier_link.swapping_in([h for s in seqs for h in self.host_tables[s.seq_id]])
         for seq in seqs:
             table = []
             for host in self.host_tables.pop(seq.seq_id):
@@ -277,6 +301,8 @@ class BlockTableAllocator(KVAllocator):
 
     def take_copies(self) -> BlockCopies:
         copies, self.copies = self.copies, BlockCopies()
+        if self.tier_link is not None:
+            return self.tier_link.take_copies(copies)
         return copies
 
     # -- figures
@@ -287,7 +313,9 @@ class BlockTableAllocator(KVAllocator):
             "tokens_capacity": self.num_blocks * self.block_size,
             "blocks_free": self.num_free_blocks,
             "blocks_total": self.num_blocks,
-            "host_blocks_free": len(self.host_free),
+            "host_blocks_free": len(self.host_free)
+            if self.tier_link is None
+            else self.tier_link.host_blocks_free(),
             "host_blocks_total": self.num_host_blocks,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_query_tokens": self.prefix_query_tokens,
@@ -316,8 +344,13 @@ def check_table_invariants(alloc: BlockTableAllocator) -> None:
     assert host_refs == alloc.host_ref_count, "host ref counts differ from host tables"
     host_free = set(alloc.host_free)
     assert len(host_free) == len(alloc.host_free), "a host block is twice in the free list"
+    # the host pool is one budget: each block free, held by swapped sequences, or the tier's
+    tier_held = alloc.tier_link.tier.host_blocks_held() if alloc.tier_link is not None else []
+    assert len(set(tier_held)) == len(tier_held), "the tier holds a host block twice"
+    assert not host_free & set(tier_held), "a host block is both free and the tier's"
     for block in range(alloc.num_host_blocks):
-        assert (block in host_free) == (host_refs[block] == 0), f"host block {block}"
+        unheld = block in host_free or block in tier_held
+        assert unheld == (host_refs[block] == 0), f"host block {block}"
     for seq_id, table in alloc.tables.items():
         assert len(table) <= cdiv(alloc.max_model_len, alloc.block_size), (
             f"sequence {seq_id} holds more blocks than max_model_len needs"
@@ -412,6 +445,8 @@ class PagedAllocator(BlockTableAllocator):
         else:
             block = self.free_cached.evict()
             self.evictions += 1
+            if self.tier_link is not None:
+                self.tier_link.evicted(self.block_hash[block], self.block_tokens[block], block)
             self._unpublish(block)
         self.ref_count[block] = 1
         return block
@@ -434,7 +469,10 @@ class PagedAllocator(BlockTableAllocator):
         return True
 
     # -- prefix cache
-    def _chain_hash(self, parent: int | None, tokens: tuple[int, ...]) -> int:
+    def _chain_hash(self, parent, tokens: tuple[int, ...]):
+        # with a KV tier, the tier's key: a block below is found by the same chain
+        if self.tier_link is not None:
+            return block_key(parent, tokens)
         return hash((parent, tokens))
 
     def _matched_blocks(self, seq: Sequence) -> list[int]:
@@ -479,7 +517,32 @@ class PagedAllocator(BlockTableAllocator):
                 self.hash_to_block[h] = block
                 self.block_hash[block] = h
                 self.block_tokens[block] = tokens
+                if self.tier_link is not None:
+                    self.tier_link.completed(h, tokens, block)
         return False
+
+    # -- a KV tier below the cache
+    def attach_tier(self, tier: KVTier) -> None:
+        if not self.prefix_caching:
+            raise ConfigError(
+                "a KV tier keeps the prefix cache's evicted blocks, and allocator "
+                f"{getattr(self, 'name', 'paged')!r} has prefix_caching off; set "
+                "allocator.prefix_caching=true (or use allocator=radix, or kv_tier=none)"
+            )
+        super().attach_tier(tier)
+
+    def _block_key(self, block: int) -> bytes:
+        return self.block_hash[block]
+
+    def _adopt_loaded(self, seq: Sequence, table: list[int], start: int, keys: list[bytes]) -> None:
+        bs, hashes = self.block_size, self.seq_hashes[seq.seq_id]
+        for i, key in enumerate(keys, start):
+            block = table[i]
+            hashes.append(key)
+            if key not in self.hash_to_block:  # published like any computed block
+                self.hash_to_block[key] = block
+                self.block_hash[block] = key
+                self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
 
     # -- the decode fast path
     def extend_decodes(self, seqs: list[Sequence], rows: list[int]) -> list[int] | None:

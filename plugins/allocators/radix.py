@@ -18,6 +18,7 @@ Written against the public contract only.
 from __future__ import annotations
 
 from servelab.contracts.hookspecs import hookimpl
+from servelab.contracts.kv_tier import block_key
 from servelab.errors import ConfigError
 from servelab.plugins.allocators.paged import BlockTableAllocator, check_table_invariants
 from servelab.plugins.allocators.radix_tree import Node, RadixTree
@@ -53,6 +54,8 @@ class RadixAllocator(BlockTableAllocator):
         # leading pages of a sequence's table that are its path in the tree; None:
         # it stopped publishing (its path went through a copy, or it was swapped out)
         self.tree_pages: dict[int, int | None] = {}
+        # with a KV tier: each tree block's tier key (the chain of its path's pages)
+        self.block_keys: dict[int, bytes] = {}
 
     # -- the cache's block states
     def _take_free(self) -> int:
@@ -71,6 +74,11 @@ class RadixAllocator(BlockTableAllocator):
             raise RuntimeError("no free block and nothing to evict; check blocks_needed first")
         leaf = min(leaves, key=lambda n: n.last_access)
         self.tree.remove_leaf(leaf)
+        if self.tier_link is not None:
+            page = self.block_size
+            for i, block in enumerate(leaf.blocks):
+                key, tokens = self.block_keys.pop(block), leaf.key[i * page : (i + 1) * page]
+                self.tier_link.evicted(key, tokens, block)
         for block in leaf.blocks:
             self.fill[block] = 0
             self.free_list.append(block)
@@ -160,6 +168,8 @@ class RadixAllocator(BlockTableAllocator):
     def _hang(self, parent: Node, key: tuple[int, ...], blocks: list[int]) -> None:
         """New pages under `parent`, whose children start with none of them."""
         tree = self.tree
+        if self.tier_link is not None:
+            self._key_pages(parent, key, blocks)
         if (
             parent is not tree.root
             and not parent.children
@@ -181,6 +191,27 @@ class RadixAllocator(BlockTableAllocator):
             self.tree.touch(path[-1][0])
         self.tree_pages[seq.seq_id] = len(blocks)
         return blocks
+
+    # -- a KV tier below the tree
+    def _key_pages(self, parent: Node, key: tuple[int, ...], blocks: list[int]) -> None:
+        """Keys the pages hung under `parent`; a write-through tier keeps each now."""
+        page, link = self.block_size, self.tier_link
+        assert link is not None
+        chain = None if parent is self.tree.root else self.block_keys[parent.blocks[-1]]
+        for i, block in enumerate(blocks):
+            tokens = key[i * page : (i + 1) * page]
+            chain = self.block_keys[block] = block_key(chain, tokens)
+            link.completed(chain, tokens, block)
+
+    def _block_key(self, block: int) -> bytes:
+        return self.block_keys[block]
+
+    def _adopt_loaded(self, seq: Sequence, table: list[int], start: int, keys: list[bytes]) -> None:
+        """Hangs the loaded pages under the sequence's tree path (`_attach` made it end a run)."""
+        parent = self.tree.node_of_block[table[start - 1]] if start else self.tree.root
+        page = self.block_size
+        self._hang(parent, tuple(seq.token_ids[start * page : len(table) * page]), table[start:])
+        self.tree_pages[seq.seq_id] = len(table)
 
     # -- per-sequence tree paths
     def _copy_on_write(self, seq: Sequence, table: list[int]) -> int:
@@ -222,6 +253,8 @@ class RadixAllocator(BlockTableAllocator):
         _check_blocks(self)
         _check_tree(self)
         _check_paths(self)
+        if self.tier_link is not None:
+            assert self.block_keys.keys() == self.tree.node_of_block.keys(), "tier keys != tree"
 
 
 @hookimpl

@@ -53,6 +53,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
 
 class ModelExecutor(Executor):
     description = "the real model forward on the configured device; wall-clock time"
+    runs_tier_copies = True  # KVCache.apply runs them
 
     def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
         opts = engine_options
@@ -189,6 +190,7 @@ class ModelExecutor(Executor):
         # plain attributes, read every step without a call into this module
         self.bytes_swapped_out = cache.bytes_swapped_out
         self.bytes_swapped_in = cache.bytes_swapped_in
+        self.tier_load_seconds = cache.tier_load_seconds
         if self.group is not None and copies:
             self.runner.pending_copies.append(copies)  # the workers run them before the next step
 

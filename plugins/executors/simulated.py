@@ -11,6 +11,9 @@ prefix caching of generated text behaves as for real, and requests run to
 `max_tokens`. Logprobs, when a request asks, are those of a uniform draw: every
 token's is -log(vocab), the alternatives the sampled token and the ids after it.
 
+A KV tier's copies are priced per step by link (`tier_copy_time`): host memory
+over the host link, a disk over it and an NVMe drive (`servelab.cluster.links`).
+
 Speculative decoding: a row with drafts is verified against the stand-ins (kept up
 to the first that differs) and priced as a decode of its 1 + drafts query tokens
 (`cost_model.step_shape`). When the engine's proposer names a `draft_model`
@@ -29,6 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from servelab.cluster.links import LINKS, STORAGE_LINKS, Link
 from servelab.contracts.executor import Executor
 from servelab.contracts.hookspecs import hookimpl
 from servelab.errors import ConfigError
@@ -47,6 +51,7 @@ from servelab.model.loader import load_shape, model_source
 from servelab.step.plan import SampledTokens, StepPlan
 from servelab.step.verify import kept_tokens
 
+NVME = STORAGE_LINKS["nvme"]
 SCALAR_ROWS = 16  # decode rows up to which stand-in tokens are drawn with Python ints
 _EMPTY = np.zeros(0)
 _EMPTY.flags.writeable = False
@@ -66,6 +71,7 @@ class DecodeRows(NamedTuple):
 class SimulatedExecutor(Executor):
     description = "a cost model of the hardware profile; stand-in tokens, a virtual clock"
     virtual_clock = True
+    runs_tier_copies = True  # priced; there is no K/V to move
     samples_stand_ins = True  # its sampled tokens are servelab.executor.stand_in's
     graphs_status = "off (simulated)"
 
@@ -86,6 +92,9 @@ class SimulatedExecutor(Executor):
                 f"and {c.num_kv_heads} KV heads"
             )
         self.cost = CostModel(Shape.of(c), self.profile, dtype, self.element_size, self.tp)
+        # a KV tier's host memory: the profile's host link, at PCIe's latency
+        pcie = LINKS["pcie"]
+        self.tier_host_link = Link("host", self.profile.host_link_bandwidth, pcie.latency_s)
         # the proposer's draft model, priced on the same hardware (price_drafts)
         self.draft_cost: CostModel | None = None
         self.draft_model: str | None = None
@@ -184,6 +193,23 @@ class SimulatedExecutor(Executor):
         self.bytes_swapped_in += back
         self.bytes_copied += copied
         self.time += self.cost.copy_time(out + back, copied)
+        if copies.has_tier_copies:
+            stores = self.tier_copy_time(len(copies.tier_out), len(copies.tier_save))
+            loads = self.tier_copy_time(len(copies.tier_in), len(copies.tier_fetch))
+            self.time += stores + loads
+            self.tier_load_seconds += loads
+
+    def tier_copy_time(self, host_blocks: int, storage_blocks: int) -> float:
+        """A KV tier's copies one way (`servelab.cluster.links`): blocks to or from
+        host memory cross the host link; to or from the tier's own storage (a disk)
+        they cross it and an NVMe drive too. Each device moves its 1/p share."""
+        host = self.tier_host_link
+        seconds = 0.0
+        for blocks, links in ((host_blocks, (host,)), (storage_blocks, (host, NVME))):
+            if blocks:
+                share = blocks * self.block_bytes / self.tp
+                seconds += sum(link.transfer_seconds(share) for link in links)
+        return seconds
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         step, owners, tokens = self.read_plan(plan)

@@ -51,7 +51,7 @@ def test_the_repeats_the_guide_states_are_the_presets():
 def test_the_guide_lists_every_option_of_every_group():
     listing = ABLATION[ABLATION.index("conf/config.yaml        defaults list") :]
     for group in ("model", "scheduler", "allocator", "preemption", "attention", "executor",
-                  "hardware", "workload", "device"):  # fmt: skip
+                  "kv_tier", "hardware", "workload", "device"):  # fmt: skip
         line = next((ln for ln in listing.splitlines() if ln.startswith(f"conf/{group}/")), None)
         assert line is not None, f"docs/ablation.md lists no conf/{group}/"
         named = set(re.findall(r"[\w.-]+", line.split("/", 2)[2]))

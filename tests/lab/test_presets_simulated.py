@@ -67,3 +67,17 @@ def test_speculative_decoding_h100(tmp_path):
     with Image.open(tmp_path / "speculative_decoding_h100" / "speculation.png") as image:
         low, high = image.convert("L").getextrema()
         assert image.width > 100 and low < high
+
+
+def test_kv_tiers(tmp_path):
+    """Fewer chats (their histories still outgrow the device cache): every tier
+    computes fewer prompt tokens than none, host memory brings the first token
+    sooner, and host over disk loads faster than the disk alone."""
+    runs = run_preset(tmp_path, "kv_tiers", "workload.num_conversations=32",
+                      "engine.kv_cache_memory=2GiB")  # fmt: skip
+    none, host, disk, tiered = (runs[t] for t in ("none", "host", "disk", "tiered"))
+    for tier in (host, disk, tiered):
+        assert tier["prefill_tokens"] <= 0.6 * none["prefill_tokens"]
+        assert tier["tier_hit_rate"] > 0
+    assert host["ttft_p50_ms"] < none["ttft_p50_ms"]
+    assert tiered["tier_load_ms"] < disk["tier_load_ms"]

@@ -55,6 +55,7 @@ class Executor(abc.ABC):
     bytes_swapped_out: int = 0
     bytes_swapped_in: int = 0
     tier_load_seconds: float = 0.0  # time spent running a KV tier's loads (modelled, simulated)
+    tier_store_seconds: float = 0.0  # and its stores
     device: Any = None  # the torch.device its tensors live on; None: it keeps none
     tp: int = 1  # tensor-parallel ranks; over 1, each holds a share of every token's K/V
     scores_prompts: bool = True  # whether it computes prompt_logprobs (False: refused)

@@ -85,8 +85,10 @@ class KVTier(abc.ABC):
       cannot trust (a damaged or foreign file) is never read as K/V;
     - `store(key, tokens, block)` keeps a copy of device block `block` (a copy
       queued) or drops it; called for a block it holds already, it only records
-      the use. An entry a load was queued from this step is not evicted before
-      `take_copies` hands that load over;
+      the use;
+    - a queued load gets what its entry held when it was queued, whatever the tier
+      does with the entry before `take_copies` hands the load over (`host` keeps
+      such an entry until then; `disk` reads and stages the K/V at `load`);
     - host blocks come only from the `HostBlocks` given to `bind`, and go back
       through it or `reclaim_host_blocks`;
     - `check_integrity()` raises AssertionError on any broken invariant.

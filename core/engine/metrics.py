@@ -115,10 +115,15 @@ KNOWN_USAGE = frozenset({
 
 def tier_counters(kv_tier: KVTier, executor: Executor) -> dict[str, float]:
     """A KV tier's cumulative counts as `tier_<figure>` (`TierFigures`); its load time
-    is its own reading plus the executor's copies, in milliseconds (`tier_load_ms`)."""
+    is its own reading plus the executor's copies, in milliseconds (`tier_load_ms`),
+    its store time the executor's stores (`tier_store_ms`: a disk's writes included)."""
     counts = kv_tier.figures.as_dict()
     seconds = counts.pop("read_seconds") + executor.tier_load_seconds
-    return {**{f"tier_{k}": v for k, v in counts.items()}, "tier_load_ms": 1e3 * seconds}
+    return {
+        **{f"tier_{k}": v for k, v in counts.items()},
+        "tier_load_ms": 1e3 * seconds,
+        "tier_store_ms": 1e3 * executor.tier_store_seconds,
+    }
 
 
 def tier_levels(kv_tier: KVTier) -> dict[str, float]:

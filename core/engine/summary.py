@@ -203,7 +203,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
 # a KV tier's per-step counts (servelab.engine.metrics.tier_counters): summed over the run
 TIER_COUNTS = ("tier_hits", "tier_misses", "tier_hit_tokens", "tier_blocks_stored",
                "tier_blocks_dropped", "tier_blocks_evicted", "tier_load_failures",
-               "tier_bytes_loaded", "tier_bytes_stored", "tier_load_ms")  # fmt: skip
+               "tier_bytes_loaded", "tier_bytes_stored", "tier_load_ms", "tier_store_ms")  # fmt: skip
 
 
 def _tiers(steps: Sequence[StepRecord]) -> dict[str, float]:

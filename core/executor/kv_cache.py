@@ -41,6 +41,7 @@ class KVCache:
         self.bytes_swapped_in = 0
         self.bytes_copied = 0
         self.tier_load_seconds = 0.0  # time running a KV tier's loads
+        self.tier_store_seconds = 0.0  # and its stores (a disk tier's writes included)
 
     @staticmethod
     def bytes_per_token(
@@ -76,6 +77,7 @@ class KVCache:
 
     # -- a KV tier's copies (servelab.contracts.kv_tier)
     def _tier_stores(self, copies: BlockCopies) -> None:
+        start = time.perf_counter()
         if copies.tier_out:
             src, dst = self._index(_last_writes(copies.tier_out), self.device, "cpu")
             staged = self._download(self.device_pool[:, :, src])
@@ -88,6 +90,7 @@ class KVCache:
             self._wait_for_downloads()
             for i, (_, sink) in enumerate(copies.tier_save):
                 sink(staged[:, :, i])
+        self.tier_store_seconds += time.perf_counter() - start
 
     def _tier_loads(self, copies: BlockCopies) -> None:
         start = time.perf_counter()

@@ -340,7 +340,7 @@ SPECULATION_SECTION = ("spec_draft_tokens", "spec_acceptance_pct", "spec_mean_ac
                        "spec_proposer_errors")  # fmt: skip
 # a run with a KV tier's own figures (docs/kv_tiers.md)
 TIER_SECTION = ("tier_hit_rate", "tier_hit_tokens", "tier_bytes_loaded", "tier_bytes_stored",
-                "tier_load_ms", "tier_load_failures")  # fmt: skip
+                "tier_load_ms", "tier_store_ms", "tier_load_failures")  # fmt: skip
 
 
 def print_summary(

@@ -129,6 +129,9 @@ def _tier_families(engine):
     seconds = counts["read_seconds"] + engine.executor.tier_load_seconds
     yield CounterMetricFamily("servelab_kv_tier_load_seconds",
                               "seconds spent loading blocks from the tier", value=seconds)  # fmt: skip
+    yield CounterMetricFamily("servelab_kv_tier_store_seconds",
+                              "seconds spent copying blocks into the tier",
+                              value=engine.executor.tier_store_seconds)  # fmt: skip
     for key, value in engine.kv_tier.stats().items():
         if key not in counts:  # what it holds now, e.g. host_blocks, disk_blocks
             yield GaugeMetricFamily(f"servelab_kv_tier_{key}", f"the tier's {key}", value=value)

@@ -191,6 +191,7 @@ class ModelExecutor(Executor):
         self.bytes_swapped_out = cache.bytes_swapped_out
         self.bytes_swapped_in = cache.bytes_swapped_in
         self.tier_load_seconds = cache.tier_load_seconds
+        self.tier_store_seconds = cache.tier_store_seconds
         if self.group is not None and copies:
             self.runner.pending_copies.append(copies)  # the workers run them before the next step
 

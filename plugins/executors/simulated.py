@@ -198,6 +198,7 @@ class SimulatedExecutor(Executor):
             loads = self.tier_copy_time(len(copies.tier_in), len(copies.tier_fetch))
             self.time += stores + loads
             self.tier_load_seconds += loads
+            self.tier_store_seconds += stores
 
     def tier_copy_time(self, host_blocks: int, storage_blocks: int) -> float:
         """A KV tier's copies one way (`servelab.cluster.links`): blocks to or from

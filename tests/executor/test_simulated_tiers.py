@@ -33,10 +33,12 @@ def test_tier_copies_are_priced_by_link(executor):
     assert executor.tier_copy_time(0, 0) == 0.0
 
 
-def test_apply_moves_the_clock_and_counts_only_loads_as_load_time(executor):
+def test_apply_moves_the_clock_and_counts_loads_and_stores_apart(executor):
     before, loaded_before = executor.now(), executor.tier_load_seconds
+    stored_before = executor.tier_store_seconds
     fetch = [(lambda: None, 7)]
     executor.apply(BlockCopies(tier_out=[(1, 0)], tier_in=[(0, 2)], tier_fetch=fetch))
     stores, loads = executor.tier_copy_time(1, 0), executor.tier_copy_time(1, 1)
     assert executor.now() - before == pytest.approx(stores + loads)
     assert executor.tier_load_seconds - loaded_before == pytest.approx(loads)
+    assert executor.tier_store_seconds - stored_before == pytest.approx(stores)

@@ -183,7 +183,7 @@ def test_a_killed_replicas_requests_are_resubmitted_and_continue(folder, cluster
             text = proxy.metrics()
             assert [r["error"] for r in results] == [None] * 64
             assert [r["tokens"] for r in results] == expected(offline, requests)
-            assert len(victims) == 16
+            assert 1 <= len(victims) <= 16  # one may end before the 32nd starts, on a busy machine
             # only requests on replica 1 when it died, or sent there before the proxy knew,
             # were resubmitted, once each, to replica 0 (one whose last events had left the
             # actor before it died completes without: the test cannot tell the two apart)
@@ -225,7 +225,7 @@ def test_with_retries_off_exactly_the_dead_replicas_requests_fail(folder, cluste
         failed = [r for r in results if r["error"] is not None]
         # the requests that failed are replica 1's, in flight when it died or sent there
         # before the proxy knew (one whose last events had left the actor completes)
-        assert len(victims) == 16 and 1 <= len(failed) <= 16 + len(late)
+        assert 1 <= len(victims) <= 16 and 1 <= len(failed) <= len(victims) + len(late)
         assert resubmissions(proxy.dispatcher.decisions) == []
         assert all("replica 1 failed" in r["error"] for r in failed)
         want = expected(offline, requests)

@@ -69,6 +69,12 @@ class TierFigures:
     bytes_stored: int = 0
     read_seconds: float = 0.0  # time the tier spent reading its storage on loads
 
+    def hit(self, tokens: int, nbytes: int) -> None:
+        """One block found below the device cache and queued to load."""
+        self.hits += 1
+        self.hit_tokens += tokens
+        self.bytes_loaded += nbytes
+
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -124,10 +124,7 @@ class DiskTier(KVTier):
                 self.figures.read_seconds += time.perf_counter() - start
         self.index.move_to_end(key)
         self.copies.tier_fetch.append((_Staged(kv), block))
-        f = self.figures
-        f.hits += 1
-        f.hit_tokens += self.block_size
-        f.bytes_loaded += self.block_bytes
+        self.figures.hit(self.block_size, self.block_bytes)
         return True
 
     # -- stores and room

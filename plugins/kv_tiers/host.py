@@ -68,10 +68,7 @@ class HostTier(KVTier):
         self.entries.move_to_end(key)
         self.pinned.add(key)
         self.copies.tier_in.append((entry.host_block, block))
-        f = self.figures
-        f.hits += 1
-        f.hit_tokens += self.block_size
-        f.bytes_loaded += self.block_bytes
+        self.figures.hit(self.block_size, self.block_bytes)
         return True
 
     # -- stores and room

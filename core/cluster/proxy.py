@@ -232,6 +232,10 @@ def create_proxy_app(
                                 metrics.first_byte.observe(time.perf_counter() - call.started)
                                 dispatcher.started(call.request_id)
                             yield event
+                    if not ledger.done:
+                        # a replica's stream always ends with [DONE]: one that stops short
+                        # lost its replica (a Ray generator may end so when its actor dies)
+                        raise httpx.ReadError("its stream ended before [DONE]")
                     break
                 except httpx.TransportError as err:
                     await upstream.aclose()

@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -130,10 +131,11 @@ FULL = answer(1, 10)
 
 
 class Replica:
-    """Streams the completion for FULL; `die_after` events in, it drops the connection."""
+    """Streams the completion for FULL; `die_after` events in, it drops the connection
+    (`quietly`: its stream just ends there, as a dead Ray actor's generator may)."""
 
-    def __init__(self, die_after: int | None = None) -> None:
-        self.die_after, self.calls = die_after, 0
+    def __init__(self, die_after: int | None = None, quietly: bool = False) -> None:
+        self.die_after, self.quietly, self.calls = die_after, quietly, 0
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.calls += 1
@@ -144,17 +146,19 @@ class Replica:
                 raise httpx.ReadError("connection reset", request=request)
             return httpx.Response(200, json={"choices": [{"text": "whole"}]})
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              stream=_Dying(wire(stream), self.die_after, request))  # fmt: skip
+                              stream=_Dying(wire(stream), self.die_after, request, self.quietly))  # fmt: skip
 
 
 class _Dying(httpx.AsyncByteStream):
-    def __init__(self, data: bytes, die_after: int | None, request) -> None:
+    def __init__(self, data: bytes, die_after: int | None, request, quietly=False) -> None:
         self.parts = [p + b"\n\n" for p in data.split(b"\n\n") if p]
-        self.die_after, self.request = die_after, request
+        self.die_after, self.request, self.quietly = die_after, request, quietly
 
     async def __aiter__(self):
         for n, part in enumerate(self.parts):
             if n == self.die_after:
+                if self.quietly:
+                    return
                 raise httpx.ReadError("connection reset", request=self.request)
             yield part[:5]  # events arrive in pieces
             yield part[5:]
@@ -195,6 +199,24 @@ def test_the_proxy_continues_a_broken_stream_on_a_live_replica():
     # the next request goes around the dead replica, whatever round robin says
     call(app, {"prompt": "y", "stream": True, "temperature": 0})
     assert dispatcher.decisions[-1][1] == 1 and dispatcher.rerouted_from_down == 1
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_stream_that_ends_before_done_is_a_failed_replica(retries):
+    """No error and no [DONE], the stream just stops: the replica failed (resubmitted while
+    retries are left, else an error event) and the client never reads a cut answer as whole."""
+    dying, live = Replica(die_after=4, quietly=True), Replica()
+    app, dispatcher = proxy([dying, live], retries=retries)
+    status, text, metrics = call(app, {"prompt": "x", "stream": True, "temperature": 0})
+    assert status == 200 and text.rstrip().endswith("data: [DONE]") and dispatcher.down == {0}
+    assert 'servelab_route_failures_total{replica="0"} 1.0' in metrics
+    if retries:
+        got = read([e + b"\n\n" for e in text.encode().split(b"\n\n") if e], chat=False)
+        assert got["done"] == 1 and live.calls == 1
+        assert got["per"][0]["text"] == "".join(t for _, t in FULL[0])
+    else:
+        assert "replica 0 failed" in text and "ended before [DONE]" in text
+        assert live.calls == 0
 
 
 def test_a_stream_that_broke_after_done_is_whole_and_not_resubmitted():

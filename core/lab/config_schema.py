@@ -108,7 +108,13 @@ def composition_message(err: BaseException) -> str:
             return f"{node} option {key} must be {expected}, got {cause.value!r}"
     # a missing preset or group option: Hydra's text lists the valid names
     text = str(err).split("\nConfig search path:")[0].strip()
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+    message = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    # some failures (a config file's interpolation that does not parse) say nothing at the
+    # top: the first cause down the chain that says something does
+    while not message and (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+        message = " ".join(str(err).split())
+    return message or type(err).__name__
 
 
 def _schema_of(node: str) -> type | None:

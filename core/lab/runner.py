@@ -51,6 +51,9 @@ RUN_DEFAULTS: dict[str, Any] = {
     "idle_sleep": 0.0005,  # seconds the runner sleeps when the engine has nothing to run
     "repeats": 1,  # how many times each configuration runs, each with a fresh engine
     "repeat": 0,  # which of those runs this is (a sweep sets it: see conf/config.yaml)
+    # the folder a disk KV tier keeps its blocks in (conf/kv_tier/disk.yaml reads it): a
+    # preset whose runs must each start cold gives each run its own
+    "kv_tier_folder": "~/.cache/servelab/kv_blocks",
 }
 RUN_TYPES: dict[str, Any] = {
     "progress": bool,
@@ -58,6 +61,7 @@ RUN_TYPES: dict[str, Any] = {
     "idle_sleep": float,
     "repeats": int,
     "repeat": int,
+    "kv_tier_folder": str,
 }
 # top-level config nodes the runner consumes; the rest goes to build_engine
 RUNNER_NODES = (

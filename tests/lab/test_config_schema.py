@@ -78,7 +78,7 @@ def test_the_composed_defaults_equal_the_python_defaults():
         ("engine.bogus=1", "unknown engine option 'bogus'; accepted: compile, cpu_kernels"),
         (
             "run.bogus=1",
-            "unknown run option 'bogus'; accepted: idle_sleep, progress, repeat, repeats, warmup",
+            "unknown run option 'bogus'; accepted: idle_sleep, kv_tier_folder, progress, repeat, repeats, warmup",
         ),
         (
             "report.colour=red",
@@ -127,3 +127,20 @@ def test_no_slo_by_default_and_a_misspelt_slo_key_lists_the_valid_ones():
     assert "report.slo option ttft_ms must be a finite number or null, got 'soon'" in refusal(
         "report.slo.ttft_ms=soon"
     )
+
+
+def test_a_failure_silent_at_the_top_is_named_by_its_first_cause_that_says_something():
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import GrammarParseError
+
+    outer = ConfigCompositionException("")
+    outer.__cause__ = GrammarParseError("token recognition error at: '~'")
+    assert composition_message(outer) == "token recognition error at: '~'"
+    assert composition_message(ConfigCompositionException("")) == "ConfigCompositionException"
+
+
+@pytest.mark.parametrize("tier", ["disk", "tiered"])
+def test_a_disk_tier_keeps_its_blocks_where_run_kv_tier_folder_says(tier):
+    assert composed(f"kv_tier={tier}")["kv_tier"]["path"] == "~/.cache/servelab/kv_blocks"
+    moved = composed(f"kv_tier={tier}", "run.kv_tier_folder=/runs/7/kv_blocks")
+    assert moved["kv_tier"]["path"] == "/runs/7/kv_blocks"

@@ -301,3 +301,20 @@ def test_speculative_decoding_on_a_trained_pair(tmp_path):
     assert runs["ngram/1"]["steps"] < 0.8 * runs["none/1"]["steps"]
     plot = tmp_path / "speculative_decoding" / "speculation.png"
     assert plot.exists() and Image.open(plot).size[0] > 400
+
+
+def test_kv_tiers(tmp_path):
+    """Fewer chats than the preset's (their histories still outgrow the 1k-token cache):
+    every tier gives no tier's tokens and computes at most 0.6 of its prompt tokens, and
+    each run's disk blocks are in that run's own folder, so every run starts cold."""
+    runs = run_preset(tmp_path, "kv_tiers", "workload.num_conversations=8",
+                      "engine.num_threads=1")  # fmt: skip
+    none = runs["none"]
+    assert str(none["tier_hit_rate"]) in ("nan", "") and none["prefix_hit_tokens"] > 0
+    for tier in ("host", "disk", "tiered"):
+        run = runs[tier]
+        assert run["output_digest"] == none["output_digest"], tier
+        assert run["prefill_tokens"] <= 0.6 * none["prefill_tokens"], tier
+        assert run["tier_hit_rate"] > 0, tier
+    folders = sorted((tmp_path / "kv_tiers").glob("*/kv_blocks"))
+    assert len(folders) == 2 and all(any(f.iterdir()) for f in folders)  # disk and tiered

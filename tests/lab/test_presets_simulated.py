@@ -69,11 +69,11 @@ def test_speculative_decoding_h100(tmp_path):
         assert image.width > 100 and low < high
 
 
-def test_kv_tiers(tmp_path):
+def test_kv_tiers_h100(tmp_path):
     """Fewer chats (their histories still outgrow the device cache): every tier
     computes fewer prompt tokens than none, host memory brings the first token
     sooner, and host over disk loads faster than the disk alone."""
-    runs = run_preset(tmp_path, "kv_tiers", "workload.num_conversations=32",
+    runs = run_preset(tmp_path, "kv_tiers_h100", "workload.num_conversations=32",
                       "engine.kv_cache_memory=2GiB")  # fmt: skip
     none, host, disk, tiered = (runs[t] for t in ("none", "host", "disk", "tiered"))
     for tier in (host, disk, tiered):

@@ -88,6 +88,25 @@ def decode_stalls(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
     return stall
 
 
+def longest_stall(
+    engines: Iterable[tuple[Sequence[RequestRecord], Sequence[StepRecord]]],
+) -> dict[str, float]:
+    """The longest decode stall figures over several engines, each given as its requests
+    and its own steps: a request's gap spans steps of the engine that ran it, and another
+    engine's step numbers say nothing about it (a cluster's replicas each count their own)."""
+    worst = Stall()
+    for requests, steps in engines:
+        one = decode_stalls([r for r in requests if r.completed], steps)
+        worst.seconds = max(worst.seconds, one.seconds)
+        worst.steps = max(worst.steps, one.steps)
+        worst.prefill_tokens = max(worst.prefill_tokens, one.prefill_tokens)
+    return {
+        "longest_stall_ms": 1000.0 * worst.seconds,
+        "longest_stall_steps": worst.steps,
+        "longest_stall_prefill_tokens": worst.prefill_tokens,
+    }
+
+
 def _pct(part: float, whole: float) -> float:
     return 100.0 * part / whole if whole else 0.0
 
@@ -137,7 +156,6 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
     used, reserved = total("kv_tokens_used"), total("kv_tokens_reserved")
     real_queries = total("prefill_tokens") + total("decode_tokens")
     slot_steps = total("num_seqs") + total("idle_slots")
-    stall = decode_stalls(done, steps)
     summary = {
         "requests": len(done),
         "requests_total": len(requests),
@@ -191,9 +209,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
         **allocator_own,
         # completion time in steps (machine-independent): from the run's first step
         **_finish_steps(done, steps),
-        "longest_stall_ms": 1000.0 * stall.seconds,
-        "longest_stall_steps": stall.steps,
-        "longest_stall_prefill_tokens": stall.prefill_tokens,
+        **longest_stall([(done, steps)]),
         **_speculation(steps),
         **_tiers(steps),
     }

@@ -13,7 +13,7 @@ import pytest
 
 from servelab.engine.build import build_engine
 from servelab.engine.metrics import TOKEN_LISTS, RequestRecord, StepRecord
-from servelab.engine.summary import decode_stalls, percentiles, summarize
+from servelab.engine.summary import decode_stalls, longest_stall, percentiles, summarize
 from servelab.lab.runner import run_config, serve
 from servelab.lab.workload import make_workload
 from servelab.step.sequence import SamplingParams
@@ -299,3 +299,22 @@ def test_finish_steps_count_from_the_runs_first_step():
     # a, b, c came back after 2, 4 and 5 steps of a run starting at step 10; d did not complete
     assert summary["finish_step_mean"] == pytest.approx(11 / 3)
     assert summary["finish_step_p50"] == 4
+
+
+def test_a_clusters_longest_stall_reads_each_engine_against_its_own_steps():
+    """Two engines numbering their steps alike: engine A is the fixed record (r0's gap over
+    A's step 2, 6 prefill tokens, 200 ms); engine B computes 100 prefill tokens in its own
+    step 2 while its one request's tokens fall at its steps 0 and 1. A's requests never
+    waited on B's prefill, so the stall is A's alone."""
+    a_requests, a_steps = fixed_record()
+    _, b_steps = fixed_record()
+    for step in b_steps:
+        step.prefill_tokens = 100 if step.step == 2 else 0
+    b_request = RequestRecord("b0", 0.0, 4, 2, 0.0, 0.05, 0.2, "length", 0,
+                              token_times=[0.05, 0.15], token_steps=[0, 1])  # fmt: skip
+    mixed = summarize([*a_requests, b_request], sorted([*a_steps, *b_steps],
+                                                       key=lambda s: s.start_time))  # fmt: skip
+    assert mixed["longest_stall_prefill_tokens"] > 6  # read against both engines' steps
+    figures = longest_stall([(a_requests, a_steps), ([b_request], b_steps)])
+    assert figures == {"longest_stall_ms": pytest.approx(200), "longest_stall_steps": 2,
+                       "longest_stall_prefill_tokens": 6}  # fmt: skip

@@ -135,3 +135,50 @@ def test_evaluate_reports_a_fraction_per_proposer_and_workload(spec_pair, quick_
         for name in ("draft", "eagle", "ngram", "training_target"):
             assert 0.0 <= figures[name] <= 1.0
         assert figures["training_target"] >= 0.99  # the engine's greedy tokens, re-read
+
+
+def test_the_vllm_side_by_side_serves_the_pair_through_its_servelab_worker(
+    quick_run, no_cpu_kernel
+):
+    """benchmarks/spec_vllm_peer.py's servelab side: n-gram lookup gives no speculation's
+    tokens, every request its `max_tokens` (ignore_eos, as vLLM is asked), and counts its
+    verifications."""
+    peer = load_benchmark("spec_vllm_peer")
+    spec_decode = load_benchmark("spec_decode")
+    folder, _ = quick_run
+    engines = peer.servelab_engines(folder, [1, 4], threads=1)
+    requests = spec_decode.load_workload(folder, "code_edit")[:4]
+    plain = peer.servelab_run(engines["none", 4], requests)
+    ngram = peer.servelab_run(engines["ngram", 4], requests)
+    assert ngram["tokens"] == plain["tokens"]
+    assert [len(t) for t in plain["tokens"]] == [r["max_tokens"] for r in requests]
+    assert plain["verifications"] == 0 and ngram["verifications"] > 0
+    assert peer.servelab_run(engines["ngram", 1], requests)["tokens"] == plain["tokens"]
+
+
+def test_the_side_by_side_summary_pairs_the_systems_by_repeat():
+    """Ratios and agreement from runs whose values are set here: servelab twice as fast
+    as vLLM in every repeat, n-gram 1.5x none on both, 3 of 4 tokens agreeing."""
+    peer = load_benchmark("spec_vllm_peer")
+    runs = {}
+    for system, base in (("servelab", 1.0), ("vllm", 2.0)):
+        for proposer, factor in (("none", 1.0), ("ngram", 1 / 1.5)):
+            tokens = [[1, 2, 3, 4]] if system == "servelab" else [[1, 2, 3, 9]]
+            runs[system, "w", 1, proposer] = [
+                {"seconds": base * factor * (1 + repeat / 10), "tokens": tokens,
+                 "verifications": 0 if proposer == "none" else 2,
+                 "accepted": 0 if proposer == "none" else 3}
+                for repeat in range(3)
+            ]  # fmt: skip
+    rows = peer.summarise(runs, [("w", 1)])
+    none, ngram = rows
+    assert none["servelab_vs_vllm"] == pytest.approx(2.0)
+    assert ngram["servelab"]["vs_none"] == pytest.approx(1.5)
+    assert ngram["vllm"]["vs_none"] == pytest.approx(1.5)
+    assert ngram["servelab"]["mean_accepted_length"] == pytest.approx(1 + 9 / 6)
+    assert none["servelab"]["mean_accepted_length"] is None
+    assert ngram["token_agreement"] == pytest.approx(0.75)
+    assert ngram["servelab"]["same_tokens_as_none"] and ngram["vllm"]["same_tokens_as_none"]
+    assert "| w | 1 | ngram |" in peer.markdown(
+        {"cpu": "x", "repeats": 3, "pair": "p", "rows": rows}
+    )

@@ -46,12 +46,13 @@ REPEATING = [[5, 6, 7, 8] * 6, [9, 9, 9, 9, 9, 9], list(range(20, 60)), [3, 4, 3
     extra=st.integers(0, 2),
     limit=st.integers(1, 5),
     split=st.integers(0, 40),
+    earliest=st.booleans(),
 )
-def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix(
-    tokens, min_n, extra, limit, split
+def test_ngram_index_finds_the_latest_or_earliest_earlier_occurrence_of_the_longest_suffix(
+    tokens, min_n, extra, limit, split, earliest
 ):
     max_n = min_n + extra
-    index = NgramIndex(min_n, max_n)
+    index = NgramIndex(min_n, max_n, earliest=earliest)
     index.extend(tokens[: max(1, min(split, len(tokens)))])  # indexed in two parts, as it grows
     index.extend(tokens)
     want: list[int] = []
@@ -61,7 +62,8 @@ def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix(
         suffix = tokens[-n:]
         ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1 : e + 1] == suffix]
         if ends:
-            want = tokens[ends[-1] + 1 : ends[-1] + 1 + limit]
+            end = ends[0] if earliest else ends[-1]
+            want = tokens[end + 1 : end + 1 + limit]
             break
     assert index.continuation(tokens, limit) == want
 

@@ -41,13 +41,13 @@ def test_proposers_none_and_ngram_are_listed(capsys):
     assert re.search(r"\n  none +built-in +no speculative decoding \(the default\)", out)
     assert re.search(r"\n  ngram +built-in +prompt lookup", out)
     common = "k=4, adaptive_k=false, disable_above_batch_size=null"
-    assert f"options: min_n=1, max_n=3, {common}" in out  # ngram's own, then every proposer's
+    assert f"options: min_n=1, max_n=3, match=latest, {common}" in out  # ngram's own, then every proposer's
     assert f"options: {common}" in out
     parts = json.loads(listed(capsys, "proposer", "--json"))["parts"]
     assert list(parts) == ["proposer"]
     by_name = {p["name"]: p for p in parts["proposer"]}
     assert by_name["ngram"]["class"] == "servelab.plugins.proposers.ngram.NgramProposer"
     assert by_name["ngram"]["options"] == {
-        "min_n": 1, "max_n": 3, "k": 4, "adaptive_k": False, "disable_above_batch_size": None,
+        "min_n": 1, "max_n": 3, "match": "latest", "k": 4, "adaptive_k": False, "disable_above_batch_size": None,
     }  # fmt: skip
     assert "vocab_size" not in by_name["none"]["options"]  # engine context, not an option

@@ -15,6 +15,7 @@ import itertools
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,12 @@ def _drive(
         eng.add_request(p, sp, client=f"client-{i % 3}")
         for i, (p, sp) in enumerate(zip(case.prompts, params))
     ]
+    # a constrained request joins the scheduler once a worker thread has compiled its
+    # grammar: all join before the first step, so the schedule (and whether memory runs
+    # short) never depends on that thread's pace
+    if eng.grammar_queue is not None:
+        futures.wait([c.future for c in eng.grammar_queue.waiting.values()])
+        eng.grammar_queue.admit(eng, busy=True)
     # every step computes at least one token unless it preempts; recompute
     # repeats work, so allow several times the total work
     work = sum(len(p) + sp.max_tokens * n for p, sp in zip(case.prompts, params))

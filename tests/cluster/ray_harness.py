@@ -57,10 +57,17 @@ class RunningProxy:
 
 async def stream_completion(client: httpx.AsyncClient, body: dict, started=None) -> dict:
     """A streamed completion's token ids, text and error (None if it ended well); calls
-    `started()` when its first token arrives."""
+    `started()` when its first token arrives. A request refused before its stream began
+    (its replica unreachable, retries off: a 502) is an error status with a JSON body."""
     tokens: list[int] = []
     text, error, done = "", None, False
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return {
+                "tokens": [],
+                "text": "",
+                "error": json.loads(await r.aread())["error"]["message"],
+            }
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue

@@ -37,7 +37,7 @@ def test_results_json_records_code_libraries_machine_config_and_command(tmp_path
     assert found["model"] == "tiny" and found["command"] and found["started"]
     # the hash is over the resolved config the run consumed
     config = {**TINY_RUN, "run": {**TINY_RUN["run"], "idle_sleep": 0.0005, "repeats": 1,
-                                  "repeat": 0}}  # fmt: skip
+                                  "repeat": 0, "kv_tier_folder": "~/.cache/servelab/kv_blocks"}}  # fmt: skip
     assert found["config_hash"] == config_hash(config)
     assert found["git_commit"] is None or len(found["git_commit"].split("+")[0]) == 40
     # the machine's load while it served: load averages, other processes' share, busy or not

@@ -95,8 +95,8 @@ class PrefillRole:
 
 
 class DecodeRole:
-    """An async actor: `admit` calls arrive in order on its event loop while `serve` runs
-    the decode loop on a thread."""
+    """An async actor: `admit` calls fill the inbox (in any order: each waits for its
+    handover's object) while `serve` runs the decode loop on a thread."""
 
     def __init__(self, config: Mapping, transfer: str) -> None:
         self.config, self.transfer = config, transfer
@@ -156,9 +156,14 @@ def run_pair_ray(
             first, second = ray.get([rank0, rank1], timeout=timeout + 60)
         else:
             done = decode.serve.remote(hold_until, timeout)
+            admitted = []
             try:
                 for ref in prefill.stream.remote(requests):
-                    decode.admit.remote(ref)  # Ray hands the K/V to the decode actor itself
+                    # Ray hands the K/V to the decode actor itself
+                    admitted.append(decode.admit.remote(ref))
+                # an async actor may run its calls out of order (a call waits for its
+                # argument's object): the end mark goes once every handover is in the inbox
+                ray.get(admitted, timeout=timeout)
             except ray.exceptions.RayError as error:
                 decode.fail.remote(f"the prefill actor failed: {error}")
                 raise

@@ -22,7 +22,9 @@ from tests.serve.harness import server_config, text_model_folder
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 256
-CONCURRENCY = 32  # 16 in flight on each replica under round robin
+# 16 in flight on each replica under round robin; on a busy machine one replica may
+# finish sooner, and the gate then lets more in on the other (up to all 32)
+CONCURRENCY = 32
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,8 @@ def metric(text: str, name: str, replica: int) -> float:
 
 def run_with_a_death(proxy: RunningProxy, requests: list[dict], kill, victim: int = 1):
     """Streams `requests` through the proxy, CONCURRENCY at a time; once CONCURRENCY streams
-    have their first token, `kill()` runs (in flight on replica `victim` then: 16 requests).
+    have their first token, `kill()` runs (in flight on replica `victim` then: 16 requests
+    on a quiet machine).
     Returns the streams' results, the proxy request ids in flight on it at the kill,
     and those routed to it after the kill (before the proxy noticed the death)."""
     started = 0
@@ -183,7 +186,7 @@ def test_a_killed_replicas_requests_are_resubmitted_and_continue(folder, cluster
             text = proxy.metrics()
             assert [r["error"] for r in results] == [None] * 64
             assert [r["tokens"] for r in results] == expected(offline, requests)
-            assert 1 <= len(victims) <= 16  # one may end before the 32nd starts, on a busy machine
+            assert 1 <= len(victims) <= CONCURRENCY  # 16 on a quiet machine
             # only requests on replica 1 when it died, or sent there before the proxy knew,
             # were resubmitted, once each, to replica 0 (one whose last events had left the
             # actor before it died completes without: the test cannot tell the two apart)
@@ -225,7 +228,7 @@ def test_with_retries_off_exactly_the_dead_replicas_requests_fail(folder, cluste
         failed = [r for r in results if r["error"] is not None]
         # the requests that failed are replica 1's, in flight when it died or sent there
         # before the proxy knew (one whose last events had left the actor completes)
-        assert 1 <= len(victims) <= 16 and 1 <= len(failed) <= len(victims) + len(late)
+        assert 1 <= len(victims) <= CONCURRENCY and 1 <= len(failed) <= len(victims) + len(late)
         assert resubmissions(proxy.dispatcher.decisions) == []
         assert all("replica 1 failed" in r["error"] for r in failed)
         want = expected(offline, requests)

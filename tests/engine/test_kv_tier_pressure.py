@@ -16,9 +16,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from servelab import RequestError
 from servelab.testing.oracle import restored_num_threads
-from tests.engine.test_memory import KIB, MAX_MODEL_LEN, alone, requests, tiny
+from tests.engine.test_memory import KIB, MAX_MODEL_LEN, alone, requests, run_checked, tiny
 
 ALLOCATORS = [
     {"name": "paged", "block_size": 4, "prefix_caching": True},
@@ -42,34 +41,17 @@ def check_host_budget(eng) -> None:
     )
 
 
+def check_tier(eng) -> None:
+    eng.kv_tier.check_integrity()
+    check_host_budget(eng)
+
+
 def run_round(llm, reqs, abort_at: dict[int, int], prefix: str) -> tuple[dict, set]:
-    """Every request of `reqs` to the end, the invariants checked after every step."""
-    eng = llm.engine
-    ids, rejected = [], set()
-    for i, (prompt, params, priority) in enumerate(reqs):
-        rid = f"{prefix}{i}"
-        ids.append(rid)
-        try:
-            eng.add_request(prompt, params, request_id=rid, priority=priority)
-        except RequestError:
-            rejected.add(rid)
-    finished: dict = {}
-    aborted = set()
-    for step in range(5000):
-        if not eng.has_unfinished():
-            break
-        for index, when in abort_at.items():
-            if when == step and ids[index] not in finished and eng.abort(ids[index]):
-                aborted.add(ids[index])
-        for out in eng.step():
-            assert out.request_id not in finished, f"{out.request_id} finished twice"
-            finished[out.request_id] = out
-        eng.allocator.check_integrity()
-        eng.scheduler.check_integrity()
-        eng.kv_tier.check_integrity()
-        check_host_budget(eng)
-    assert not eng.has_unfinished(), "the engine does not make progress"
-    return finished, aborted | rejected
+    """Every request of `reqs` to the end, the invariants (the tier's and the host
+    budget too) checked after every step."""
+    rejected: dict[str, str] = {}
+    finished, aborted, _ = run_checked(llm, reqs, abort_at, rejected, prefix, check_tier)
+    return finished, aborted | set(rejected)
 
 
 @pytest.mark.parametrize(

@@ -25,20 +25,22 @@ def tiny(**kwargs) -> LLM:
     return LLM(**options)
 
 
-def run_checked(llm: LLM, requests, abort_at: dict[int, int] | None = None, rejected=None):
-    """Steps the engine to the end, checking integrity after every step.
-    Requests the engine refuses are collected in `rejected` when given.
-    Returns ({request_id: RequestOutput}, aborted ids, engine)."""
+def run_checked(llm: LLM, requests, abort_at: dict[int, int] | None = None, rejected=None,
+                prefix: str = "r", after_step=None):  # fmt: skip
+    """Steps the engine to the end, checking integrity after every step (and
+    `after_step(engine)`, when given). Request i is `{prefix}{i}`; requests the engine
+    refuses are collected in `rejected` when given. Returns ({request_id: RequestOutput},
+    aborted ids, engine)."""
     eng = llm.engine
     ids = []
     for i, (prompt, params, priority) in enumerate(requests):
-        ids.append(f"r{i}")
+        ids.append(f"{prefix}{i}")
         try:
-            eng.add_request(prompt, params, request_id=f"r{i}", priority=priority)
+            eng.add_request(prompt, params, request_id=ids[-1], priority=priority)
         except RequestError as err:
             if rejected is None:
                 raise
-            rejected[f"r{i}"] = str(err)
+            rejected[ids[-1]] = str(err)
     finished: dict[str, object] = {}
     aborted = set()
     step = 0
@@ -51,6 +53,8 @@ def run_checked(llm: LLM, requests, abort_at: dict[int, int] | None = None, reje
             finished[out.request_id] = out
         eng.allocator.check_integrity()
         eng.scheduler.check_integrity()
+        if after_step is not None:
+            after_step(eng)
         step += 1
         assert step < 5000, "engine does not make progress"
     usage = eng.allocator.usage()

@@ -23,6 +23,7 @@ import sys
 import time
 
 from cluster_scale import compose, overrides
+from simulate_scale import CONFIG as SINGLE_70B  # run here at `--requests` requests
 
 # extra overrides per case, on top of cluster_scale's (least-load, continuous, paged)
 CASES: dict[str, list[str]] = {
@@ -46,22 +47,6 @@ CASES: dict[str, list[str]] = {
     "padded-tp2": ["attention=padded", "engine.tensor_parallel_size=2"],
     "speculative": ["proposer=simulated"],
     "disaggregated-pd_1_3": ["cluster=pd_1_3"],
-}  # fmt: skip
-SINGLE_70B = {  # simulate_scale.py's config, at `--requests` requests
-    "model": "llama3-70b",
-    "executor": "simulated",
-    "hardware": "h100-sxm",
-    "scheduler": {"name": "continuous"},
-    "allocator": {"name": "paged", "block_size": 16},
-    "preemption": "recompute",
-    "engine": {"dtype": "bfloat16", "tensor_parallel_size": 8, "gpu_memory_utilization": 0.9,
-               "max_model_len": 8192, "max_num_seqs": 256, "max_num_batched_tokens": 8192},
-    "workload": {"name": "synthetic", "arrival": "poisson", "rate": 12.0, "seed": 0,
-                 "prompt_len": {"dist": "lognormal", "mean": 1024, "std": 768, "min": 16,
-                                "max": 6144},
-                 "output_len": {"dist": "lognormal", "mean": 256, "std": 192, "min": 8,
-                                "max": 2048}},
-    "run": {"progress": False, "warmup": False},
 }  # fmt: skip
 
 

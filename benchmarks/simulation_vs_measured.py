@@ -235,7 +235,8 @@ def bundle_checks(root: Path, gpu: str, profile: str) -> dict:
         def attention_of(kernel, model=model):
             return _by_model(read_bundles(root, gpu, kernel=kernel, attention=True), model, True)
 
-        fitted, kernel, _ = fit_kernels(fitted, attention_of)
+        fit = fit_kernels(fitted, attention_of)
+        fitted, kernel = fit.profile, fit.name
         attention = read_bundles(root, gpu, kernel=KERNELS[kernel], attention=True)
         held = [OpArrays(_by_model(dense, model, False)), OpArrays(_by_model(attention, model, False))]
         names = sorted(set(held[0].model))

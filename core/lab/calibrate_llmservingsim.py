@@ -16,6 +16,7 @@ decode, mixed) alike, however many rows it has.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,23 +64,38 @@ def overall(profile: HardwareProfile, ops: MeasuredOps) -> float:
     return float(np.median(relative_errors(table.predict(profile), table.seconds)))
 
 
+@dataclass
+class KernelFit:
+    """The attention kernel that fits the measured rows best, and how the others did."""
+
+    profile: HardwareProfile  # its attention figures fitted to the rows
+    name: str
+    rows: MeasuredOps  # `read(kernel)` for it
+    errors: dict[str, dict[str, tuple[float, int]]]  # every kernel's, by label
+
+    def others(self) -> str:
+        """`; the other kernels: ...` (empty when there is no other)."""
+        text = "; ".join(f"{k}: {describe(v)}" for k, v in self.errors.items() if k != self.name)
+        return f"; the other kernels: {text}" if text else ""
+
+
 def fit_kernels(profile: HardwareProfile, read: Callable[[Kernel], MeasuredOps],
-                kernels: dict[str, dict[str, float]] = KERNELS
-                ) -> tuple[HardwareProfile, str, dict[str, dict[str, tuple[float, int]]]]:  # fmt: skip
+                kernels: dict[str, dict[str, float]] = KERNELS) -> KernelFit:  # fmt: skip
     """The profile with its attention figures fitted to `read(kernel)`'s attention rows
-    for the kernel that fits them best (the mean of its labels' median errors), that
-    kernel's name, and every kernel's errors by label."""
-    best: tuple[float, HardwareProfile, str] | None = None
-    errors = {}
+    for the kernel that fits them best (the mean of its labels' median errors)."""
+    best: KernelFit | None = None
+    best_score = 0.0
+    errors: dict[str, dict[str, tuple[float, int]]] = {}
     for name, kernel in kernels.items():
-        _, attention = split_attention(read(kernel))
+        rows = read(kernel)
+        _, attention = split_attention(rows)
         fitted = fit_ops(profile.with_fitted(**kernel), attention, balance=True)
         errors[name] = label_medians(fitted, attention)
         score = float(np.mean([e for e, _ in errors[name].values()]))
-        if best is None or score < best[0]:
-            best = (score, fitted, name)
+        if best is None or score < best_score:
+            best, best_score = KernelFit(fitted, name, rows, errors), score
     assert best is not None
-    return best[1], best[2], errors
+    return best
 
 
 def _files(ops: MeasuredOps, root: Path) -> str:
@@ -114,17 +130,16 @@ def fit_from_llmservingsim(profile: HardwareProfile, root: Path, gpu: str, commi
     root = Path(root)
     if not has_bundles(root, gpu):  # v0: attention only
         base = perf_dir(root)
-        fitted, name, errors = fit_kernels(profile, lambda k: read_llmservingsim(base, gpu, k),
-                                           kernels)  # fmt: skip
-        ops = read_llmservingsim(base, gpu, kernels[name])
-        others = "; ".join(f"{k}: {describe(v)}" for k, v in errors.items() if k != name)
+        fit = fit_kernels(profile, lambda k: read_llmservingsim(base, gpu, k), kernels)
+        ops = fit.rows
         text = (
             f"attention figures fitted by servelab-calibrate --from-llmservingsim on the "
             f"measured attention times of {SOURCE}, commit {commit}: {_files(ops, base)} "
-            f"({len(ops)} rows); kernel {name}, median abs error {overall(fitted, ops):.1%} "
-            f"(by call: {describe(errors[name])}){f'; the other kernels: {others}' if others else ''}"
+            f"({len(ops)} rows); kernel {fit.name}, median abs error "
+            f"{overall(fit.profile, ops):.1%} (by call: {describe(fit.errors[fit.name])})"
+            f"{fit.others()}"
         )
-        return fitted, {"attention": text}
+        return fit.profile, {"attention": text}
     bundles = bundle_dir(root)
     assert bundles is not None
     dense = read_bundles(root, gpu, configs, attention=False, empty=True)
@@ -137,15 +152,14 @@ def fit_from_llmservingsim(profile: HardwareProfile, root: Path, gpu: str, commi
         f"{overall(fitted, dense):.1%} (by kernel: {describe(label_medians(fitted, dense))})"
         if len(dense) else ""
     )
-    fitted, name, errors = fit_kernels(
+    fit = fit_kernels(
         fitted, lambda k: read_bundles(root, gpu, configs, kernel=k, attention=True), kernels)
-    attention = read_bundles(root, gpu, configs, kernel=kernels[name], attention=True)
-    others = "; ".join(f"{k}: {describe(v)}" for k, v in errors.items() if k != name)
+    fitted, attention = fit.profile, fit.rows
     attention_text = (
         f"attention figures fitted the same way on {_files(attention, bundles)} ({len(attention)} "
-        f"rows: prefill chunks, decode batches and both in one call); kernel {name}, median "
-        f"abs error {overall(fitted, attention):.1%} (by call: {describe(errors[name])})"
-        f"{f'; the other kernels: {others}' if others else ''}"
+        f"rows: prefill chunks, decode batches and both in one call); kernel {fit.name}, median "
+        f"abs error {overall(fitted, attention):.1%} (by call: {describe(fit.errors[fit.name])})"
+        f"{fit.others()}"
     )
     if not len(dense):  # attention.csv alone
         return fitted, {"attention": attention_text.replace(" the same way", " by servelab-calibrate "

@@ -26,6 +26,9 @@ from typing import Any, ClassVar, Protocol
 from servelab.step.plan import BlockCopies
 
 KEY_BYTES = 16
+# where a disk-backed tier keeps its blocks unless told (the run option kv_tier_folder):
+# beside the kernel cache, one folder per user
+DEFAULT_FOLDER = "~/.cache/servelab/kv_blocks"
 
 
 def block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:

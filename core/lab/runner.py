@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as Progress_
 from rich.table import Table
 
+from servelab.contracts.kv_tier import DEFAULT_FOLDER
 from servelab.engine.build import build_engine
 from servelab.engine.engine import Engine
 from servelab.engine.metrics import RequestRecord, StepRecord
@@ -53,7 +54,7 @@ RUN_DEFAULTS: dict[str, Any] = {
     "repeat": 0,  # which of those runs this is (a sweep sets it: see conf/config.yaml)
     # the folder a disk KV tier keeps its blocks in (conf/kv_tier/disk.yaml reads it): a
     # preset whose runs must each start cold gives each run its own
-    "kv_tier_folder": "~/.cache/servelab/kv_blocks",
+    "kv_tier_folder": DEFAULT_FOLDER,
 }
 RUN_TYPES: dict[str, Any] = {
     "progress": bool,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.kv_tier import KVTier
+from servelab.contracts.kv_tier import DEFAULT_FOLDER, KVTier
 from servelab.errors import ConfigError
 from servelab.plugins.kv_tiers.block_file import (
     BlockFileError,
@@ -41,7 +41,6 @@ from servelab.plugins.kv_tiers.options import capacity_of, write_through
 from servelab.step.plan import BlockCopies
 
 log = logging.getLogger(__name__)
-DEFAULT_PATH = "~/.cache/servelab/kv_blocks"  # beside the kernel cache; one folder per user
 
 
 class DiskTier(KVTier):
@@ -52,7 +51,7 @@ class DiskTier(KVTier):
         block_bytes: int,
         kv_identity: dict[str, Any],
         payloads: bool,
-        path: str = DEFAULT_PATH,
+        path: str = DEFAULT_FOLDER,
         capacity_blocks: int | None = None,
         capacity_bytes: int | str | None = None,
         policy: str = "write_through",

@@ -14,8 +14,8 @@ from dataclasses import fields
 from typing import Any
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.kv_tier import HostBlocks, KVTier, TierFigures
-from servelab.plugins.kv_tiers.disk import DEFAULT_PATH, DiskTier
+from servelab.contracts.kv_tier import DEFAULT_FOLDER, HostBlocks, KVTier, TierFigures
+from servelab.plugins.kv_tiers.disk import DiskTier
 from servelab.plugins.kv_tiers.host import HostTier
 from servelab.step.plan import BlockCopies
 
@@ -28,7 +28,7 @@ class TieredTier(KVTier):
         block_bytes: int,
         kv_identity: dict[str, Any],
         payloads: bool,
-        path: str = DEFAULT_PATH,
+        path: str = DEFAULT_FOLDER,
         host_capacity_blocks: int | None = None,
         host_capacity_bytes: int | str | None = None,
         disk_capacity_blocks: int | None = None,

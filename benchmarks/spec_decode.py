@@ -68,10 +68,11 @@ def build(pair: Path, proposer, max_num_seqs: int, threads: int) -> LLM:
     )
 
 
-def run_once(llm: LLM, requests: list[dict]) -> dict:
+def run_once(llm: LLM, requests: list[dict], ignore_eos: bool = False) -> dict:
     before = dict(llm.engine.scheduler.stats())
     prompts = [r["prompt_token_ids"] for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"]) for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=ignore_eos)
+              for r in requests]  # fmt: skip
     begin = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - begin
@@ -86,6 +87,8 @@ def run_once(llm: LLM, requests: list[dict]) -> dict:
         "tokens": [o.token_ids for o in outputs],
         "output_tok_s": tokens / seconds,
         "seconds": seconds,
+        "verifications": verifications,
+        "accepted": delta("spec_num_accepted_tokens"),
         "mean_accepted_length": 1 + delta("spec_num_accepted_tokens") / verifications
         if verifications
         else None,

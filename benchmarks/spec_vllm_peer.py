@@ -62,19 +62,9 @@ def servelab_engines(pair: Path, batches: list[int], threads: int) -> dict:
 
 
 def servelab_run(llm, requests: list[dict]) -> dict:
-    from servelab import SamplingParams
+    from spec_decode import run_once
 
-    before = dict(llm.engine.scheduler.stats())
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
-              for r in requests]  # fmt: skip
-    start = time.perf_counter()
-    outputs = llm.generate([r["prompt_token_ids"] for r in requests], params)
-    seconds = time.perf_counter() - start
-    after = llm.engine.scheduler.stats()
-    drafts = after.get("spec_num_drafts", 0) - before.get("spec_num_drafts", 0)
-    accepted = after.get("spec_num_accepted_tokens", 0) - before.get("spec_num_accepted_tokens", 0)
-    return {"seconds": seconds, "tokens": [list(o.token_ids) for o in outputs],
-            "verifications": drafts, "accepted": accepted}  # fmt: skip
+    return run_once(llm, requests, ignore_eos=True)  # as vLLM is asked
 
 
 def vllm_engines(pair: Path, batches: list[int], threads: int) -> dict:

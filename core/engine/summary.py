@@ -129,8 +129,14 @@ def _finish_steps(done: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
     }
 
 
-def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> dict[str, float]:
-    """One run's figures; see docs/ablation.md for each definition."""
+def summarize(
+    requests: Sequence[RequestRecord],
+    steps: Sequence[StepRecord],
+    engines: Iterable[tuple[Sequence[RequestRecord], Sequence[StepRecord]]] | None = None,
+) -> dict[str, float]:
+    """One run's figures; see docs/ablation.md for each definition. Several engines' records
+    put together (a cluster) give `engines`, each engine's own requests and steps, for the
+    figures that read a request against its engine's steps (the longest stall)."""
     done = [r for r in requests if r.completed]
     out_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
@@ -209,7 +215,7 @@ def summarize(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) ->
         **allocator_own,
         # completion time in steps (machine-independent): from the run's first step
         **_finish_steps(done, steps),
-        **longest_stall([(done, steps)]),
+        **longest_stall([(done, steps)] if engines is None else engines),
         **_speculation(steps),
         **_tiers(steps),
     }

@@ -318,3 +318,7 @@ def test_a_clusters_longest_stall_reads_each_engine_against_its_own_steps():
     figures = longest_stall([(a_requests, a_steps), ([b_request], b_steps)])
     assert figures == {"longest_stall_ms": pytest.approx(200), "longest_stall_steps": 2,
                        "longest_stall_prefill_tokens": 6}  # fmt: skip
+    told = summarize([*a_requests, b_request], sorted([*a_steps, *b_steps],
+                                                      key=lambda s: s.start_time),
+                     engines=[(a_requests, a_steps), ([b_request], b_steps)])  # fmt: skip
+    assert {k: told[k] for k in figures} == figures

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from servelab.cluster.options import cluster_options, is_disaggregated
 from servelab.engine.metrics import RequestRecord, StepRecord
-from servelab.engine.summary import longest_stall, summarize
+from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
 from servelab.lab.cluster.pd_processes import PairResult, run_pair
 from servelab.lab.provenance import provenance
@@ -51,9 +51,9 @@ def run_pair_job(config: dict, meta: dict, folder: Path) -> dict:
     else:
         result = run_pair(config, transfer=options["transfer"])
     records, steps = joined_records(result)
-    summary = summarize([r for r, _ in records], [s for s, _ in steps])
-    summary.update(longest_stall(([r for r, n in records if n == name], [s for s, n in steps if n == name])
-                                 for name in ("prefill", "decode")))  # fmt: skip
+    per_instance = [([r for r, n in records if n == name], [s for s, n in steps if n == name])
+                    for name in ("prefill", "decode")]  # fmt: skip
+    summary = summarize([r for r, _ in records], [s for s, _ in steps], per_instance)
     tokens = {rid: [out["token_ids"]] for rid, out in result.outputs.items()}
     summary["output_digest"] = output_digest(tokens)
     summary.update(

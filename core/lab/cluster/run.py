@@ -21,7 +21,7 @@ from typing import Any
 from servelab.cluster.dispatch import Dispatcher, StateFeed
 from servelab.cluster.options import cluster_options, is_disaggregated
 from servelab.contracts.kinds import KINDS
-from servelab.engine.summary import longest_stall, summarize
+from servelab.engine.summary import summarize
 from servelab.errors import ConfigError
 from servelab.lab.cluster.replica_set import (
     ClusterResult,
@@ -76,8 +76,7 @@ def collect(
 ) -> ClusterResult:
     records = [r for e in engines for r in e.metrics.requests]
     steps = sorted((s for e in engines for s in e.metrics.steps), key=lambda s: s.start_time)
-    summary = summarize(records, steps)
-    summary.update(longest_stall((e.metrics.requests, e.metrics.steps) for e in engines))
+    summary = summarize(records, steps, [(e.metrics.requests, e.metrics.steps) for e in engines])
     summary["output_digest"] = output_digest(cluster.tokens)  # equal digests: equal outputs
     summary.update(cluster_figures(engines, cluster.dispatcher))
     summary["router"] = getattr(router, "name", type(router).__name__)

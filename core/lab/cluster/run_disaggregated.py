@@ -16,7 +16,7 @@ from typing import Any
 from servelab.cluster.dispatch import Dispatcher, StateFeed
 from servelab.cluster.links import link
 from servelab.contracts.kinds import KINDS
-from servelab.engine.summary import longest_stall, percentiles, summarize
+from servelab.engine.summary import percentiles, summarize
 from servelab.lab.cluster.disaggregated import DisaggregatedCluster
 from servelab.lab.cluster.handoff import joined_record
 from servelab.lab.cluster.replica_set import (
@@ -70,9 +70,8 @@ def collect(cluster: DisaggregatedCluster, router: Any, keep_steps: bool) -> Clu
         )
         records.append(record)
     steps = sorted((s for e in engines for s in e.metrics.steps), key=lambda s: s.start_time)
-    summary = summarize(records, steps)
-    # each engine's own requests and steps (the joined records mix two engines' steps)
-    summary.update(longest_stall((e.metrics.requests, e.metrics.steps) for e in engines))
+    # each engine's own requests and steps too (the joined records mix two engines' steps)
+    summary = summarize(records, steps, [(e.metrics.requests, e.metrics.steps) for e in engines])
     summary["output_digest"] = output_digest(cluster.tokens)
     summary.update(transfer_figures(columns.values()))
     summary.update(instance_figures(cluster))

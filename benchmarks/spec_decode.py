@@ -4,16 +4,19 @@ the pair's two workloads (code completion, and a copy-heavy code edit), with
 each proposer's mean accepted length and acceptance.
 
     python benchmarks/spec_decode.py [--pair DIR] [--repeats 5] [--batches 1 8 32]
-        [--proposers none ngram draft] [--requests 8] [--out results.json]
+        [--proposers none ngram draft] [--requests 8] [--temperature 0] [--out results.json]
 
 One engine per proposer and batch size, built once and warmed; then every repeat runs every
 (workload, batch size) with every proposer in turn, the proposers' order
 rotated each repeat, so a busy spell of the machine hits all alike. A batch of
 B runs `requests * max(1, B / 8)` requests with `max_num_seqs = B`,
-submitted together (batch 1 serves them one after another), greedy, `max_tokens` from the workload. Ratios against
-`none` are paired by repeat (the runs beside each other), with 95% intervals
-(`servelab.lab.stats.ratio_estimate`). Greedy outputs must equal `none`'s; the
-script says if one does not.
+submitted together (batch 1 serves them one after another), `max_tokens` from the
+workload, greedy (or, with `--temperature T`, sampled at T, request i seeded with i).
+Ratios against `none` are paired by repeat (the runs beside each other), with 95%
+intervals (`servelab.lab.stats.ratio_estimate`). Outputs must equal `none`'s (greedy,
+or seeded with point-mass drafts); the script says if one does not. `draft_sampled`
+(the draft model drawing drafts at the request's sampling, verified by rejection
+sampling) is left out of that check when sampling: its seeded tokens differ by design.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def proposer_nodes(pair: Path) -> dict[str, dict | str]:
         "none": "none",
         "ngram": {"name": "ngram", "k": 5, "min_n": 2, "max_n": 4},
         "draft": {"name": "draft", "model": str(pair / "draft"), "k": 4},
+        "draft_sampled": {"name": "draft", "model": str(pair / "draft"), "k": 4,
+                          "draft_sampling": "request"},
         "eagle": {"name": "eagle", "model": str(pair / "eagle"), "k": 4},
     }
 
@@ -68,11 +73,13 @@ def build(pair: Path, proposer, max_num_seqs: int, threads: int) -> LLM:
     )
 
 
-def run_once(llm: LLM, requests: list[dict], ignore_eos: bool = False) -> dict:
+def run_once(llm: LLM, requests: list[dict], ignore_eos: bool = False,
+             temperature: float = 0.0) -> dict:  # fmt: skip
     before = dict(llm.engine.scheduler.stats())
     prompts = [r["prompt_token_ids"] for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=ignore_eos)
-              for r in requests]  # fmt: skip
+    params = [SamplingParams(temperature=temperature, max_tokens=r["max_tokens"],
+                             ignore_eos=ignore_eos, seed=i if temperature > 0 else None)
+              for i, r in enumerate(requests)]  # fmt: skip
     begin = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - begin
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--requests", type=int, default=8, help="requests of a batch-8 run")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     pair = args.pair or latest_pair()
@@ -130,11 +138,13 @@ def main(argv: list[str] | None = None) -> dict:
             count = args.requests * max(1, batch // 8)  # batch 1: the requests one by one
             requests = workloads[workload][:count]
             for name in order:
-                result = run_once(engines[name, batch], requests)
+                result = run_once(engines[name, batch], requests,
+                                  temperature=args.temperature)  # fmt: skip
                 runs.setdefault(f"{workload}|{batch}|{name}", []).append(result)
             print(f"repeat {repeat + 1}/{args.repeats}: {workload} batch {batch} done", flush=True)
-    table = summarise(runs, cells, args.proposers)
+    table = summarise(runs, cells, args.proposers, sampled=args.temperature > 0)
     report = {"cpu": cpu_model(), "pair": str(pair), "repeats": args.repeats, "rows": table,
+              "temperature": args.temperature,
               "command": " ".join(["python", "benchmarks/spec_decode.py", *(argv or sys.argv[1:])])}  # fmt: skip
     print(markdown(report))
     if args.out:
@@ -142,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def summarise(runs: dict[str, list[dict]], cells, proposers) -> list[dict]:
+def summarise(runs: dict[str, list[dict]], cells, proposers, sampled: bool = False
+              ) -> list[dict]:  # fmt: skip
     rows = []
     for workload, batch in cells:
         base = runs[f"{workload}|{batch}|none"]
@@ -159,14 +170,19 @@ def summarise(runs: dict[str, list[dict]], cells, proposers) -> list[dict]:
                 "ratio_vs_none": ratio.mean, "ratio_ci": interval_text(ratio),
                 "mean_accepted_length": sum(lengths) / len(lengths) if lengths else None,
                 "acceptance_pct": 100 * sum(accept) / len(accept) if accept else None,
-                "same_tokens_as_none": all(r["tokens"] == b["tokens"] for r, b in zip(mine, base)),
+                "same_tokens_as_none": None if sampled and name == "draft_sampled"
+                else all(r["tokens"] == b["tokens"] for r, b in zip(mine, base)),
             })  # fmt: skip
     return rows
 
 
+SAME = {True: "yes", False: "NO", None: "- (sampled drafts)"}
+
+
 def markdown(report: dict) -> str:
     lines = [
-        f"CPU: {report['cpu']}; {report['repeats']} repeats; pair {report['pair']}",
+        f"CPU: {report['cpu']}; {report['repeats']} repeats; pair {report['pair']}; "
+        f"temperature {report.get('temperature', 0.0)}",
         "",
         "| workload | batch | proposer | output tok/s [95% CI] | vs none [95% CI] "
         "| mean accepted length | acceptance | same tokens |",
@@ -178,7 +194,7 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['workload']} | {r['batch']} | {r['proposer']} | {r['output_tok_s']:.0f} "
             f"{r['output_tok_s_ci']} | {r['ratio_vs_none']:.2f}x {r['ratio_ci']} | {length} "
-            f"| {accept} | {'yes' if r['same_tokens_as_none'] else 'NO'} |"
+            f"| {accept} | {SAME[r['same_tokens_as_none']]} |"
         )
     return "\n".join(lines)
 

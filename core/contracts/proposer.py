@@ -9,6 +9,16 @@ token there. A proposer therefore changes how many forwards a request takes,
 never what it outputs: greedy outputs are exactly those without a proposer,
 and so are seeded sampled outputs (`servelab.step.verify`).
 
+A proposer that samples its drafts (a draft model at the request's temperature)
+may return their probabilities (`Draft.probs`). A sampled request's drafts are
+then verified by rejection sampling (Leviathan et al. 2023; Chen et al. 2023:
+keep draft d with probability min(1, p(d)/q(d)), else draw from
+norm(max(0, p - q)) and stop; `servelab.model.rejection`): the output still
+follows the target's distribution exactly, and more drafts are kept than with
+point masses where p is spread out, but a seeded request's tokens then differ
+from those without a proposer (they are still the same from run to run with
+the same proposer). Greedy requests ignore `probs`.
+
 What the core owns, so a proposer cannot get it wrong: the token budget (draft
 tokens count against `max_num_batched_tokens`), the KV their verification
 writes (allocated before the step, released for rejected tokens after it), the
@@ -43,6 +53,8 @@ from collections.abc import Sequence as ReadOnlyList
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from servelab.step.sequence import SamplingParams
+
 
 class ProposerError(RuntimeError):
     """A proposer broke its contract (drafts of the wrong count or outside the vocabulary)."""
@@ -57,6 +69,10 @@ class DraftRequest:
     token_ids: ReadOnlyList[int]  # prompt and output so far; the last one is the newest sample
     num_prompt_tokens: int
     max_drafts: int  # return at most this many (k, the request's adaptive cap, its length left)
+    # the request's sampling (temperature, top_k, top_p, seed): what a proposer that samples
+    # its drafts samples with (never to be changed)
+    params: SamplingParams | None = None
+    sample_index: int = 0  # which of the request's n samples this sequence is (seeded noise)
 
     @property
     def last_token(self) -> int:
@@ -65,13 +81,20 @@ class DraftRequest:
 
 @dataclass
 class Draft:
-    """A proposer's guess for one request: `tokens`, each a single guess (a point
-    mass). Verification keeps a draft exactly when the target's own sample at its
-    position equals it, which for point-mass drafts accepts with the probability
-    rejection sampling gives (the target's probability of the token) and keeps the
-    target's distribution."""
+    """A proposer's guess for one request: `tokens`, and optionally `probs`.
+
+    Without `probs` each token is a single guess (a point mass): verification keeps
+    it exactly when the target's own sample at its position equals it, which
+    accepts with the probability rejection sampling gives (the target's
+    probability of the token) and keeps the target's distribution.
+
+    `probs` (a float tensor `[len(tokens), vocab_size]`, on any device): row i is the
+    distribution q_i that `tokens[i]` was drawn from (given the tokens before it),
+    each row summing to 1 and giving its token a probability above 0. A sampled
+    request then verifies by rejection sampling (the module docstring)."""
 
     tokens: list[int]
+    probs: Any = None
 
 
 class Proposer(abc.ABC):

@@ -27,6 +27,7 @@ from servelab.executor.cuda_graphs import DecodeGraphRunner
 from servelab.executor.forward import ModelForward
 from servelab.executor.kv_cache import KVCache
 from servelab.executor.staging import StepStaging
+from servelab.model.rejection import verify_by_rejection
 from servelab.model.sampler import sample_isolating_rows
 from servelab.step.metadata import AttentionMetadata
 from servelab.step.plan import SampledTokens, StepPlan
@@ -55,6 +56,9 @@ class StepBatch:
     # speculative decoding: (first sample row, drafts) of each row with drafts, whose
     # 1 + len(drafts) consecutive samples verification keeps a prefix of
     verify: list[tuple[int, list[int]]] | None = None
+    # those of sampled rows whose drafts carry probabilities: (first sample row, drafts,
+    # their probabilities), verified by rejection sampling (`servelab.model.rejection`)
+    rejection: list[tuple[int, list[int], Any]] | None = None
 
 
 class ModelRunner:
@@ -152,8 +156,9 @@ class ModelRunner:
             batch = StepBatch(ids, meta, attn_plan, *_sample_rows(plan))
         else:
             verify: list[tuple[int, list[int]]] = []
-            batch = StepBatch(ids, meta, attn_plan, *_sample_rows(plan, verify))
-            batch.verify = verify
+            rejection: list[tuple[int, list[int], Any]] = []
+            batch = StepBatch(ids, meta, attn_plan, *_sample_rows(plan, verify, rejection))
+            batch.verify, batch.rejection = verify, rejection
         batch.prompt_rows = _prompt_rows(plan)
         return batch
 
@@ -214,6 +219,8 @@ class ModelRunner:
             # ties go to the lowest index, as the sampler's greedy rule
             tokens = self.model_forward.argmax(logits).tolist()
         else:
+            keep_probs = self.sampler.keep_probs  # a draft model's sampler keeps them always
+            self.sampler.keep_probs = keep_probs or bool(batch.rejection)
             # an error in one request's rows fails that request only (its rows stand-ins)
             tokens, failed = sample_isolating_rows(
                 self.sampler,
@@ -225,8 +232,14 @@ class ModelRunner:
                 batch.sample_seqs,
                 logits_writable=self.logprobs_k < 0,  # the raw logits serve logprobs only
             )
+            self.sampler.keep_probs = keep_probs
             if self.sampler.masked_rows:  # structured outputs: what the masks cost
                 grammar_mask = (self.sampler.masked_rows, self.sampler.mask_seconds)
+            if batch.rejection and self.sampler.last_probs is not None:
+                verify_by_rejection(self.sampler.last_probs, tokens, batch.rejection,
+                                    batch.sample_params, batch.sample_positions,
+                                    batch.sample_indices, self.sampler, self.generator)  # fmt: skip
+                self.sampler.last_probs = None
         owners = batch.sample_owners
         failed_owners = {owners[row]: exc for row, exc in failed.items()}
         if batch.verify:  # each row with drafts keeps a prefix of its samples
@@ -288,13 +301,15 @@ def rows_hidden(plan: StepPlan, hidden: torch.Tensor) -> dict[int, tuple[int, to
     return out
 
 
-def _sample_rows(plan: StepPlan, verify: list | None = None) -> tuple:
+def _sample_rows(plan: StepPlan, verify: list | None = None, rejection: list | None = None
+                 ) -> tuple:  # fmt: skip
     """`StepBatch`'s sampling fields: one sample per sampling row, or n for a
     prompt that forks now; greedy steps skip the per-row lists. Decode rows never
     fork: one sample each, in row order. A row with d drafts (`verify` collects
     it) samples at each of its d + 1 logits rows, the j-th at output position +j,
     its logits processed over the tokens and the drafts before it
-    (`servelab.step.verify`); such a row decodes, so it never forks."""
+    (`servelab.step.verify`); such a row decodes, so it never forks. A sampled
+    row whose drafts carry probabilities also goes to `rejection`."""
     if plan.all_greedy and len(plan.seqs) == plan.num_decodes:
         return range(len(plan.seqs)), [], [], [], plan.seq_ids, True, None
     rows: list[int] = []
@@ -314,6 +329,10 @@ def _sample_rows(plan: StepPlan, verify: list | None = None) -> tuple:
         if drafted:
             assert verify is not None  # a plan with drafts collects its verify groups
             verify.append((len(rows), seq.draft_tokens[:drafted]))
+            if seq.draft_probs is not None and not p.greedy:
+                assert rejection is not None
+                rejection.append((len(rows), seq.draft_tokens[:drafted],
+                                  seq.draft_probs[:drafted]))  # fmt: skip
             for j in range(drafted + 1):
                 rows.append(hidden_row + j)
                 params.append(p)

@@ -99,6 +99,11 @@ class Sampler:
         # structured outputs: the last call's masked rows and the seconds their masks took
         self.masked_rows = 0
         self.mask_seconds = 0.0
+        # with keep_probs set, each call keeps the distributions its sampled rows drew from
+        # ([N, V], greedy rows' unused) in last_probs (rejection sampling reads them), or None
+        # when every row was greedy
+        self.keep_probs = False
+        self.last_probs: torch.Tensor | None = None
 
     def seeded_exponential(self, keys: list[int], vocab_size: int, device) -> torch.Tensor:
         """Seeded rows' Exp(1) noise [len(keys), vocab_size] float32 on `device`."""
@@ -139,6 +144,7 @@ class Sampler:
             self.mask_seconds = time.perf_counter() - start if self.masked_rows else 0.0
         else:
             self.masked_rows, self.mask_seconds = 0, 0.0
+        self.last_probs = None
         greedy_tokens = logits.argmax(dim=-1)
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -165,6 +171,8 @@ class Sampler:
                 torch.tensor(top_ps, dtype=work_dtype, device=device),
             )
         probs = scaled.softmax(dim=-1)
+        if self.keep_probs:
+            self.last_probs = probs
 
         noise = self._race_noise(
             num_rows, vocab_size, params, output_positions, sample_indices, generator, device

@@ -12,6 +12,7 @@ proposer. The proposer sees each sequence through a read-only `DraftRequest`.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from servelab.contracts.proposer import Draft, DraftRequest, Proposer, ProposerError
 from servelab.step.sequence import Sequence, SequenceStatus
@@ -50,7 +51,7 @@ class Speculation:
         about to decode); no drafts above the proposer's batch-size limit."""
         self._forget_departed()
         for seq in seqs:
-            seq.draft_tokens = []
+            seq.draft_tokens, seq.draft_probs = [], None
         limit = self.proposer.disable_above_batch_size
         if not seqs or (limit is not None and len(seqs) > limit):
             return
@@ -61,10 +62,9 @@ class Speculation:
                 asked.append(seq)
                 self.asked[seq.seq_id] = seq
                 requests.append(
-                    DraftRequest(
-                        seq.seq_id, seq.request_id, seq.token_ids, seq.num_prompt_tokens, room
-                    )
-                )
+                    DraftRequest(seq.seq_id, seq.request_id, seq.token_ids,
+                                 seq.num_prompt_tokens, room, seq.params, seq.sample_index)
+                )  # fmt: skip
         if not requests:
             return
         try:
@@ -72,11 +72,12 @@ class Speculation:
         except Exception as exc:  # a proposer's bug costs its speed-up, never a request
             self._failed(exc)
             return
-        for seq, tokens in zip(asked, drafts):
-            seq.draft_tokens = tokens
+        for seq, (tokens, probs) in zip(asked, drafts):
+            seq.draft_tokens, seq.draft_probs = tokens, probs
 
-    def _checked_drafts(self, requests: list[DraftRequest]) -> list[list[int]]:
-        """The proposer's drafts for `requests`, each checked against the contract."""
+    def _checked_drafts(self, requests: list[DraftRequest]) -> list[tuple[list[int], Any]]:
+        """The proposer's drafts for `requests`, each checked against the contract:
+        (tokens, their probabilities or None)."""
         answers = self.proposer.propose(requests)
         if not isinstance(answers, (list, tuple)) or len(answers) != len(requests):
             raise ProposerError(
@@ -97,7 +98,10 @@ class Speculation:
                     f"{'...' if len(tokens) > 8 else ''}; drafts must be at most "
                     f"max_drafts={request.max_drafts} integer token ids in [0, {vocab})"
                 )
-            drafts.append(tokens)
+            probs = answer.probs if isinstance(answer, Draft) and tokens else None
+            if probs is not None:
+                _check_probs(self.proposer, request, tokens, probs, vocab)
+            drafts.append((tokens, probs))
         return drafts
 
     def _room(self, seq: Sequence) -> int:
@@ -162,3 +166,25 @@ def _describe(value: object) -> str:
     if isinstance(value, (list, tuple)):
         return f"{len(value)} entries"
     return f"a {type(value).__name__}"
+
+
+def _check_probs(proposer: Proposer, request: DraftRequest, tokens: list[int], probs: Any,
+                 vocab: int) -> None:  # fmt: skip
+    """A `Draft.probs` that breaks the contract is the proposer's error (its shape,
+    or a draft its own distribution gives no probability: rejection sampling divides
+    by it). Torch-free: any array with `shape` and item indexing."""
+    shape = tuple(getattr(probs, "shape", ()))
+    if shape != (len(tokens), vocab):
+        raise ProposerError(
+            f"{type(proposer).__name__}.propose gave request {request.request_id!r} draft "
+            f"probabilities of shape {shape}; they must be [drafts, vocab_size] = "
+            f"[{len(tokens)}, {vocab}]"
+        )
+    for i, token in enumerate(tokens):
+        q = float(probs[i][token])
+        if not q > 0.0:
+            raise ProposerError(
+                f"{type(proposer).__name__}.propose gave request {request.request_id!r} draft "
+                f"{token} at position {i} a draft probability of {q}; each draft's own "
+                "probability must be above 0"
+            )

@@ -274,6 +274,9 @@ class Sequence:
         # speculative decoding: this step's drafts (the scheduler core sets and clears
         # them), and the drafts verified and accepted so far
         self.draft_tokens: list[int] = []
+        # their draft probabilities ([drafts, vocab], `contracts.proposer.Draft.probs`) or
+        # None; set with draft_tokens, read only for the drafts the step kept
+        self.draft_probs: Any = None
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0

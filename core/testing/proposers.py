@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.proposer import DraftRequest, Proposer
+from servelab.contracts.proposer import Draft, DraftRequest, Proposer
 
 
 class ReferenceProposer(Proposer):
@@ -64,6 +64,38 @@ class RepeatLastProposer(Proposer):
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return [[r.last_token] * r.max_drafts for r in requests]
+
+
+class FixedDistributionProposer(Proposer):
+    """Drafts drawn from one fixed distribution q, returned with their probabilities
+    (`Draft.probs`): `weights` maps token ids to their share of `mass`, the rest of
+    the mass spread evenly over the vocabulary. Rejection sampling must keep the
+    target's distribution whatever q is."""
+
+    description = "drafts drawn from a fixed distribution, with their probabilities (testing)"
+
+    def __init__(self, weights: Any = None, mass: float = 0.8, seed: int = 0,
+                 **common) -> None:  # fmt: skip
+        super().__init__(**common)
+        import torch  # the testing proposers are imported by torch-free tests too
+
+        weights = {int(t): float(w) for t, w in dict(weights or {}).items()}
+        total = sum(weights.values())
+        q = torch.full((self.vocab_size,), (1.0 - mass) / self.vocab_size, dtype=torch.float64)
+        for token, weight in weights.items():
+            q[token] += mass * weight / total
+        self.q = q
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        import torch
+
+        out = []
+        for request in requests:
+            count = request.max_drafts
+            tokens = torch.multinomial(self.q, count, replacement=True, generator=self.generator)
+            out.append(Draft(tokens.tolist(), self.q.expand(count, -1)))
+        return out
 
 
 class RecordingProposer(RepeatLastProposer):
@@ -132,7 +164,7 @@ def write_random_eagle_head(target: Path, folder: Path, seed: int = 0) -> Path:
 
 class TestProposers:
     """A runtime plugin registering the testing proposers (`reference`,
-    `repeat_last`, `recording`)."""
+    `repeat_last`, `recording`, `fixed_distribution`)."""
 
     @hookimpl
     def servelab_register_proposers(self):
@@ -140,4 +172,5 @@ class TestProposers:
             "reference": ReferenceProposer,
             "repeat_last": RepeatLastProposer,
             "recording": RecordingProposer,
+            "fixed_distribution": FixedDistributionProposer,
         }

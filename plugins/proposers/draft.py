@@ -9,7 +9,19 @@ cache, and `StepPlan`s through the same model runner. Each step it
    on is rolled back (`truncate`), then the new tokens are computed together
    with the first draft (one row per sequence: a prompt's prefill the first
    time, a few tokens after that);
-2. drafts the rest greedily, one token per sequence per forward, k - 1 more times.
+2. drafts the rest, one token per sequence per forward, k - 1 more times.
+
+`draft_sampling` says how a draft is chosen:
+- `greedy` (the default): the draft model's argmax, a point mass. Verification
+  keeps a draft when the target samples it, so seeded requests give exactly the
+  tokens they give without a proposer.
+- `request`: a sampled request's drafts are drawn at its own temperature, top-k,
+  top-p and logit_bias (seeded from its seed, salted), and returned with their
+  probabilities, so the target verifies them by rejection sampling
+  (`servelab.model.rejection`). Where the target's distribution is spread out
+  this keeps more drafts than the argmax does; a seeded request's tokens are then
+  the same run after run but not those without a proposer. Greedy requests draft
+  greedily either way.
 
 A sequence the draft's cache has no room for gets no drafts that step (its
 output never depends on drafts). Its cache is freed when the target's sequence
@@ -21,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelab.contracts.hookspecs import hookimpl
-from servelab.contracts.proposer import DraftRequest, Proposer
+from servelab.contracts.proposer import Draft, DraftRequest, Proposer
 from servelab.errors import ConfigError
 from servelab.executor.sizing import parse_bytes
 from servelab.registry.construct import attention_backend, construct
@@ -29,10 +41,14 @@ from servelab.step.plan import StepPlan
 from servelab.step.sequence import SamplingParams, Sequence, SequenceStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
+DRAFT_SAMPLING = ("greedy", "request")
+# xor-ed into a seeded request's seed: the draft's noise is not the target's (a rejected
+# draft's residual must be drawn independently of how the draft was drawn)
+DRAFT_SALT = 0xD4AF_7000
 
 
 class DraftModelProposer(Proposer):
-    description = "a smaller model drafts greedily, with its own KV cache"
+    description = "a smaller model drafts (greedy or sampled), with its own KV cache"
 
     def __init__(
         self,
@@ -40,9 +56,17 @@ class DraftModelProposer(Proposer):
         kv_cache_memory: int | str = "32MiB",
         allocator: Any = "paged",
         attention: Any = "per_request",
+        draft_sampling: str = "greedy",
         **common,
     ) -> None:
         super().__init__(**common)
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ConfigError(
+                f"proposer draft_sampling={draft_sampling!r}: one of {', '.join(DRAFT_SAMPLING)} "
+                "(greedy: the draft model's argmax; request: drawn at the request's sampling, "
+                "verified by rejection sampling)"
+            )
+        self.sampled = draft_sampling == "request"
         if model is None:
             raise ConfigError(
                 "proposer=draft needs its model: proposer.model=PATH (a checkpoint folder) "
@@ -71,21 +95,24 @@ class DraftModelProposer(Proposer):
                                    host_token_capacity=0, max_model_len=self.max_model_len)  # fmt: skip
         backend = attention_backend(attention, self.executor.attention_config)
         self.executor.bind(self.allocator, backend)
+        # the draft's sampler keeps the distributions the drafts are drawn from
+        self.executor.sampler.keep_probs = self.sampled
         self.seqs: dict[int, Sequence] = {}  # target seq_id -> the draft's sequence
 
     # -- the contract
-    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft | list[int]]:
         drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
+        probs: dict[int, list[Any]] = {r.seq_id: [] for r in requests}
         running = [self._sync(r) for r in requests]
         rows = [(r, s) for r, s in zip(requests, running) if s is not None]
         # step 1: each sequence's uncomputed tokens (its catch-up) and the first draft
-        rows = self._step(rows, drafts, catch_up=True)
+        rows = self._step(rows, drafts, probs, catch_up=True)
         for _ in range(1, max((r.max_drafts for r, _ in rows), default=0)):
             rows = [(r, s) for r, s in rows if len(drafts[r.seq_id]) < r.max_drafts]
             if not rows:
                 break
-            rows = self._step(rows, drafts, catch_up=False)
-        return [drafts[r.seq_id] for r in requests]
+            rows = self._step(rows, drafts, probs, catch_up=False)
+        return [_answer(drafts[r.seq_id], probs[r.seq_id]) for r in requests]
 
     def on_finish(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
@@ -99,7 +126,10 @@ class DraftModelProposer(Proposer):
         tokens = list(request.token_ids)
         seq = self.seqs.get(request.seq_id)
         if seq is None:
-            seq = Sequence(request.request_id, tokens, GREEDY)
+            seq = Sequence(request.request_id, tokens, self._params(request))
+            # its samples' output positions are the target's (seeded noise is keyed by them)
+            seq.num_prompt_tokens = request.num_prompt_tokens
+            seq.sample_index = request.sample_index
             seq.status = SequenceStatus.RUNNING
             self.seqs[request.seq_id] = seq
             return seq
@@ -110,9 +140,23 @@ class DraftModelProposer(Proposer):
             self.allocator.truncate(seq, agree)
         return seq
 
-    def _step(self, rows: list, drafts: dict[int, list[int]], catch_up: bool) -> list:
+    def _params(self, request: DraftRequest) -> SamplingParams:
+        """How the draft chooses `request`'s drafts: greedily, or (`request` sampling,
+        a sampled request) at its temperature, top-k, top-p and logit_bias (a shift of
+        the target's distribution the draft can share), its seed salted."""
+        target = request.params
+        if not self.sampled or target is None or target.greedy:
+            return GREEDY
+        seed = None if target.seed is None else target.seed ^ DRAFT_SALT
+        return SamplingParams(temperature=target.temperature, top_k=target.top_k,
+                              top_p=target.top_p, logit_bias=target.logit_bias, seed=seed,
+                              max_tokens=1 << 30, ignore_eos=True)  # fmt: skip
+
+    def _step(self, rows: list, drafts: dict[int, list[int]], probs: dict[int, list[Any]],
+              catch_up: bool) -> list:  # fmt: skip
         """One forward over `rows` (each computes its uncomputed tokens and samples
-        the next, a draft); returns the rows that ran (the others had no room)."""
+        the next, a draft, keeping the distribution of a sampled one); returns the
+        rows that ran (the others had no room)."""
         plan = StepPlan()
         ran = []
         for request, seq in rows:
@@ -131,11 +175,16 @@ class DraftModelProposer(Proposer):
         plan.copies = self.allocator.take_copies()
         if plan.copies:
             self.executor.apply(plan.copies)
+        self.executor.sampler.last_probs = None
         sampled = self.executor.execute(plan)
+        distributions = self.executor.sampler.last_probs  # None: every row was greedy
+        row_of = {owner: row for row, owner in enumerate(sampled.owners)}
         for request, seq in ran:
             seq.num_computed_tokens = seq.num_tokens
             self.allocator.commit(seq)
             drafts[request.seq_id].append(sampled.get(seq.seq_id)[0])
+            if distributions is not None and not seq.params.greedy:
+                probs[request.seq_id].append(distributions[row_of[seq.seq_id]])
         return ran
 
     def _room(self, seq: Sequence, num_tokens: int) -> bool:
@@ -145,6 +194,15 @@ class DraftModelProposer(Proposer):
         cached = self.allocator.allocate(seq, num_tokens)
         seq.num_computed_tokens = max(seq.num_computed_tokens, cached)
         return True
+
+
+def _answer(tokens: list[int], probs: list[Any]) -> Draft | list[int]:
+    """Sampled drafts with their distributions, greedy ones as plain tokens."""
+    if not probs or len(probs) != len(tokens):
+        return tokens
+    import torch
+
+    return Draft(tokens, torch.stack(probs))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -197,6 +197,126 @@ def test_the_chi_square_test_sees_a_verifier_that_keeps_unchecked_drafts(monkeyp
     assert not same_distribution(plain, broken), (plain, broken)
 
 
+# drafts drawn from a q unlike the target's (B and C too likely, A too rare): every
+# branch of rejection sampling runs (A always kept, B and C often rejected, the residual
+# then drawn)
+FIXED_Q = {"name": "fixed_distribution", "k": 3, "weights": {A: 0.2, B: 0.5, 42: 0.3},
+           "mass": 0.9}  # fmt: skip
+
+
+def test_rejection_sampling_of_drafts_with_probabilities_keeps_the_target_distribution():
+    plain = sampled_counts(tiny(seed=1, max_num_seqs=64))
+    spec_llm = tiny(FIXED_Q, seed=1, max_num_seqs=64)
+    spec = sampled_counts(spec_llm)
+    stats = spec_llm.engine.scheduler.stats()
+    kept = stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
+    assert 0.15 < kept < 0.85, kept  # both kept drafts and rejections
+    assert min(plain[0] + plain[1]) > 50 and min(spec[0] + spec[1]) > 50, (plain, spec)
+    assert same_distribution(plain, spec), (plain, spec)
+
+
+def test_the_chi_square_test_sees_a_rejection_that_redraws_from_the_target(monkeypatch):
+    """The test above can fail: a rejection that draws the next token from p (less
+    the rejected draft) instead of norm(max(0, p - q)) is caught. Written here from
+    the rule, not with the engine's code."""
+    import torch
+
+    import servelab.executor.model_runner as model_runner
+
+    def redraw_from_p(probs, tokens, groups, *_args):
+        for first, drafts, q in groups:
+            for i, draft in enumerate(drafts):
+                p = probs[first + i]
+                if torch.rand(()) * q[i, draft] < p[draft]:
+                    tokens[first + i] = draft
+                    continue
+                p = p.clone()
+                p[draft] = 0
+                tokens[first + i] = int(torch.multinomial(p, 1))
+                break
+
+    monkeypatch.setattr(model_runner, "verify_by_rejection", redraw_from_p)
+    plain = sampled_counts(tiny(seed=1, max_num_seqs=64))
+    broken = sampled_counts(tiny(FIXED_Q, seed=1, max_num_seqs=64))
+    assert not same_distribution(plain, broken), (plain, broken)
+
+
+def test_drafts_with_probabilities_keep_greedy_outputs_and_seeded_ones_repeat():
+    """Greedy requests ignore draft probabilities (exactly no proposer's tokens);
+    a seeded sampled request gives the same tokens run after run with the same
+    proposer (not those without one: the docstring of `servelab.model.rejection`)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert tokens(tiny(FIXED_Q).generate(REPEATING, greedy)) == tokens(
+        tiny().generate(REPEATING, greedy))  # fmt: skip
+    seeded = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=s,
+                             logit_bias={A: 9.0, B: 8.5}) for s in range(4)]  # fmt: skip
+    runs = [tokens(tiny(FIXED_Q).generate(REPEATING, seeded)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    llm = tiny(FIXED_Q)
+    llm.generate(REPEATING, seeded)
+    assert llm.engine.scheduler.stats()["spec_num_accepted_tokens"] > 0
+
+
+def test_a_draft_model_sampling_as_the_request_keeps_the_target_distribution():
+    """`draft_sampling: request`, the draft another random model over the same
+    vocabulary (so q differs from p): the outputs are still the target's."""
+    plain = sampled_counts(tiny(seed=1, max_num_seqs=64))
+    node = {"name": "draft", "model": "tiny-llama", "k": 3, "draft_sampling": "request",
+            "kv_cache_memory": "4MiB"}  # fmt: skip
+    spec_llm = tiny(node, seed=1, max_num_seqs=64)
+    spec = sampled_counts(spec_llm)
+    stats = spec_llm.engine.scheduler.stats()
+    kept = stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
+    assert 0.05 < kept < 0.95, kept
+    assert same_distribution(plain, spec), (plain, spec)
+
+
+def test_a_draft_model_equal_to_the_target_keeps_every_sampled_draft():
+    """The target drafting for itself at the request's own sampling: q = p, so
+    rejection sampling keeps every draft; its argmax (a point mass) is kept only
+    when the target samples it. Both give the target's greedy tokens when greedy."""
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=16, ignore_eos=True)
+    kept = {}
+    for mode in ("request", "greedy"):
+        llm = tiny({"name": "draft", "model": "tiny", "k": 3, "draft_sampling": mode},
+                   seed=2)  # fmt: skip
+        llm.generate(REPEATING, params)
+        stats = llm.engine.scheduler.stats()
+        kept[mode] = stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
+    assert kept["request"] == 1.0 and kept["greedy"] < 0.9, kept
+
+
+def test_draft_sampling_is_checked():
+    from servelab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="draft_sampling='argmax': one of greedy, request"):
+        tiny({"name": "draft", "model": "tiny", "draft_sampling": "argmax"})
+
+
+@pytest.mark.parametrize("bad", ["shape", "zero"])
+def test_draft_probabilities_that_break_the_contract_cost_only_the_speed_up(bad, caplog):
+    import torch
+
+    from servelab.contracts.proposer import Draft
+
+    class BadProbs(Proposer):
+        def propose(self, requests):
+            q = torch.full((1, self.vocab_size), 1.0 / self.vocab_size)
+            if bad == "shape":
+                q = q[:, :-1]
+            else:
+                q[0, 7] = 0.0
+            return [Draft([7], q) for _ in requests]
+
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3)
+    want = tokens(tiny().generate(REPEATING, params))
+    with temporarily_registered("proposer", BadProbs) as name:
+        llm = tiny({"name": name, "k": 1})
+        assert tokens(llm.generate(REPEATING, params)) == want  # no drafts were verified
+    assert llm.engine.scheduler.stats()["spec_proposer_errors"] > 0
+    assert ("of shape" if bad == "shape" else "above 0") in caplog.text
+
+
 # -- prefix caching
 @pytest.mark.parametrize("allocator", [{"name": "paged", "block_size": 4, "prefix_caching": True},
                                        {"name": "radix", "page_size": 4}])  # fmt: skip

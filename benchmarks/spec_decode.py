@@ -38,7 +38,7 @@ WORKLOADS = ("code_completion", "code_edit")
 def proposer_nodes(pair: Path) -> dict[str, dict | str]:
     return {
         "none": "none",
-        "ngram": {"name": "ngram", "k": 5, "min_n": 2, "max_n": 4},
+        "ngram": {"name": "ngram", "k": 5, "min_n": 2, "max_n": 4},  # = conf/proposer/pair_ngram.yaml
         "draft": {"name": "draft", "model": str(pair / "draft"), "k": 4},
         "draft_sampled": {"name": "draft", "model": str(pair / "draft"), "k": 4,
                           "draft_sampling": "request"},

@@ -141,3 +141,40 @@ def test_parallel_samples(case, proposer):
              "preemption": {"name": "recompute"}, "attention": {"name": "per_request"}}  # fmt: skip
     run = drive(case, {**combo, "proposer": proposers(case)[proposer]}, n=3)
     assert_matches_reference(case, combo, run)
+
+
+def test_the_eagle_head_drafts_the_same_for_requests_together_or_alone(case):
+    """The head drafts for all requests in one batched pass per draft position;
+    each request's drafts equal those it gets drafting alone, over two rounds
+    (the second after the target kept some tokens: the head drops its predicted
+    positions and catches up from true features), with different draft caps and
+    one request the head has no features for."""
+    import json
+
+    from servelab.contracts.proposer import DraftRequest
+    from servelab.plugins.proposers.eagle import EagleProposer
+
+    config = json.loads((case.folder / "config.json").read_text())
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    tokens = {i: torch.randint(0, vocab, (5 + 3 * i,), generator=g).tolist() for i in range(4)}
+    features = {i: torch.randn(64, hidden, generator=g) for i in range(4)}
+    caps = {0: 3, 1: 1, 2: 2, 3: 3}
+
+    def made() -> EagleProposer:
+        return EagleProposer(model=str(case.eagle_folder), k=3, vocab_size=vocab)
+
+    together, alone = made(), made()
+    fed = {i: 0 for i in range(3)}  # request 3 never gets features: no drafts
+    for round_ in range(2):
+        for proposer in (together, alone):
+            for i in fed:
+                proposer.on_hidden_states(i, fed[i], features[i][fed[i] : len(tokens[i]) - 1])
+        fed = {i: len(tokens[i]) - 1 for i in fed}
+        requests = [DraftRequest(i, f"r{i}", list(tokens[i]), 4, caps[i]) for i in range(4)]
+        got = together.propose(requests)
+        want = [alone.propose([r])[0] for r in requests]
+        assert got == want, round_
+        assert [len(d) for d in got] == [3, 1, 2, 0]
+        for i in range(4):  # the target kept two tokens of each
+            tokens[i] += torch.randint(0, vocab, (2,), generator=g).tolist()

@@ -13,7 +13,10 @@ Each step the head first catches up over the positions whose true features the
 target computed since (`on_hidden_states`), which gives the first draft; then
 it drafts on from its own predicted features, k - 1 more times. The positions
 computed from predicted features are dropped next step and computed again from
-the true ones. The head keeps its one layer's K/V per sequence, from the first
+the true ones. Every request drafts together: each of these k passes runs the
+head's matrix products once over all the requests' rows (as a decode step runs
+the target's), and only attention, over each request's own K/V, goes request by
+request. The head keeps its one layer's K/V per sequence, from the first
 position it saw a feature for (a prefix the target's cache served has none: the
 head then attends over what it saw).
 
@@ -104,32 +107,59 @@ class EagleProposer(Proposer):
     # -- drafting
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        return [self._draft(r) for r in requests]
+        drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
+        rows = []  # (request, its state, its head positions, their next tokens, features)
+        for request in requests:
+            caught_up = self._catch_up(request)
+            if caught_up is not None:
+                rows.append((request, *caught_up))
+        if not rows:
+            return [[] for _ in requests]
+        # pass 1: every request's new positions from true features; each one's last
+        # output drafts its first token
+        groups = [(state, positions) for _, state, positions, _, _ in rows]
+        next_ids = torch.tensor([t for *_, ids, _ in rows for t in ids], device=self.device)
+        features = torch.cat([f for *_, f in rows])
+        hidden = self._layer(groups, self.embed[next_ids], features)
+        ends = torch.tensor(_ends([len(p) for _, p in groups]), device=self.device)
+        feature = hidden[ends]
+        for (request, state, positions, _, _), token in zip(
+            rows, self._logits(feature).argmax(dim=-1).tolist()
+        ):
+            state.committed += len(positions)
+            drafts[request.seq_id].append(token)
+        # passes 2..k: one position more for each request still drafting, from its own
+        # predicted feature (`feature` row i belongs to `active[i]`)
+        active = [request for request, *_ in rows]
+        states = {request.seq_id: state for request, state, *_ in rows}
+        for i in range(1, max(r.max_drafts for r in active)):
+            keep = [at for at, r in enumerate(active) if r.max_drafts > i]
+            if len(keep) < len(active):
+                active = [active[at] for at in keep]
+                feature = feature[torch.tensor(keep, device=self.device)]
+            groups = [(states[r.seq_id], [len(r.token_ids) - 2 + i]) for r in active]
+            ids = torch.tensor([drafts[r.seq_id][-1] for r in active], device=self.device)
+            feature = self._layer(groups, self.embed[ids], feature)
+            for request, token in zip(active, self._logits(feature).argmax(dim=-1).tolist()):
+                drafts[request.seq_id].append(token)
+        return [drafts[r.seq_id] for r in requests]
 
-    def _draft(self, request: DraftRequest) -> list[int]:
+    def _catch_up(self, request: DraftRequest) -> tuple | None:
+        """(state, head positions, the tokens after them, their true features) of the
+        positions `request`'s head computes now, or None when it cannot draft."""
         state = self.states.get(request.seq_id)
         tokens = request.token_ids
         # the head catches up to the last computed position, n - 2 (n tokens; the last
         # one has no feature yet), whose output drafts x_n
         last = len(tokens) - 2
         if state is None or not state.pending or _pending_end(state) != last + 1:
-            return []
+            return None
         features = torch.cat(state.pending)
         start = state.pending_from
         state.pending, state.pending_from = [], last + 1
         self._truncate(state)  # drop the positions computed from predicted features
         positions = list(range(start, last + 1))
-        next_ids = torch.tensor([tokens[p + 1] for p in positions], device=self.device)
-        hidden = self._layer(state, self.embed[next_ids], features, positions)
-        state.committed += len(positions)
-        drafts = [int(self._logits(hidden[-1:]).argmax(dim=-1))]
-        feature = hidden[-1:]
-        for i in range(1, request.max_drafts):
-            position = last + i
-            embed = self.embed[torch.tensor([drafts[-1]], device=self.device)]
-            feature = self._layer(state, embed, feature, [position])
-            drafts.append(int(self._logits(feature).argmax(dim=-1)))
-        return drafts
+        return state, positions, [tokens[p + 1] for p in positions], features
 
     def _truncate(self, state: HeadState) -> None:
         if state.keys is not None:
@@ -140,43 +170,67 @@ class EagleProposer(Proposer):
         return F.linear(hidden, self.lm_head)
 
     def _layer(
-        self, state: HeadState, embeds: torch.Tensor, features: torch.Tensor, positions: list[int]
-    ) -> torch.Tensor:
-        """The head's layer over new head positions (appending their K/V): its
-        output, the predicted features [len(positions), hidden]."""
+        self, groups: list[tuple[HeadState, list[int]]], embeds: torch.Tensor,
+        features: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The head's layer over new head positions of several sequences, each
+        `(its state, its positions)` with its rows consecutive in `embeds` and
+        `features` (appending their K/V to its state): the predicted features
+        [rows, hidden]. The products run over all rows at once; attention per sequence."""
         w = self.weights
         x = F.linear(torch.cat((embeds, features), dim=-1), w["fc.weight"])
         h = _rms_norm(x, w["layer.input_layernorm.weight"], self.eps)
-        count = len(positions)
+        count = x.shape[0]
         q = F.linear(h, w["layer.self_attn.q_proj.weight"]).view(count, self.num_heads, -1)
         k = F.linear(h, w["layer.self_attn.k_proj.weight"]).view(count, self.num_kv_heads, -1)
         v = F.linear(h, w["layer.self_attn.v_proj.weight"]).view(count, self.num_kv_heads, -1)
         q = _rms_norm(q, w["layer.self_attn.q_norm.weight"], self.eps)
         k = _rms_norm(k, w["layer.self_attn.k_norm.weight"], self.eps)
-        cos, sin = self._rope([p + 1 for p in positions])
+        cos, sin = self._rope([p + 1 for _, positions in groups for p in positions])
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if state.keys is None:
-            state.keys, state.values = k, v
-        else:
-            state.keys = torch.cat((state.keys, k))
-            state.values = torch.cat((state.values, v))
-        keys, values = state.keys, state.values
-        group = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, keys, dim]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        past = keys.shape[1] - count
-        mask = torch.ones(count, keys.shape[1], dtype=torch.bool, device=self.device).tril(past)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-        x = x + F.linear(out.transpose(0, 1).reshape(count, -1), w["layer.self_attn.o_proj.weight"])
+        outs, at = [], 0
+        for state, positions in groups:
+            rows = slice(at, at + len(positions))
+            outs.append(self._attend(state, q[rows], k[rows], v[rows]))
+            at = rows.stop
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        x = x + F.linear(out.reshape(count, -1), w["layer.self_attn.o_proj.weight"])
         h = _rms_norm(x, w["layer.post_attention_layernorm.weight"], self.eps)
         gate = F.linear(h, w["layer.mlp.gate_proj.weight"])
         up = F.linear(h, w["layer.mlp.up_proj.weight"])
         return x + F.linear(F.silu(gate) * up, w["layer.mlp.down_proj.weight"])
 
+    def _attend(self, state: HeadState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> torch.Tensor:  # fmt: skip
+        """One sequence's new positions: their K/V appended to its state, their
+        queries [count, heads, dim] attending causally over all of it."""
+        if state.keys is None:
+            state.keys, state.values = k, v
+        else:
+            state.keys = torch.cat((state.keys, k))
+            state.values = torch.cat((state.values, v))
+        group = self.num_heads // self.num_kv_heads
+        keys = state.keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, keys, dim]
+        values = state.values.repeat_interleave(group, dim=1).transpose(0, 1)
+        count = q.shape[0]
+        past = keys.shape[1] - count
+        mask = torch.ones(count, keys.shape[1], dtype=torch.bool, device=self.device).tril(past)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        return out.transpose(0, 1)
+
     def _rope(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.tensor(positions, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [count, 1, head dim]
         return angles.cos().to(self.device, self.dtype), angles.sin().to(self.device, self.dtype)
+
+
+def _ends(counts: list[int]) -> list[int]:
+    """The index of each group's last row, for groups of `counts` consecutive rows."""
+    ends, at = [], -1
+    for count in counts:
+        at += count
+        ends.append(at)
+    return ends
 
 
 def _pending_end(state: HeadState) -> int:

@@ -289,7 +289,7 @@ def test_speculative_decoding_on_a_trained_pair(tmp_path):
     runs = run_preset(tmp_path, "speculative_decoding", "engine.max_num_seqs=1,4",
                       "workload=spec_pair_code_edit", "engine.num_threads=1",
                       env=quick_pair_home(tmp_path / "home"))  # fmt: skip
-    proposers = ("none", "ngram", "pair_draft", "pair_eagle")
+    proposers = ("none", "pair_ngram", "pair_draft", "pair_eagle")
     assert set(runs) == {f"{p}/{b}" for p in proposers for b in (1, 4)}, set(runs)
     for batch in (1, 4):
         plain = runs[f"none/{batch}"]
@@ -297,8 +297,8 @@ def test_speculative_decoding_on_a_trained_pair(tmp_path):
             run = runs[f"{proposer}/{batch}"]
             assert run["output_digest"] == plain["output_digest"], (proposer, batch)
             assert run["spec_draft_tokens"] > 0
-    assert runs["ngram/1"]["spec_mean_accepted_length"] > 1.5
-    assert runs["ngram/1"]["steps"] < 0.8 * runs["none/1"]["steps"]
+    assert runs["pair_ngram/1"]["spec_mean_accepted_length"] > 1.5
+    assert runs["pair_ngram/1"]["steps"] < 0.8 * runs["none/1"]["steps"]
     plot = tmp_path / "speculative_decoding" / "speculation.png"
     assert plot.exists() and Image.open(plot).size[0] > 400
 

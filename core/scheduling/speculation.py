@@ -172,7 +172,7 @@ def _check_probs(proposer: Proposer, request: DraftRequest, tokens: list[int], p
                  vocab: int) -> None:  # fmt: skip
     """A `Draft.probs` that breaks the contract is the proposer's error (its shape,
     or a draft its own distribution gives no probability: rejection sampling divides
-    by it). Torch-free: any array with `shape` and item indexing."""
+    by it). Torch-free: a tensor or numpy array (`shape`, fancy indexing, `tolist`)."""
     shape = tuple(getattr(probs, "shape", ()))
     if shape != (len(tokens), vocab):
         raise ProposerError(
@@ -180,8 +180,9 @@ def _check_probs(proposer: Proposer, request: DraftRequest, tokens: list[int], p
             f"probabilities of shape {shape}; they must be [drafts, vocab_size] = "
             f"[{len(tokens)}, {vocab}]"
         )
-    for i, token in enumerate(tokens):
-        q = float(probs[i][token])
+    # one gather (one device sync where the tensor is on a device), not one per draft
+    own = probs[list(range(len(tokens))), list(tokens)].tolist()
+    for i, (token, q) in enumerate(zip(tokens, own)):
         if not q > 0.0:
             raise ProposerError(
                 f"{type(proposer).__name__}.propose gave request {request.request_id!r} draft "

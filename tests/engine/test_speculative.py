@@ -293,6 +293,24 @@ def test_draft_sampling_is_checked():
         tiny({"name": "draft", "model": "tiny", "draft_sampling": "argmax"})
 
 
+def test_drafts_with_probabilities_under_a_grammar_keep_every_output_valid():
+    """A constrained sampled request verifies drafts by rejection sampling against the
+    masked distribution: drafts the grammar refuses have p = 0 and are rejected, the
+    residual draw is masked too, so every output matches; drafts of allowed tokens are
+    kept at times (q spread over the pattern's characters)."""
+    import re
+
+    pattern = r"[ab]{3,6}-[0-9]{2}"
+    tokenizer = tiny().engine.tokenizer
+    weights = {tokenizer.encode(c).ids[0]: 1.0 for c in "ab-0123456789"}
+    llm = tiny({"name": "fixed_distribution", "k": 3, "weights": weights, "mass": 0.95})
+    params = SamplingParams(temperature=1.0, max_tokens=24,
+                            structured_outputs={"regex": pattern})  # fmt: skip
+    outputs = llm.generate(["hello"] * 16, params)
+    assert all(re.fullmatch(pattern, o.text) for o in outputs), [o.text for o in outputs]
+    assert llm.engine.scheduler.stats()["spec_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("bad", ["shape", "zero"])
 def test_draft_probabilities_that_break_the_contract_cost_only_the_speed_up(bad, caplog):
     import torch

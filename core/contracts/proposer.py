@@ -22,7 +22,7 @@ the same proposer). Greedy requests ignore `probs`.
 What the core owns, so a proposer cannot get it wrong: the token budget (draft
 tokens count against `max_num_batched_tokens`), the KV their verification
 writes (allocated before the step, released for rejected tokens after it), the
-cap at a request's remaining length, verification itself, and three knobs
+cap at a request's remaining length, verification itself, and the knobs
 every proposer takes (the base class's constructor options):
 - `k`: the most drafts a request gets in one step;
 - `adaptive_k`: a request's next cap follows its last verification (its
@@ -30,7 +30,12 @@ every proposer takes (the base class's constructor options):
   far less often than the first, so drafting on after a rejection mostly costs;
 - `disable_above_batch_size`: no drafts while more requests decode than this
   (vLLM's `disable_by_batch_size`): a large batch is compute-bound, and
-  verifying drafts there costs more than the forwards it saves.
+  verifying drafts there costs more than the forwards it saves;
+- `disable_below_acceptance`: no drafts while the share of drafts the target
+  kept, over the last `acceptance_window` drafts verified, is below this: a
+  proposer that guesses wrong on this traffic only costs. Every
+  `PROBE_EVERY`-th step drafts anyway, so the share is measured again and
+  drafting resumes when the traffic changes.
 
 A proposer never touches the allocator or the sequences: it sees a read-only
 `DraftRequest` per request and returns token ids (a plain list, or a `Draft`).
@@ -117,6 +122,8 @@ class Proposer(abc.ABC):
         k: int = 4,
         adaptive_k: bool = False,
         disable_above_batch_size: int | None = None,
+        disable_below_acceptance: float | None = None,
+        acceptance_window: int = 256,
         vocab_size: int = 0,
         engine_options: dict[str, Any] | None = None,
     ) -> None:
@@ -127,9 +134,21 @@ class Proposer(abc.ABC):
                 "disable_above_batch_size must be >= 1 or null (never disabled), "
                 f"got {disable_above_batch_size!r}"
             )
+        if disable_below_acceptance is not None and not 0.0 < disable_below_acceptance <= 1.0:
+            raise ValueError(
+                "disable_below_acceptance must be a share of kept drafts in (0, 1] or null "
+                f"(never disabled), got {disable_below_acceptance!r}"
+            )
+        if not isinstance(acceptance_window, int) or acceptance_window < 1:
+            raise ValueError(
+                "acceptance_window must be an integer >= 1 (the drafts the kept share is "
+                f"measured over), got {acceptance_window!r}"
+            )
         self.k = k
         self.adaptive_k = adaptive_k
         self.disable_above_batch_size = disable_above_batch_size
+        self.disable_below_acceptance = disable_below_acceptance
+        self.acceptance_window = acceptance_window
         self.vocab_size = vocab_size
         self.engine_options = dict(engine_options or {})
 

@@ -258,6 +258,7 @@ def _speculation(steps: Sequence[StepRecord]) -> dict[str, float]:
     drafted = counts.pop("spec_num_draft_tokens")
     accepted = counts.pop("spec_num_accepted_tokens")
     errors = counts.pop("spec_proposer_errors", 0)
+    paused = counts.pop("spec_paused_steps", 0)
     out = {
         "spec_verifications": verifications,
         "spec_draft_tokens": drafted,
@@ -265,6 +266,7 @@ def _speculation(steps: Sequence[StepRecord]) -> dict[str, float]:
         "spec_acceptance_pct": _pct(accepted, drafted),
         "spec_mean_accepted_length": 1 + accepted / verifications if verifications else math.nan,
         "spec_proposer_errors": errors,
+        "spec_paused_steps": paused,
     }
     for key in sorted(counts, key=lambda k: int(k.rsplit("_", 1)[1])):
         position = int(key.rsplit("_", 1)[1])

@@ -342,7 +342,7 @@ CLUSTER_SECTION = ("replicas", "router", "requests_per_replica", "load_imbalance
                    "sent_to_busy_while_idle")  # fmt: skip
 # a run with a proposer's own figures (docs/speculative.md)
 SPECULATION_SECTION = ("spec_draft_tokens", "spec_acceptance_pct", "spec_mean_accepted_length",
-                       "spec_proposer_errors")  # fmt: skip
+                       "spec_proposer_errors", "spec_paused_steps")  # fmt: skip
 # a run with a KV tier's own figures (docs/kv_tiers.md)
 TIER_SECTION = ("tier_hit_rate", "tier_hit_tokens", "tier_bytes_loaded", "tier_bytes_stored",
                 "tier_load_ms", "tier_store_ms", "tier_load_failures")  # fmt: skip

@@ -12,12 +12,17 @@ proposer. The proposer sees each sequence through a read-only `DraftRequest`.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 from servelab.contracts.proposer import Draft, DraftRequest, Proposer, ProposerError
 from servelab.step.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
+
+# a proposer paused for low acceptance (`disable_below_acceptance`) still drafts every
+# this many steps, so the kept share is measured again as the traffic changes
+PROBE_EVERY = 16
 
 
 class Speculation:
@@ -36,6 +41,12 @@ class Speculation:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
         self.proposer_errors = 0  # steps whose proposal raised or broke the contract
+        # `disable_below_acceptance`: the last verifications' (drafted, accepted), holding
+        # at least `acceptance_window` drafts, their sums, and the steps paused
+        self.window: deque[tuple[int, int]] = deque()
+        self.window_drafted = self.window_accepted = 0
+        self.paused_steps = 0
+        self._low_for = 0  # steps in a row the kept share was below the floor
         self._logged: set[type] = set()  # error types logged already (once each)
 
     @property
@@ -53,7 +64,7 @@ class Speculation:
         for seq in seqs:
             seq.draft_tokens, seq.draft_probs = [], None
         limit = self.proposer.disable_above_batch_size
-        if not seqs or (limit is not None and len(seqs) > limit):
+        if not seqs or (limit is not None and len(seqs) > limit) or self._paused():
             return
         asked, requests = [], []
         for seq in seqs:
@@ -115,11 +126,38 @@ class Speculation:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
+        if self.proposer.disable_below_acceptance is not None:
+            self._measure(drafted, accepted)
         for pos in range(min(accepted, self.k)):
             self.accepted_per_pos[pos] += 1
         if self.proposer.adaptive_k:
             self.caps[seq.seq_id] = min(self.k, accepted + 1)
         self._tell(self.proposer.on_verified, seq.seq_id, drafted, accepted)
+
+    def _paused(self) -> bool:
+        """Whether this step drafts nothing for low acceptance: the kept share of the
+        last `acceptance_window` drafts is below `disable_below_acceptance` (every
+        `PROBE_EVERY`-th such step drafts anyway, to measure again)."""
+        floor = self.proposer.disable_below_acceptance
+        low = (floor is not None and self.window_drafted >= self.proposer.acceptance_window
+               and self.window_accepted < floor * self.window_drafted)  # fmt: skip
+        self._low_for = self._low_for + 1 if low else 0
+        if not low or self._low_for % PROBE_EVERY == 0:
+            return False
+        self.paused_steps += 1
+        return True
+
+    def _measure(self, drafted: int, accepted: int) -> None:
+        """Adds a verification to the window, dropping the oldest while the rest
+        still hold `acceptance_window` drafts."""
+        self.window.append((drafted, accepted))
+        self.window_drafted += drafted
+        self.window_accepted += accepted
+        size = self.proposer.acceptance_window
+        while self.window and self.window_drafted - self.window[0][0] >= size:
+            old_drafted, old_accepted = self.window.popleft()
+            self.window_drafted -= old_drafted
+            self.window_accepted -= old_accepted
 
     def _forget_departed(self) -> None:
         """Tells the proposer of the sequences it was asked for that left the running
@@ -153,6 +191,7 @@ class Speculation:
         """The counts, named as the run summary and the server's metrics take them."""
         out: dict[str, float] = {
             "spec_proposer_errors": self.proposer_errors,
+            "spec_paused_steps": self.paused_steps,
             "spec_num_drafts": self.num_drafts,
             "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_tokens,

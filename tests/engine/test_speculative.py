@@ -373,6 +373,42 @@ def test_disable_above_batch_size_and_per_request_opt_out():
     assert all(o.metrics["drafted_tokens"] == 0 for o in out)
 
 
+def test_disable_below_acceptance_pauses_a_wrong_proposer_and_resumes_a_right_one():
+    """Drafts that are always wrong: after `acceptance_window` drafts the share kept
+    (0) is below the floor, and only every 16th step drafts (a probe); the tokens are
+    no proposer's. Then the same proposer right: the probes' kept drafts push the
+    wrong ones out of the window and every step drafts again."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompts = REPEATING[:2]
+    want = tiny().generate(prompts, params)
+    node = {"name": "reference", "k": 3, "wrong": 1.0, "prompts": [o.prompt_token_ids for o in want],
+            "outputs": [o.token_ids for o in want], "seed": 0}  # fmt: skip
+    llm = tiny({**node, "disable_below_acceptance": 0.5, "acceptance_window": 12})
+    assert tokens(llm.generate(prompts, params)) == tokens(want)
+    stats = dict(llm.engine.scheduler.stats())
+    steps = len(llm.engine.metrics.steps)
+    # the window fills in at most 12 steps (a draft a sequence a step at least), then
+    # 1 step in 16 drafts: far fewer drafting steps than the run's
+    drafting = stats["spec_num_drafts"] / len(prompts)
+    assert stats["spec_paused_steps"] > 0.6 * steps and drafting < 12 + steps / 16 + 1, (stats, steps)
+    llm.engine.scheduler.speculation.proposer.wrong = 0.0  # now every draft is right
+    assert tokens(llm.generate(prompts, params)) == tokens(want)
+    after = llm.engine.scheduler.stats()
+    assert after["spec_paused_steps"] - stats["spec_paused_steps"] <= 16 * 3  # a few probes
+    # once resumed, every step drafts (but the last, whose sequences have one token left)
+    second = [s.extra for s in llm.engine.metrics.steps[steps:]]
+    resumed = max(i for i, s in enumerate(second) if s["spec_paused_steps"]) + 1
+    assert len(second) - resumed >= 8, (resumed, len(second))
+    assert all(s["spec_num_drafts"] > 0 for s in second[resumed:-1]), second[resumed:]
+
+
+@pytest.mark.parametrize("bad", [{"disable_below_acceptance": 0.0}, {"disable_below_acceptance": 1.5},
+                                 {"acceptance_window": 0}])  # fmt: skip
+def test_acceptance_options_are_checked(bad):
+    with pytest.raises(Exception, match="disable_below_acceptance|acceptance_window"):
+        tiny({"name": "ngram", **bad})
+
+
 def test_adaptive_k_follows_the_last_verification():
     class Counting(Proposer):
         asked: list[int] = []

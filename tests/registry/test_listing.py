@@ -40,7 +40,8 @@ def test_proposers_none_and_ngram_are_listed(capsys):
     out = listed(capsys, "proposer")
     assert re.search(r"\n  none +built-in +no speculative decoding \(the default\)", out)
     assert re.search(r"\n  ngram +built-in +prompt lookup", out)
-    common = "k=4, adaptive_k=false, disable_above_batch_size=null"
+    common = ("k=4, adaptive_k=false, disable_above_batch_size=null, disable_below_acceptance=null, "
+              "acceptance_window=256")
     assert f"options: min_n=1, max_n=3, match=latest, {common}" in out  # ngram's own, then every proposer's
     assert f"options: {common}" in out
     parts = json.loads(listed(capsys, "proposer", "--json"))["parts"]
@@ -49,5 +50,6 @@ def test_proposers_none_and_ngram_are_listed(capsys):
     assert by_name["ngram"]["class"] == "servelab.plugins.proposers.ngram.NgramProposer"
     assert by_name["ngram"]["options"] == {
         "min_n": 1, "max_n": 3, "match": "latest", "k": 4, "adaptive_k": False, "disable_above_batch_size": None,
+        "disable_below_acceptance": None, "acceptance_window": 256,
     }  # fmt: skip
     assert "vocab_size" not in by_name["none"]["options"]  # engine context, not an option

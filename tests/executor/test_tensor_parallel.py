@@ -222,3 +222,26 @@ def test_structured_outputs_under_tensor_parallelism():
     alone = LLM(model="tiny", dtype="float64", num_threads=1).generate(prompts, params)
     assert [o.token_ids for o in tp] == [o.token_ids for o in alone]
     assert all(o.finish_reason == "stop" for o in tp)
+
+
+@pytest.mark.parametrize("proposer", ["reference", "ngram"])
+def test_speculative_decoding_verifies_on_every_rank(cases, proposer):
+    """Rows of 1 + drafts tokens reach every rank; the rejected drafts' K/V are rolled
+    back on each, under preemption: TP 2's tokens are the reference's."""
+    from servelab.testing.conformance import temporarily_registered
+    from servelab.testing.proposers import ReferenceProposer
+
+    case = cases("qwen3")
+    # paged and on demand: the budget preempts (check_tokens asserts it)
+    combo = next(c for c in SAP if c["allocator"]["name"] == "paged"
+                 and c["scheduler"].get("admission", "on_demand") == "on_demand")  # fmt: skip
+    nodes = {
+        "reference": {"k": 4, "prompts": case.prompts, "outputs": case.expected, "wrong": 0.2},
+        "ngram": {"name": "ngram", "k": 3, "min_n": 1, "max_n": 2},
+    }
+    with temporarily_registered("proposer", ReferenceProposer) as name:
+        node = {"name": name, **nodes["reference"]} if proposer == "reference" else nodes[proposer]
+        run = check_tokens(case, {**combo, "proposer": node})
+    assert run.scheduler_stats["spec_num_drafts"] > 0
+    if proposer == "reference":
+        assert run.scheduler_stats["spec_num_accepted_tokens"] > 0

@@ -115,3 +115,19 @@ def test_router_balance_compares_the_routers_paired_by_seed():
     assert len(rows) == 3
     assert rows["prefix_affinity:0"][-3:] == ["4.000", "±", "0.000"]  # all 32 on one replica
     assert result.stdout.count("- least_load, paired:") == 2
+
+
+def test_cpu_decode_matmuls_reports_each_dtype_and_row_count():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_decode_matmuls.py"), "--layers", "1",
+         "--vocab", "4096", "--rows", "1", "2", "--repeats", "1", "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "projections" in line]
+    assert [line.split()[:3] for line in lines] == [
+        ["float32", "rows", "1:"], ["float32", "rows", "2:"],
+        ["bfloat16", "rows", "1:"], ["bfloat16", "rows", "2:"],
+    ]  # fmt: skip
+    assert all("GB/s" in line for line in lines) and "plain-weight oneDNN" in lines[-1]
+    assert result.stdout.startswith("CPU: ")

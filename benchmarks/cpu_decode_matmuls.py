@@ -1,0 +1,95 @@
+"""What a decode step's matmuls stream on this CPU, per weight dtype: the Qwen3-0.6B
+shape's 28 layers of projections (distinct weights, so they come from DRAM as in a
+real step) and its LM head, through servelab's CPU matmul path
+(`servelab.executor.kernel_forward.PackedMatmul`) at a few rows, against a plain
+read of memory measured in the same run.
+
+    python benchmarks/cpu_decode_matmuls.py [--rows 1 4 8 64] [--threads 2] [--repeats 5]
+        [--layers 28] [--vocab 151936]
+
+A decode step at batch 1 must read every weight once, so weight bytes / step time
+is the bandwidth the step reaches. It also times oneDNN over the plain (not
+prepacked) bfloat16 weight, the layout a kernel of one's own would read, beside the
+prepacked one. The CPU's model and flags head the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from servelab.executor.kernel_forward import PackedMatmul
+from servelab.kernels.cpu_matmul import cpu_flags
+from servelab.lab.provenance import cpu_model
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 1024, 3072, 16, 8, 128, 28, 151936
+PROJECTIONS = [  # (out, in) of qkv, o, gate_up, down
+    ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    (HIDDEN, HEADS * HEAD_DIM),
+    (2 * INTER, HIDDEN),
+    (HIDDEN, INTER),
+]
+
+
+def best(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth(repeats: int) -> float:
+    buffer = torch.ones(256 * 2**20 // 4)
+    return buffer.numel() * 4 / best(buffer.sum, repeats)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 64])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="fewer: a smaller test")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="the LM head's rows")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    flags = sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    print(f"CPU: {cpu_model()} ({', '.join(flags)}); {args.threads} threads; read bandwidth "
+          f"{read_bandwidth(args.repeats) / 1e9:.1f} GB/s (a 256 MiB sum)")  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        for line in dtype_lines(dtype, args):
+            print(line, flush=True)
+
+
+def dtype_lines(dtype: torch.dtype, args) -> list[str]:
+    """One line per row count: the projections' and the LM head's time and weight GB/s."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    plain = [[torch.randn(n, k).to(dtype) for n, k in PROJECTIONS] for _ in range(args.layers)]
+    packed = [[PackedMatmul(w, None) for w in layer] for layer in plain]
+    head = PackedMatmul(torch.randn(args.vocab, HIDDEN).to(dtype), None)
+    layer_bytes = sum(n * k for n, k in PROJECTIONS) * args.layers * size
+    head_bytes = args.vocab * HIDDEN * size
+    lines = []
+    for rows in args.rows:
+        xs = [torch.randn(rows, k) for _, k in PROJECTIONS]
+        x_head = torch.randn(rows, HIDDEN)
+        t_layers = best(lambda xs=xs: [m(x) for layer in packed for m, x in zip(layer, xs)],
+                        args.repeats)
+        t_head = best(lambda x_head=x_head: head(x_head), args.repeats)
+        line = (f"{str(dtype)[6:]:>8} rows {rows:>3}: projections {t_layers * 1e3:7.2f} ms "
+                f"({layer_bytes / t_layers / 1e9:5.1f} GB/s), LM head {t_head * 1e3:6.2f} ms "
+                f"({head_bytes / t_head / 1e9:5.1f} GB/s), path {packed[0][0].path.name}")  # fmt: skip
+        if dtype == torch.bfloat16:  # oneDNN over the plain layout, for comparison
+            xb = [x.to(dtype) for x in xs]
+            t_plain = best(lambda xb=xb: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                    for layer in plain for w, x in zip(layer, xb)], args.repeats)  # fmt: skip
+            line += f"; plain-weight oneDNN {t_layers / t_plain:.2f}x the prepacked speed"
+        lines.append(line)
+    return lines
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,7 @@ read of memory measured in the same run.
 
 A decode step at batch 1 must read every weight once, so weight bytes / step time
 is the bandwidth the step reaches. It also times oneDNN over the plain (not
-prepacked) bfloat16 weight, the layout a kernel of one's own would read, beside the
-prepacked one. The CPU's model and flags head the output.
+prepacked) bfloat16 weight beside the path's own. The CPU's model and flags head the output.
 """
 
 from __future__ import annotations
@@ -65,6 +64,13 @@ def main(argv: list[str] | None = None) -> None:
             print(line, flush=True)
 
 
+def path_name(matmul: PackedMatmul, rows: int) -> str:
+    """The path a projection of `rows` rows takes (one bf16 row: servelab's row kernel)."""
+    if rows == 1 and matmul.bf16_row is not None:
+        return "servelab bf16 row kernel"
+    return matmul.path.name
+
+
 def dtype_lines(dtype: torch.dtype, args) -> list[str]:
     """One line per row count: the projections' and the LM head's time and weight GB/s."""
     size = torch.tensor([], dtype=dtype).element_size()
@@ -82,12 +88,12 @@ def dtype_lines(dtype: torch.dtype, args) -> list[str]:
         t_head = best(lambda x_head=x_head: head(x_head), args.repeats)
         line = (f"{str(dtype)[6:]:>8} rows {rows:>3}: projections {t_layers * 1e3:7.2f} ms "
                 f"({layer_bytes / t_layers / 1e9:5.1f} GB/s), LM head {t_head * 1e3:6.2f} ms "
-                f"({head_bytes / t_head / 1e9:5.1f} GB/s), path {packed[0][0].path.name}")  # fmt: skip
+                f"({head_bytes / t_head / 1e9:5.1f} GB/s), path {path_name(packed[0][0], rows)}")  # fmt: skip
         if dtype == torch.bfloat16:  # oneDNN over the plain layout, for comparison
             xb = [x.to(dtype) for x in xs]
             t_plain = best(lambda xb=xb: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                     for layer in plain for w, x in zip(layer, xb)], args.repeats)  # fmt: skip
-            line += f"; plain-weight oneDNN {t_layers / t_plain:.2f}x the prepacked speed"
+            line += f"; oneDNN over the plain weight: {t_layers / t_plain:.2f}x this path's speed"
         lines.append(line)
     return lines
 

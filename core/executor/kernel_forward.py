@@ -321,6 +321,10 @@ class PackedMatmul:
         self.out_dtype = torch.float32 if weight.dtype in cpu_matmul.REDUCED else weight.dtype
         self.servelab = None
         self.gemv = None  # the plain weight for MKL's gemv at one or two rows
+        # bfloat16 on oneDNN's native path: one row goes through servelab's own kernel over
+        # the model's weight as it is (no copy: oneDNN's prepacked one is opaque), which
+        # streams it faster than oneDNN at one row (`csrc/cpu_gemv_bf16.h`)
+        self.bf16_row = None
         if self.path.name == "servelab":
             self.servelab = cpu_linear.PackedLinear(weight, bias)
             self.packed = self.bias = None
@@ -330,6 +334,10 @@ class PackedMatmul:
             self.gemv = (plain, None if bias is None else bias.detach())
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
         self.bias = None if bias is None else bias.detach().to(dtype)
+        if dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+            row_kernel = cpu_linear.kernel()
+            if row_kernel is not None and row_kernel.gemv_bf16_available():
+                self.bf16_row = (row_kernel.gemv_bf16, weight.contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.native(x)
@@ -342,6 +350,12 @@ class PackedMatmul:
             return self.servelab(x)
         if self.gemv is not None and x.shape[0] <= cpu_matmul.GEMV_ROWS:
             return F.linear(x, *self.gemv)
+        if self.bf16_row is not None and x.shape[0] == 1:
+            gemv, weight = self.bf16_row
+            out = gemv(x.float(), weight)
+            if self.bias is not None:
+                out += self.bias
+            return out.to(torch.bfloat16)  # rounded as oneDNN's bf16 output is
         dtype = self.path.compute_dtype
         if x.dtype != dtype:
             x = x.to(dtype)

@@ -3,7 +3,9 @@
 Three paths, each over weights prepacked once (`servelab.executor.kernel_forward.PackedMatmul`):
 - `onednn`: torch's oneDNN linear (`mkldnn._linear_pointwise`) over a weight
   reordered into oneDNN's blocked layout for this CPU. bfloat16 / float16 weights
-  take it where oneDNN runs them on matrix units (AMX) or AVX512-BF16/FP16.
+  take it where oneDNN runs them on matrix units (AMX) or AVX512-BF16/FP16; a
+  bfloat16 step of one row goes through `cpu_linear`'s row kernel over the model's
+  own weight instead where the build has AVX512-BF16 (`PackedMatmul`).
 - `onednn-upcast`: a bfloat16 / float16 weight on a CPU without those units is
   widened once to float32 (exact) and multiplied in float32: torch's bfloat16
   matmul there converts element by element and runs several times slower.

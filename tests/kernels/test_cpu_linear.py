@@ -196,3 +196,60 @@ def test_gated_matmul_thread_count_and_errors():
         module.linear_gated(x.double(), packed, 100)
     with pytest.raises(RuntimeError, match="in_features = 32"):
         module.linear_gated(torch.randn(3, 32), packed, 100)
+
+
+# -- one row over bfloat16 weights (`csrc/cpu_gemv_bf16.h`), on CPUs with AVX512-BF16
+def gemv_kernel():
+    module = cpu_linear.kernel()
+    if module is None or not module.gemv_bf16_available():
+        pytest.skip("the bf16 row kernel needs a CPU with AVX512-BF16 (this build has none)")
+    return module
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (1, 7, 5), (1, 9, 130), (1, 1031, 1000),
+                                     (1, 4096, 1024), (3, 33, 129)])  # fmt: skip
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_bf16_is_the_product_of_the_bf16_rounded_row(m, n, k, threads):
+    """x is rounded to bf16 as oneDNN's bf16 matmul rounds it; then the float32 sum of
+    exact bf16 products (any k, tails of every length, rows past a thread's share)."""
+    module = gemv_kernel()
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(m, k, generator=g)
+    weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    with restored_num_threads(threads):
+        out = module.gemv_bf16(x, weight)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert_within_rounding(out, x.to(torch.bfloat16).float(), weight.float())
+
+
+def test_gemv_bf16_gives_the_same_result_on_one_and_two_threads():
+    module = gemv_kernel()
+    x, weight = torch.randn(1, 1000), torch.randn(777, 1000).to(torch.bfloat16)
+    with restored_num_threads(1):
+        one = module.gemv_bf16(x, weight)
+    with restored_num_threads(2):
+        two = module.gemv_bf16(x, weight)
+    assert torch.equal(one, two)
+
+
+def test_a_bf16_projection_takes_the_row_kernel_for_one_row_and_onednn_for_more():
+    """`PackedMatmul` over a bf16 weight (oneDNN's native path): one row through the row
+    kernel, over the weight as given (no copy), within a bf16 rounding of oneDNN's
+    result; two rows through oneDNN, unchanged."""
+    from servelab.executor.kernel_forward import PackedMatmul
+    from servelab.kernels import cpu_matmul
+
+    gemv_kernel()
+    if cpu_matmul.path_for(torch.bfloat16).name != "onednn":
+        pytest.skip("oneDNN's native bf16 path needs AVX512-BF16 or AMX")
+    weight = torch.randn(300, 64).to(torch.bfloat16)
+    bias = torch.randn(300).to(torch.bfloat16)
+    matmul = PackedMatmul(weight, bias)
+    assert matmul.bf16_row is not None and matmul.bf16_row[1].data_ptr() == weight.data_ptr()
+    x = torch.randn(2, 64)
+    onednn = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), matmul.packed,
+                                                matmul.bias, "none", [], "")  # fmt: skip
+    one = matmul.native(x[:1])
+    assert one.dtype == torch.bfloat16
+    torch.testing.assert_close(one.float(), onednn[:1].float(), rtol=2**-7, atol=2**-7)
+    assert torch.equal(matmul.native(x), onednn)  # two rows: oneDNN's own result

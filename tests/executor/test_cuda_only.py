@@ -84,6 +84,42 @@ def test_greedy_tokens_on_cuda_equal_the_cpu(attention):
     assert on_cuda == greedy_tokens("per_request", "cpu", prompts)
 
 
+@pytest.mark.usefixtures("test_proposers")
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_verified_drafts_on_cuda_give_the_cpu_tokens(attention):
+    """Rows of 1 + drafts tokens through every backend on CUDA (n-gram lookup: a tiny
+    random model repeats itself, so drafts are kept and rejected): the CPU's tokens
+    without a proposer."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 40) for _ in range(rng.randint(3, 40))] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    try:
+        llm = LLM(model="tiny", attention=attention, device="cuda", dtype="float32",
+                  max_model_len=128, proposer={"name": "ngram", "k": 3, "min_n": 1})  # fmt: skip
+    except ConfigError as err:
+        pytest.skip(f"{attention}: {err}")
+    got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert got == greedy_tokens("per_request", "cpu", prompts, max_tokens=24)
+    assert llm.engine.scheduler.stats()["spec_num_accepted_tokens"] > 0
+
+
+@pytest.mark.usefixtures("test_proposers")
+def test_rejection_sampling_runs_on_cuda():
+    """Drafts with probabilities verified on the device (the target's distributions,
+    the uniforms and the residual draws all on CUDA), seeded: the same tokens twice."""
+    node = {"name": "fixed_distribution", "k": 3, "weights": {40: 0.5, 41: 0.5}, "mass": 0.9}
+    params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s,
+                             logit_bias={40: 9.0, 41: 8.5}) for s in range(6)]  # fmt: skip
+
+    def run():
+        llm = LLM(model="tiny", device="cuda", dtype="float32", max_model_len=128, proposer=node)
+        tokens = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7]] * 6, params)]
+        return tokens, llm.engine.scheduler.stats()["spec_num_accepted_tokens"]
+
+    first, kept = run()
+    assert kept > 0 and run()[0] == first
+
+
 def dense_reference(q, keys, values, context_len, scale):
     """One sequence in float64 from unpaged K/V: q [Q, H, D], keys/values [S, KVH, D]."""
     group = q.shape[1] // keys.shape[1]

@@ -1,8 +1,8 @@
 """What a decode step's matmuls stream on this CPU, per weight dtype: the Qwen3-0.6B
 shape's 28 layers of projections (distinct weights, so they come from DRAM as in a
 real step) and its LM head, through servelab's CPU matmul path
-(`servelab.executor.kernel_forward.PackedMatmul`) at a few rows, against a plain
-read of memory measured in the same run.
+(`servelab.executor.kernel_forward.PackedMatmul`) at a few rows, against the read
+bandwidth `cpu_real_size.py` measures, in the same run.
 
     python benchmarks/cpu_decode_matmuls.py [--rows 1 4 8 64] [--threads 2] [--repeats 5]
         [--layers 28] [--vocab 151936]
@@ -15,36 +15,22 @@ prepacked) bfloat16 weight beside the path's own. The CPU's model and flags head
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from cpu_real_size import SHAPES, _best, _read_bandwidth
 
 from servelab.executor.kernel_forward import PackedMatmul
 from servelab.kernels.cpu_matmul import cpu_flags
 from servelab.lab.provenance import cpu_model
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 1024, 3072, 16, 8, 128, 28, 151936
+SHAPE = SHAPES["qwen3-0.6b"].config()  # the shape cpu_real_size.py serves
+HIDDEN, LAYERS, VOCAB = SHAPE.hidden_size, SHAPE.num_layers, SHAPE.vocab_size
 PROJECTIONS = [  # (out, in) of qkv, o, gate_up, down
-    ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
-    (HIDDEN, HEADS * HEAD_DIM),
-    (2 * INTER, HIDDEN),
-    (HIDDEN, INTER),
+    ((SHAPE.num_heads + 2 * SHAPE.num_kv_heads) * SHAPE.head_dim, HIDDEN),
+    (HIDDEN, SHAPE.num_heads * SHAPE.head_dim),
+    (2 * SHAPE.intermediate_size, HIDDEN),
+    (HIDDEN, SHAPE.intermediate_size),
 ]
-
-
-def best(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def read_bandwidth(repeats: int) -> float:
-    buffer = torch.ones(256 * 2**20 // 4)
-    return buffer.numel() * 4 / best(buffer.sum, repeats)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     flags = sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
     print(f"CPU: {cpu_model()} ({', '.join(flags)}); {args.threads} threads; read bandwidth "
-          f"{read_bandwidth(args.repeats) / 1e9:.1f} GB/s (a 256 MiB sum)")  # fmt: skip
+          f"{_read_bandwidth() / 1e9:.1f} GB/s (cpu_real_size.py's measure)")  # fmt: skip
     for dtype in (torch.float32, torch.bfloat16):
         for line in dtype_lines(dtype, args):
             print(line, flush=True)
@@ -83,15 +69,15 @@ def dtype_lines(dtype: torch.dtype, args) -> list[str]:
     for rows in args.rows:
         xs = [torch.randn(rows, k) for _, k in PROJECTIONS]
         x_head = torch.randn(rows, HIDDEN)
-        t_layers = best(lambda xs=xs: [m(x) for layer in packed for m, x in zip(layer, xs)],
+        t_layers = _best(lambda xs=xs: [m(x) for layer in packed for m, x in zip(layer, xs)],
                         args.repeats)
-        t_head = best(lambda x_head=x_head: head(x_head), args.repeats)
+        t_head = _best(lambda x_head=x_head: head(x_head), args.repeats)
         line = (f"{str(dtype)[6:]:>8} rows {rows:>3}: projections {t_layers * 1e3:7.2f} ms "
                 f"({layer_bytes / t_layers / 1e9:5.1f} GB/s), LM head {t_head * 1e3:6.2f} ms "
                 f"({head_bytes / t_head / 1e9:5.1f} GB/s), path {path_name(packed[0][0], rows)}")  # fmt: skip
         if dtype == torch.bfloat16:  # oneDNN over the plain layout, for comparison
             xb = [x.to(dtype) for x in xs]
-            t_plain = best(lambda xb=xb: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            t_plain = _best(lambda xb=xb: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                     for layer in plain for w, x in zip(layer, xb)], args.repeats)  # fmt: skip
             line += f"; oneDNN over the plain weight: {t_layers / t_plain:.2f}x this path's speed"
         lines.append(line)

@@ -77,11 +77,14 @@ def dtype_lines(dtype: torch.dtype, args) -> list[str]:
                 f"({head_bytes / t_head / 1e9:5.1f} GB/s), path {path_name(packed[0][0], rows)}")  # fmt: skip
         if dtype == torch.bfloat16:  # oneDNN over the plain layout, for comparison
             xb = [x.to(dtype) for x in xs]
-            t_plain = _best(lambda xb=xb: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                    for layer in plain for w, x in zip(layer, xb)], args.repeats)  # fmt: skip
+            t_plain = _best(lambda xb=xb: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none",
+                                                                           [], "")
+                                           for layer in plain for w, x in zip(layer, xb)],
+                            args.repeats)  # fmt: skip
             line += f"; oneDNN over the plain weight: {t_layers / t_plain:.2f}x this path's speed"
         lines.append(line)
     return lines
+
 
 if __name__ == "__main__":
     main()

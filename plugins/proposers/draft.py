@@ -178,7 +178,8 @@ class DraftModelProposer(Proposer):
         self.executor.sampler.last_probs = None
         sampled = self.executor.execute(plan)
         distributions = self.executor.sampler.last_probs  # None: every row was greedy
-        row_of = {owner: row for row, owner in enumerate(sampled.owners)}
+        if distributions is not None:
+            row_of = {owner: row for row, owner in enumerate(sampled.owners)}
         for request, seq in ran:
             seq.num_computed_tokens = seq.num_tokens
             self.allocator.commit(seq)

@@ -30,6 +30,7 @@ the embeddings and LM head are read from the target's folder.
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,9 @@ class EagleProposer(Proposer):
         next_ids = torch.tensor([t for *_, ids, _ in rows for t in ids], device=self.device)
         features = torch.cat([f for *_, f in rows])
         hidden = self._layer(groups, self.embed[next_ids], features)
-        ends = torch.tensor(_ends([len(p) for _, p in groups]), device=self.device)
+        # each request's last row: its positions are consecutive
+        ends = torch.tensor([end - 1 for end in accumulate(len(p) for _, p in groups)],
+                            device=self.device)  # fmt: skip
         feature = hidden[ends]
         for (request, state, positions, _, _), token in zip(
             rows, self._logits(feature).argmax(dim=-1).tolist()
@@ -222,15 +225,6 @@ class EagleProposer(Proposer):
         angles = torch.tensor(positions, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [count, 1, head dim]
         return angles.cos().to(self.device, self.dtype), angles.sin().to(self.device, self.dtype)
-
-
-def _ends(counts: list[int]) -> list[int]:
-    """The index of each group's last row, for groups of `counts` consecutive rows."""
-    ends, at = [], -1
-    for count in counts:
-        at += count
-        ends.append(at)
-    return ends
 
 
 def _pending_end(state: HeadState) -> int:

@@ -6,13 +6,14 @@ a layer's output stays `residual + delta`, unsummed, until the next norm adds
 it. Flat because at decode sizes a layer's kernels take tens of microseconds,
 so Python's share is visible. A backend that implements `PagedKernelAttention`
 lets a step run every layer in one C++ call (`cpu_decoder`, bit for bit the
-same). The program packs the weights once (a second copy of each projection)
+same): on servelab's packed matmul, and for bfloat16 weights at one token (the bf16
+row kernel's case). The program packs the weights once (a second copy of each projection)
 and packs them again whenever any parameter was replaced or changed in place.
 Under tensor parallelism (the model's `all_reduce` set) the o and down matmuls'
 partial sums are all-reduced, so the one-call decoder, which has no such step
 between its layers, is not used. The projections take `cpu_matmul.path_for`'s
-path for the weights' dtype: servelab's packed kernel (and the one-call decoder),
-or oneDNN over weights `PackedMatmul` (below) prepacked once. bfloat16 / float16 weights keep float32
+path for the weights' dtype: servelab's packed kernel, or oneDNN over weights
+`PackedMatmul` (below) prepacked once. bfloat16 / float16 weights keep float32
 activations (norms, RoPE, residual, logits); q/k/v are rounded to the KV cache's
 dtype for attention, and on the native bf16 path SwiGLU runs on the gate/up
 projection's bf16 output and feeds the down projection in bf16.
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear, cpu_matmul
+from servelab.kernels import cpu_decoder, cpu_fused, cpu_linear, cpu_matmul, huge_pages
 from servelab.model.transformer import rope_cos_sin
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ class GatedMatmul(NamedTuple):
     def pack(weight: torch.Tensor) -> GatedMatmul:
         module = cpu_linear.kernel()
         assert module is not None, "the CPU matmul kernel is not built"
-        return GatedMatmul(module.pack_gated_weight(weight.detach()), weight.shape[0] // 2)
+        packed = huge_pages.copy(module.pack_gated_weight(weight.detach()))
+        return GatedMatmul(packed, weight.shape[0] // 2)
 
 
 class LayerProgram(NamedTuple):
@@ -182,8 +184,12 @@ class KernelForward:
         self._final: tuple[torch.Tensor, float] | None = None
         self._lm_head: Any = None
         # the whole layer loop in one C++ call, for steps whose attention is the
-        # paged kernel (`cpu_decoder`); None where it cannot be built
-        self._decoder = cpu_decoder.kernel() if self._servelab else None
+        # paged kernel (`cpu_decoder`): on servelab's packed matmul, or over bfloat16
+        # weights at one token where the bf16 row kernel runs (`PackedMatmul.bf16_row`);
+        # None where neither runs or it cannot be built
+        bf16_rows = model.dtype == torch.bfloat16 and path.name == "onednn"
+        bf16_rows = bf16_rows and cpu_matmul.bf16_row_kernel() is not None
+        self._decoder = cpu_decoder.kernel() if self._servelab or bf16_rows else None
         self._decoder_args: tuple[list, list, list] = ([], [], [])
 
     def _program(self) -> list[LayerProgram]:
@@ -191,8 +197,8 @@ class KernelForward:
         if key != self._key:
             model, servelab, dtype = self.model, self._servelab, self.dtype
             self._layers = [_layer_program(layer, servelab, dtype) for layer in model.model.layers]
-            if servelab:
-                self._decoder_args = cpu_decoder.layer_arguments(self._layers)
+            if self._decoder is not None:
+                self._decoder_args = cpu_decoder.layer_arguments(self._layers, not servelab)
             norm = model.model.norm
             self._final = (norm.weight.detach().to(dtype), float(norm.eps))
             params, name = self._head_slot[0]
@@ -226,8 +232,8 @@ class KernelForward:
         blocks = model.model.layers
         all_reduce = blocks[0].mlp.all_reduce if len(blocks) else None
         if (
-            self._servelab
-            and self._decoder is not None
+            self._decoder is not None
+            and (self._servelab or input_ids.shape[0] == 1)
             and all_reduce is None
             and kv_caches
             and kv_caches[0][0].dtype == embed.dtype
@@ -325,6 +331,7 @@ class PackedMatmul:
         # the model's weight as it is (no copy: oneDNN's prepacked one is opaque), which
         # streams it faster than oneDNN at one row (`csrc/cpu_gemv_bf16.h`)
         self.bf16_row = None
+        self.weight = weight  # the bf16 row kernel's (and the one-call decoder's)
         if self.path.name == "servelab":
             self.servelab = cpu_linear.PackedLinear(weight, bias)
             self.packed = self.bias = None
@@ -335,11 +342,12 @@ class PackedMatmul:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
         self.bias = None if bias is None else bias.detach().to(dtype)
         if dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-            row_kernel = cpu_linear.kernel()
-            if row_kernel is not None and row_kernel.gemv_bf16_available():
-                self.bf16_row = (row_kernel.gemv_bf16, weight.contiguous())
+            self.bf16_row = cpu_matmul.bf16_row_kernel()
+            self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_row is not None and x.shape[0] == 1:  # rounded as oneDNN's bf16 output
+            return self.bf16_row(x, self.weight, self.bias, True)
         out = self.native(x)
         return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
 
@@ -350,12 +358,8 @@ class PackedMatmul:
             return self.servelab(x)
         if self.gemv is not None and x.shape[0] <= cpu_matmul.GEMV_ROWS:
             return F.linear(x, *self.gemv)
-        if self.bf16_row is not None and x.shape[0] == 1:
-            gemv, weight = self.bf16_row
-            out = gemv(x.float(), weight)
-            if self.bias is not None:
-                out += self.bias
-            return out.to(torch.bfloat16)  # rounded as oneDNN's bf16 output is
+        if self.bf16_row is not None and x.shape[0] == 1:  # rounded as oneDNN's bf16 output
+            return self.bf16_row(x, self.weight, self.bias, True).to(torch.bfloat16)
         dtype = self.path.compute_dtype
         if x.dtype != dtype:
             x = x.to(dtype)

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from servelab.kernels import huge_pages
 from servelab.step.plan import BlockCopies
 
 
@@ -31,7 +32,10 @@ class KVCache:
         self.device = device
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: padded backends read masked slots, and 0 * NaN is NaN
-        self.device_pool = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cpu":  # every decode step streams it: on huge pages
+            self.device_pool = huge_pages.zeros(shape, dtype)
+        else:
+            self.device_pool = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         self.host_pool = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)

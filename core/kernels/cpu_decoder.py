@@ -7,7 +7,10 @@ a step's attention is exactly the C++ paged kernel
 (`csrc/cpu_decoder.cpp`, which includes the three kernels' headers) runs the
 whole loop, embedding lookup to final norm: the same kernel functions in the
 same order on the same tensors, so the result is bit for bit the Python loop's.
-It calls no module, so forward hooks do not run. Fallback: `cpp_extension`.
+It runs servelab's packed float32 / float64 weights at any number of tokens, and
+bfloat16 weights at one token through the bf16 row kernel (a batch-1 decode step,
+where the Python loop's few milliseconds showed beside the weights' stream). It
+calls no module, so forward hooks do not run. Fallback: `cpp_extension`.
 """
 
 from __future__ import annotations
@@ -49,9 +52,13 @@ def kernel() -> ModuleType | None:
     )
 
 
-def layer_arguments(layers) -> tuple[list[torch.Tensor], list[int], list[float]]:
-    """`KernelForward`'s layer programs flattened for `decoder_forward`."""
+def layer_arguments(layers, bf16_rows: bool) -> tuple[list[torch.Tensor], list[int], list[float]]:
+    """`KernelForward`'s layer programs flattened for `decoder_forward`: servelab's
+    packed weights, or (`bf16_rows`) the bfloat16 weights `PackedMatmul`s hold."""
     empty = torch.empty(0)
+
+    def weight(matmul) -> torch.Tensor:
+        return matmul.weight if bf16_rows else matmul.packed
 
     def given(t: torch.Tensor | None) -> torch.Tensor:  # an absent weight: empty
         return empty if t is None else t
@@ -62,18 +69,19 @@ def layer_arguments(layers) -> tuple[list[torch.Tensor], list[int], list[float]]
     for layer in layers:
         tensors += [
             layer.attn_norm,
-            layer.qkv.packed,
+            weight(layer.qkv),
             given(layer.qkv.bias),
             given(layer.q_norm),
             given(layer.k_norm),
-            layer.o.packed,
+            weight(layer.o),
             given(layer.o.bias),
             layer.mlp_norm,
-            layer.gate_up.packed,
-            layer.down.packed,
+            weight(layer.gate_up),
+            weight(layer.down),
             given(layer.down.bias),
         ]
-        ints += [layer.qkv.out_features, layer.o.out_features, layer.gate_up.inner]
+        inner = layer.gate_up.out_features // 2 if bf16_rows else layer.gate_up.inner
+        ints += [layer.qkv.out_features, layer.o.out_features, inner]
         ints += [layer.down.out_features]
         eps += [layer.attn_eps, layer.qk_eps, layer.mlp_eps]
     return tensors, ints, eps

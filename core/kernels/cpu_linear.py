@@ -17,6 +17,7 @@ from types import ModuleType
 
 import torch
 
+from servelab.kernels import huge_pages
 from servelab.kernels.cpp_extension import build
 
 DTYPES = (torch.float32, torch.float64)
@@ -44,7 +45,8 @@ class PackedLinear:
         assert module is not None, "the CPU matmul kernel is not built: check kernel()"
         self._module = module
         self.out_features = weight.shape[0]
-        self.packed = module.pack_weight(weight.detach())
+        # on huge pages: a decode step streams it
+        self.packed = huge_pages.copy(module.pack_weight(weight.detach()))
         self.bias = None if bias is None else module.pack_bias(bias.detach(), self.packed.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

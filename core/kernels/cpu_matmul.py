@@ -55,6 +55,18 @@ def cpu_flags() -> frozenset[str]:
 GEMV_ROWS = 2 if _cpuinfo("vendor_id") == "GenuineIntel" else 1
 
 
+@functools.cache
+def bf16_row_kernel():
+    """`cpu_linear`'s bf16 row kernel (`gemv_bf16`) where this build has it (a CPU
+    with AVX512-BF16), else None."""
+    from servelab.kernels import cpu_linear
+
+    module = cpu_linear.kernel()
+    if module is None or not module.gemv_bf16_available():
+        return None
+    return module.gemv_bf16
+
+
 class MatmulPath(NamedTuple):
     name: str  # "onednn", "onednn-upcast" or "servelab"
     compute_dtype: torch.dtype

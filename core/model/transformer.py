@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.contracts.attention import AttentionBackend
+from servelab.kernels import huge_pages
 from servelab.model.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -66,7 +67,10 @@ def fuse_linears(linears: list[nn.Linear]) -> FusedLinear:
     the old values are not copied."""
     first = linears[0].weight
     rows = [lin.out_features for lin in linears]
-    weight = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, device=first.device)
+    if first.device.type == "cpu":  # streamed by every decode step: on huge pages
+        weight = huge_pages.empty((sum(rows), first.shape[1]), first.dtype)
+    else:
+        weight = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, device=first.device)
     has_bias = [lin.bias is not None for lin in linears]
     bias = None
     if all(has_bias):
@@ -317,7 +321,10 @@ class Transformer(nn.Module):
                 if config.tie_word_embeddings
                 else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
-        self.to_empty(device=device)
+        if torch.device(device).type == "cpu":  # the weights a decode step streams: huge pages
+            self._apply(huge_pages.empty_like)
+        else:
+            self.to_empty(device=device)
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()

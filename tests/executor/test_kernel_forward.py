@@ -180,6 +180,43 @@ def test_decoder_loop_is_the_python_loop_bit_for_bit(shape, dtype):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-llama"])
+def test_bf16_decoder_loop_is_the_python_loop_bit_for_bit_at_one_token(shape):
+    """bfloat16 weights on the bf16 row kernel: a one-token step runs every layer in
+    one C++ call, with the Python loop's logits and caches exactly; a step of more
+    tokens (the prompt) keeps the Python loop on oneDNN."""
+    model, _, _ = load_model(shape, "bfloat16", "cpu")
+    program = KernelForward(model)
+    if program._decoder is None:
+        path = cpu_matmul.path_for(torch.bfloat16)
+        pytest.skip(f"no bf16 row kernel here: bf16 weights take {path.name} ({path.why}), "
+                    "or the CPU has no AVX512-BF16")  # fmt: skip
+
+    def steps(decoder: bool):
+        saved = program._decoder
+        program._decoder = saved if decoder else None
+        try:
+            driver = PagedDriver(model, num_blocks=32, block_size=4, forward=program)
+            driver.backend = paged_kernel_backend(model)
+            logits = driver.step([(0, [3, 1, 4, 1, 5, 9, 2])])
+            for token in (6, 5, 3, 5, 8):  # crosses a block boundary
+                logits += driver.step([(0, [token])])
+        finally:
+            program._decoder = saved
+        return logits, driver.kv_caches, driver.backend
+
+    fast, fast_caches, fast_backend = steps(decoder=True)
+    slow, slow_caches, slow_backend = steps(decoder=False)
+    layers = model.config.num_layers
+    assert fast_backend.forward_calls == layers  # the prompt step alone
+    assert slow_backend.forward_calls == 6 * layers
+    assert fast_backend.stats() == slow_backend.stats() == {"cpu_kernel_calls": 6 * layers}
+    for a, b in zip(fast, slow, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
+        assert k1.dtype == torch.bfloat16 and torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_decoder_loop_only_where_the_backend_says_so():
     """A backend that is no `PagedKernelAttention` keeps its own `forward` in
     every layer."""

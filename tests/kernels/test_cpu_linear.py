@@ -217,7 +217,7 @@ def test_gemv_bf16_is_the_product_of_the_bf16_rounded_row(m, n, k, threads):
     x = torch.randn(m, k, generator=g)
     weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
     with restored_num_threads(threads):
-        out = module.gemv_bf16(x, weight)
+        out = module.gemv_bf16(x, weight, None, False)
     assert out.dtype == torch.float32 and out.shape == (m, n)
     assert_within_rounding(out, x.to(torch.bfloat16).float(), weight.float())
 
@@ -226,10 +226,27 @@ def test_gemv_bf16_gives_the_same_result_on_one_and_two_threads():
     module = gemv_kernel()
     x, weight = torch.randn(1, 1000), torch.randn(777, 1000).to(torch.bfloat16)
     with restored_num_threads(1):
-        one = module.gemv_bf16(x, weight)
+        one = module.gemv_bf16(x, weight, None, False)
     with restored_num_threads(2):
-        two = module.gemv_bf16(x, weight)
+        two = module.gemv_bf16(x, weight, None, False)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_gemv_bf16_adds_the_bias_then_rounds_as_torch_does(x_dtype):
+    """With a bf16 bias and `round`: exactly the float32 sum plus the widened bias,
+    rounded by torch's own conversion, whether x comes in float32 or bf16."""
+    module = gemv_kernel()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 300, generator=g).to(x_dtype)
+    weight = torch.randn(517, 300, generator=g).to(torch.bfloat16)
+    bias = torch.randn(517, generator=g).to(torch.bfloat16)
+    plain = module.gemv_bf16(x, weight, None, False)
+    expected = (plain + bias.float()).to(torch.bfloat16).float()
+    assert torch.equal(module.gemv_bf16(x, weight, bias, True), expected)
+    assert not torch.equal(expected, plain + bias.float())  # the rounding was needed
+    with pytest.raises(RuntimeError, match="bias must be bfloat16"):
+        module.gemv_bf16(x, weight, bias.float(), True)
 
 
 def test_a_bf16_projection_takes_the_row_kernel_for_one_row_and_onednn_for_more():
@@ -245,7 +262,7 @@ def test_a_bf16_projection_takes_the_row_kernel_for_one_row_and_onednn_for_more(
     weight = torch.randn(300, 64).to(torch.bfloat16)
     bias = torch.randn(300).to(torch.bfloat16)
     matmul = PackedMatmul(weight, bias)
-    assert matmul.bf16_row is not None and matmul.bf16_row[1].data_ptr() == weight.data_ptr()
+    assert matmul.bf16_row is not None and matmul.weight.data_ptr() == weight.data_ptr()
     x = torch.randn(2, 64)
     onednn = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), matmul.packed,
                                                 matmul.bias, "none", [], "")  # fmt: skip

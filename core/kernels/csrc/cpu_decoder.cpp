@@ -2,7 +2,13 @@
 // per layer the same kernel functions the Python loop calls, in the same order,
 // on the same tensors (so the result is bit for bit the Python loop's), then the
 // final norm. The kernels come from their headers, compiled into this one unit.
+//
+// Two kinds of layer: servelab's packed float32 / float64 weights (any number of
+// tokens), and bfloat16 weights as the model holds them for a step of one token,
+// through the bf16 row kernel (`cpu_gemv_bf16.h`) with float32 activations, as
+// `kernel_forward`'s Python loop runs a one-row bf16 step.
 #include "cpu_linear.h"
+#include "cpu_gemv_bf16.h"
 #include "cpu_fused.h"
 #include "cpu_paged.h"
 
@@ -13,11 +19,63 @@ c10::optional<torch::Tensor> present(const torch::Tensor& t) {
   return t;
 }
 
+// The packed weights' layer: activations in the weights' dtype throughout.
+torch::Tensor packed_layer(torch::Tensor residual, torch::Tensor h, const torch::Tensor* w,
+                           const int64_t* n, const double* e, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& tables,
+                           const torch::Tensor& lens, const torch::Tensor& slots,
+                           const torch::Tensor& positions, const torch::Tensor& cos,
+                           const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, double scale) {
+  const int64_t tokens = h.size(0);
+  torch::Tensor qkv = linear(h, w[1], present(w[2]), n[0]);
+  qk_norm_rope_(qkv, present(w[3]), present(w[4]), e[1], cos, sin, positions, num_heads,
+                num_kv_heads);
+  const auto qkv_heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
+                             .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+  store_kv(qkv_heads[1], qkv_heads[2], k_cache, v_cache, slots);
+  torch::Tensor out = paged_decode(qkv_heads[0], k_cache, v_cache, tables, lens, scale);
+  torch::Tensor delta = linear(out.reshape({tokens, num_heads * head_dim}), w[5], present(w[6]), n[1]);
+  h = add_rms_norm(residual, delta, w[7], e[2]);
+  return linear(linear_gated(h, w[8], n[2]), w[9], present(w[10]), n[3]);
+}
+
+// The bf16 row layer, step for step `kernel_forward`'s Python loop over `PackedMatmul`s
+// at one row: each projection's output rounded to bf16 and widened (`gemv_bf16` with
+// `round`), q/k norms and RoPE in float32, q/k/v rounded to the cache's bf16 for
+// attention, SwiGLU by torch's own bf16 ops on the gate/up output rounded to bf16.
+torch::Tensor bf16_row_layer(torch::Tensor residual, torch::Tensor h, const torch::Tensor* w,
+                             const int64_t* n, const double* e, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache, const torch::Tensor& tables,
+                             const torch::Tensor& lens, const torch::Tensor& slots,
+                             const torch::Tensor& positions, const torch::Tensor& cos,
+                             const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, double scale) {
+  const int64_t tokens = h.size(0);
+  torch::Tensor qkv = gemv_bf16(h, w[1], present(w[2]), true);
+  qk_norm_rope_(qkv, present(w[3]), present(w[4]), e[1], cos, sin, positions, num_heads,
+                num_kv_heads);
+  const auto qkv_heads = qkv.to(k_cache.scalar_type())
+                             .view({tokens, num_heads + 2 * num_kv_heads, head_dim})
+                             .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+  store_kv(qkv_heads[1], qkv_heads[2], k_cache, v_cache, slots);
+  torch::Tensor out = paged_decode(qkv_heads[0], k_cache, v_cache, tables, lens, scale);
+  torch::Tensor delta =
+      gemv_bf16(out.reshape({tokens, num_heads * head_dim}), w[5], present(w[6]), true);
+  h = add_rms_norm(residual, delta, w[7], e[2]);
+  const torch::Tensor gate_up = gemv_bf16(h, w[8], c10::nullopt, true).to(torch::kBFloat16);
+  torch::Tensor act = at::silu(gate_up.narrow(1, 0, n[2]));
+  act.mul_(gate_up.narrow(1, n[2], n[2]));
+  return gemv_bf16(act, w[9], present(w[10]), true);
+}
+
 }  // namespace
 
 // input_ids int64 [T]; embed [vocab, hidden], contiguous; per layer
 // LAYER_TENSORS, LAYER_INTS and LAYER_EPS flattened in that order; caches: per
-// layer k_cache, v_cache. Returns the final norm's output.
+// layer k_cache, v_cache. bfloat16 projection weights (one token, float32 norm
+// weights and activations) take the bf16 row layer, the rest the packed one.
+// Returns the final norm's output.
 torch::Tensor decoder_forward(torch::Tensor input_ids, torch::Tensor embed,
                               std::vector<torch::Tensor> tensors,
                               std::vector<int64_t> ints, std::vector<double> eps,
@@ -39,35 +97,34 @@ torch::Tensor decoder_forward(torch::Tensor input_ids, torch::Tensor embed,
                   input_ids.is_contiguous() && embed.dim() == 2 && embed.is_contiguous(),
               "decoder_forward: input_ids must be contiguous int64 [T], embed contiguous [vocab, hidden]");
   const int64_t tokens = input_ids.size(0), vocab = embed.size(0);
-  torch::Tensor residual = torch::empty({tokens, embed.size(1)}, embed.options());
-  const int64_t row_bytes = embed.size(1) * embed.element_size();
+  const bool bf16_rows = layers > 0 && tensors[1].scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(!bf16_rows || tokens == 1,
+              "decoder_forward: bfloat16 weights run one token a step, got ", tokens);
   const int64_t* ids = input_ids.data_ptr<int64_t>();
-  const char* table = static_cast<const char*>(embed.data_ptr());
-  char* rows = static_cast<char*>(residual.data_ptr());
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "decoder_forward: token id ", ids[t],
                 " is outside the vocabulary [0, ", vocab, ")");
-    std::memcpy(rows + t * row_bytes, table + ids[t] * row_bytes, row_bytes);
+  torch::Tensor residual;
+  if (embed.scalar_type() == torch::kBFloat16) {  // widened to the float32 activations
+    residual = embed.index_select(0, input_ids).to(torch::kFloat32);
+  } else {
+    residual = torch::empty({tokens, embed.size(1)}, embed.options());
+    const int64_t row_bytes = embed.size(1) * embed.element_size();
+    const char* table = static_cast<const char*>(embed.data_ptr());
+    char* rows = static_cast<char*>(residual.data_ptr());
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(rows + t * row_bytes, table + ids[t] * row_bytes, row_bytes);
   }
+  const auto layer_fn = bf16_rows ? bf16_row_layer : packed_layer;
   torch::Tensor delta;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = tensors.data() + l * kTensors;
-    const int64_t* n = ints.data() + l * kInts;
     const double* e = eps.data() + l * kEps;
-    const torch::Tensor& k_cache = caches[2 * l];
-    const torch::Tensor& v_cache = caches[2 * l + 1];
     torch::Tensor h = l == 0 ? rms_norm(residual, w[0], e[0])
                              : add_rms_norm(residual, delta, w[0], e[0]);
-    torch::Tensor qkv = linear(h, w[1], present(w[2]), n[0]);
-    qk_norm_rope_(qkv, present(w[3]), present(w[4]), e[1], cos, sin, positions, num_heads,
-                  num_kv_heads);
-    const auto qkv_heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
-                               .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
-    store_kv(qkv_heads[1], qkv_heads[2], k_cache, v_cache, slots);
-    torch::Tensor out = paged_decode(qkv_heads[0], k_cache, v_cache, tables, lens, scale);
-    delta = linear(out.reshape({tokens, num_heads * head_dim}), w[5], present(w[6]), n[1]);
-    h = add_rms_norm(residual, delta, w[7], e[2]);
-    delta = linear(linear_gated(h, w[8], n[2]), w[9], present(w[10]), n[3]);
+    delta = layer_fn(residual, h, w, ints.data() + l * kInts, e, caches[2 * l], caches[2 * l + 1],
+                     tables, lens, slots, positions, cos, sin, num_heads, num_kv_heads,
+                     head_dim, scale);
   }
   if (layers == 0) return rms_norm(residual, final_norm, final_eps);
   return add_rms_norm(residual, delta, final_norm, final_eps);

@@ -66,27 +66,49 @@ constexpr bool kGemvBf16 = false;
 // Whether this build has `gemv_bf16` (the CPU it was built for has AVX512-BF16).
 bool gemv_bf16_available() { return kGemvBf16; }
 
-// x float32 [M, K] (one row a pass over the weights), w bfloat16 [N, K]; returns
-// float32 [M, N].
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+// float32 rounded to bfloat16's precision, to nearest even as torch rounds, and kept
+// in float32 (exactly what `.to(torch.bfloat16).float()` gives).
+inline float round_to_bf16(float v) {
+  const uint32_t bits = static_cast<uint32_t>(c10::detail::round_to_nearest_even(v)) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// x float32 or bfloat16 [M, K] (one row a pass over the weights), w bfloat16 [N, K],
+// bias bfloat16 [N] or none; returns float32 [M, N]: x @ w.T + bias, each element
+// rounded to bf16 with `round` (a bf16 matmul's output, widened back: the one-call
+// decoder and the Python loop both take it so, without two conversions).
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                        bool round) {
   TORCH_CHECK(kGemvBf16, "gemv_bf16: this build's CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "gemv_bf16: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kBFloat16,
-              "gemv_bf16: float32 x and bfloat16 w");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                  w.scalar_type() == torch::kBFloat16,
+              "gemv_bf16: float32 or bfloat16 x and bfloat16 w");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto out = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kBFloat16 && bias->numel() == N),
+              "gemv_bf16: the bias must be bfloat16 [N]");
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
 #if defined(__AVX512BF16__)
   w = w.contiguous();
   const auto xb = x.to(torch::kBFloat16).contiguous();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
+  const at::BFloat16* bp = bias ? b.data_ptr<at::BFloat16>() : nullptr;
   float* op = out.data_ptr<float>();
   // enough rows a task that it streams a while (about 64 KiB of weights)
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(K, 1));
   for (int64_t m = 0; m < M; ++m) {
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      gemv_bf16_row(xp + m * K, K, wp, op + m * N, n0, n1);
+      float* row = op + m * N;
+      gemv_bf16_row(xp + m * K, K, wp, row, n0, n1);
+      if (bp != nullptr)  // in float32, as torch adds a bf16 bias to a float32 sum
+        for (int64_t n = n0; n < n1; ++n) row[n] += static_cast<float>(bp[n]);
+      if (round)
+        for (int64_t n = n0; n < n1; ++n) row[n] = round_to_bf16(row[n]);
     });
   }
 #endif

@@ -20,6 +20,7 @@ import torch
 from cpu_real_size import SHAPES, _best, _read_bandwidth
 
 from servelab.executor.kernel_forward import PackedMatmul
+from servelab.kernels import huge_pages
 from servelab.kernels.cpu_matmul import cpu_flags
 from servelab.lab.provenance import cpu_model
 
@@ -60,9 +61,11 @@ def path_name(matmul: PackedMatmul, rows: int) -> str:
 def dtype_lines(dtype: torch.dtype, args) -> list[str]:
     """One line per row count: the projections' and the LM head's time and weight GB/s."""
     size = torch.tensor([], dtype=dtype).element_size()
-    plain = [[torch.randn(n, k).to(dtype) for n, k in PROJECTIONS] for _ in range(args.layers)]
+    # on 2 MiB pages, as the engine's model holds its weights
+    plain = [[huge_pages.copy(torch.randn(n, k).to(dtype)) for n, k in PROJECTIONS]
+             for _ in range(args.layers)]  # fmt: skip
     packed = [[PackedMatmul(w, None) for w in layer] for layer in plain]
-    head = PackedMatmul(torch.randn(args.vocab, HIDDEN).to(dtype), None)
+    head = PackedMatmul(huge_pages.copy(torch.randn(args.vocab, HIDDEN).to(dtype)), None)
     layer_bytes = sum(n * k for n, k in PROJECTIONS) * args.layers * size
     head_bytes = args.vocab * HIDDEN * size
     lines = []

@@ -185,10 +185,13 @@ def _read_bandwidth() -> float:
     """Bytes/s read from memory: the best of a sum over 256 MiB and (where servelab's
     packed kernel is built) a one-row matmul streaming a 512 MiB weight, what a
     decode step does; each the best of ten. On a shared machine one of them can
-    meet a busy spell, hence two."""
+    meet a busy spell, hence two. Both read from 2 MiB pages where the system gives
+    them, as servelab's weights are (`servelab.kernels.huge_pages`)."""
     import torch
 
-    big = torch.ones(256 * 2**20 // 4)
+    from servelab.kernels import huge_pages
+
+    big = huge_pages.empty((256 * 2**20 // 4,), torch.float32).fill_(1.0)
     best = big.numel() * 4 / _best(lambda: big.sum(), repeats=10)
     from servelab.kernels import cpu_linear
 

@@ -3,10 +3,9 @@
 // on the same tensors (so the result is bit for bit the Python loop's), then the
 // final norm. The kernels come from their headers, compiled into this one unit.
 //
-// Two kinds of layer: servelab's packed float32 / float64 weights (any number of
-// tokens), and bfloat16 weights as the model holds them for a step of one token,
-// through the bf16 row kernel (`cpu_gemv_bf16.h`) with float32 activations, as
-// `kernel_forward`'s Python loop runs a one-row bf16 step.
+// Two kinds of layer (`layer`): servelab's packed float32 / float64 weights (any
+// number of tokens), and bfloat16 weights as the model holds them for a step of one
+// token, through the bf16 row kernel (`cpu_gemv_bf16.h`) with float32 activations.
 #include "cpu_linear.h"
 #include "cpu_gemv_bf16.h"
 #include "cpu_fused.h"
@@ -19,54 +18,46 @@ c10::optional<torch::Tensor> present(const torch::Tensor& t) {
   return t;
 }
 
-// The packed weights' layer: activations in the weights' dtype throughout.
-torch::Tensor packed_layer(torch::Tensor residual, torch::Tensor h, const torch::Tensor* w,
-                           const int64_t* n, const double* e, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& tables,
-                           const torch::Tensor& lens, const torch::Tensor& slots,
-                           const torch::Tensor& positions, const torch::Tensor& cos,
-                           const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, double scale) {
+// One layer after its input norm; returns its delta (the down projection's output).
+// `kBf16Rows`: bfloat16 weights as the model holds them at one token, step for step
+// `kernel_forward`'s Python loop over `PackedMatmul`s at one row: each projection's
+// output rounded to bf16 and widened (`gemv_bf16` with `round`), q/k norms and RoPE in
+// float32, q/k/v rounded to the cache's bf16 for attention, SwiGLU by torch's own bf16
+// ops on the gate/up output. Otherwise servelab's packed weights, activations in their
+// dtype throughout. `w`: LAYER_TENSORS (each projection's weight, then its bias).
+template <bool kBf16Rows>
+torch::Tensor layer(const torch::Tensor& residual, torch::Tensor h, const torch::Tensor* w,
+                    const int64_t* n, const double* e, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& tables,
+                    const torch::Tensor& lens, const torch::Tensor& slots,
+                    const torch::Tensor& positions, const torch::Tensor& cos,
+                    const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, double scale) {
   const int64_t tokens = h.size(0);
-  torch::Tensor qkv = linear(h, w[1], present(w[2]), n[0]);
+  // x @ w[i].T + w[i + 1] with out_features `out`
+  const auto project = [&](const torch::Tensor& x, int i, int64_t out) {
+    if constexpr (kBf16Rows) return gemv_bf16(x, w[i], present(w[i + 1]), true);
+    return linear(x, w[i], present(w[i + 1]), out);
+  };
+  torch::Tensor qkv = project(h, 1, n[0]);
   qk_norm_rope_(qkv, present(w[3]), present(w[4]), e[1], cos, sin, positions, num_heads,
                 num_kv_heads);
+  if constexpr (kBf16Rows) qkv = qkv.to(k_cache.scalar_type());
   const auto qkv_heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim})
                              .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
   store_kv(qkv_heads[1], qkv_heads[2], k_cache, v_cache, slots);
   torch::Tensor out = paged_decode(qkv_heads[0], k_cache, v_cache, tables, lens, scale);
-  torch::Tensor delta = linear(out.reshape({tokens, num_heads * head_dim}), w[5], present(w[6]), n[1]);
+  const torch::Tensor delta = project(out.reshape({tokens, num_heads * head_dim}), 5, n[1]);
   h = add_rms_norm(residual, delta, w[7], e[2]);
-  return linear(linear_gated(h, w[8], n[2]), w[9], present(w[10]), n[3]);
-}
-
-// The bf16 row layer, step for step `kernel_forward`'s Python loop over `PackedMatmul`s
-// at one row: each projection's output rounded to bf16 and widened (`gemv_bf16` with
-// `round`), q/k norms and RoPE in float32, q/k/v rounded to the cache's bf16 for
-// attention, SwiGLU by torch's own bf16 ops on the gate/up output rounded to bf16.
-torch::Tensor bf16_row_layer(torch::Tensor residual, torch::Tensor h, const torch::Tensor* w,
-                             const int64_t* n, const double* e, const torch::Tensor& k_cache,
-                             const torch::Tensor& v_cache, const torch::Tensor& tables,
-                             const torch::Tensor& lens, const torch::Tensor& slots,
-                             const torch::Tensor& positions, const torch::Tensor& cos,
-                             const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, double scale) {
-  const int64_t tokens = h.size(0);
-  torch::Tensor qkv = gemv_bf16(h, w[1], present(w[2]), true);
-  qk_norm_rope_(qkv, present(w[3]), present(w[4]), e[1], cos, sin, positions, num_heads,
-                num_kv_heads);
-  const auto qkv_heads = qkv.to(k_cache.scalar_type())
-                             .view({tokens, num_heads + 2 * num_kv_heads, head_dim})
-                             .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
-  store_kv(qkv_heads[1], qkv_heads[2], k_cache, v_cache, slots);
-  torch::Tensor out = paged_decode(qkv_heads[0], k_cache, v_cache, tables, lens, scale);
-  torch::Tensor delta =
-      gemv_bf16(out.reshape({tokens, num_heads * head_dim}), w[5], present(w[6]), true);
-  h = add_rms_norm(residual, delta, w[7], e[2]);
-  const torch::Tensor gate_up = gemv_bf16(h, w[8], c10::nullopt, true).to(torch::kBFloat16);
-  torch::Tensor act = at::silu(gate_up.narrow(1, 0, n[2]));
-  act.mul_(gate_up.narrow(1, n[2], n[2]));
-  return gemv_bf16(act, w[9], present(w[10]), true);
+  torch::Tensor act;
+  if constexpr (kBf16Rows) {
+    const torch::Tensor gate_up = gemv_bf16(h, w[8], c10::nullopt, true).to(torch::kBFloat16);
+    act = at::silu(gate_up.narrow(1, 0, n[2]));
+    act.mul_(gate_up.narrow(1, n[2], n[2]));
+  } else {
+    act = linear_gated(h, w[8], n[2]);
+  }
+  return project(act, 9, n[3]);
 }
 
 }  // namespace
@@ -115,7 +106,7 @@ torch::Tensor decoder_forward(torch::Tensor input_ids, torch::Tensor embed,
     for (int64_t t = 0; t < tokens; ++t)
       std::memcpy(rows + t * row_bytes, table + ids[t] * row_bytes, row_bytes);
   }
-  const auto layer_fn = bf16_rows ? bf16_row_layer : packed_layer;
+  const auto layer_fn = bf16_rows ? layer<true> : layer<false>;
   torch::Tensor delta;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = tensors.data() + l * kTensors;

@@ -32,10 +32,8 @@ class KVCache:
         self.device = device
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: padded backends read masked slots, and 0 * NaN is NaN
-        if device.type == "cpu":  # every decode step streams it: on huge pages
-            self.device_pool = huge_pages.zeros(shape, dtype)
-        else:
-            self.device_pool = torch.zeros(shape, dtype=dtype, device=device)
+        # every decode step streams it: on the CPU, on huge pages
+        self.device_pool = huge_pages.zeros(shape, dtype, device)
         host_shape = (2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         self.host_pool = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)

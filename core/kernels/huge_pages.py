@@ -1,5 +1,5 @@
-"""CPU tensors on 2 MiB pages (Linux transparent huge pages), for the weights a
-decode step streams (its weights, and the KV cache it attends over).
+"""CPU tensors on 2 MiB pages (Linux transparent huge pages), for what a decode
+step streams: the weights and the KV cache it attends over.
 
 A decode step at a few rows is a stream of every weight, so the memory's read rate
 sets its time. With 4 KiB pages the CPU's stream prefetchers stop at every page
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 2**20
 _refused: list[str] = []  # why the first mapping failed; nothing more is tried after
+Device = torch.device | str
 
 
 def available() -> bool:
@@ -35,11 +36,11 @@ def available() -> bool:
     return sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE") and not _refused
 
 
-def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """A contiguous tensor in a fresh mapping advised for huge pages (reading as
-    zeros until written), or None where it is too small or refused."""
-    nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not available():
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype, device: Device) -> torch.Tensor | None:
+    """A contiguous CPU tensor in a fresh mapping advised for huge pages (reading as
+    zeros until written), or None off the CPU, where it is too small, or refused."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not available():
         return None
     try:
         # private and anonymous (a shared mapping is shmem, with huge pages of its own rule);
@@ -56,22 +57,22 @@ def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
-def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor, on huge pages where it is large
+def empty(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: Device = "cpu"
+) -> torch.Tensor:
+    """`torch.empty` (contiguous); on the CPU on huge pages where the tensor is large
     enough and the system allows."""
-    t = _mapped(tuple(shape), dtype)
-    return torch.empty(tuple(shape), dtype=dtype) if t is None else t
+    t = _mapped(tuple(shape), dtype, device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device) if t is None else t
 
 
-def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.zeros` on huge pages where `empty` places it: as with `torch.zeros`'
-    large allocations, memory is taken only where it is first written."""
-    t = _mapped(tuple(shape), dtype)
-    return torch.zeros(tuple(shape), dtype=dtype) if t is None else t
-
-
-def empty_like(t: torch.Tensor) -> torch.Tensor:
-    return empty(t.shape, t.dtype)
+def zeros(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: Device = "cpu"
+) -> torch.Tensor:
+    """`torch.zeros`, placed as `empty` places it: as with `torch.zeros`' large
+    allocations, memory is taken only where it is first written."""
+    t = _mapped(tuple(shape), dtype, device)
+    return torch.zeros(tuple(shape), dtype=dtype, device=device) if t is None else t
 
 
 def copy(t: torch.Tensor) -> torch.Tensor:

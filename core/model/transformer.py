@@ -67,10 +67,8 @@ def fuse_linears(linears: list[nn.Linear]) -> FusedLinear:
     the old values are not copied."""
     first = linears[0].weight
     rows = [lin.out_features for lin in linears]
-    if first.device.type == "cpu":  # streamed by every decode step: on huge pages
-        weight = huge_pages.empty((sum(rows), first.shape[1]), first.dtype)
-    else:
-        weight = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, device=first.device)
+    # streamed by every CPU decode step: on huge pages there
+    weight = huge_pages.empty((sum(rows), first.shape[1]), first.dtype, first.device)
     has_bias = [lin.bias is not None for lin in linears]
     bias = None
     if all(has_bias):
@@ -321,10 +319,8 @@ class Transformer(nn.Module):
                 if config.tie_word_embeddings
                 else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             )
-        if torch.device(device).type == "cpu":  # the weights a decode step streams: huge pages
-            self._apply(huge_pages.empty_like)
-        else:
-            self.to_empty(device=device)
+        # `to_empty`, with the CPU's weights (what a decode step streams) on huge pages
+        self._apply(lambda t: huge_pages.empty(t.shape, t.dtype, device))
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()

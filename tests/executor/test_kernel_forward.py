@@ -126,23 +126,40 @@ def paged_kernel_backend(model):
     return backend
 
 
-def three_steps(model, program, decoder) -> tuple[list[torch.Tensor], list, object]:
-    """A prompt step, a mixed step (a decode, a prompt's second chunk, a new
-    prompt) and a decode-only step, with the decoder loop on or off; returns the
-    logits, the K/V caches and the backend."""
+def drive(model, program, decoder: bool, steps) -> tuple[list[torch.Tensor], list, object]:
+    """`steps` (each `PagedDriver.step`'s rows) on a fresh cache through the paged
+    kernel's backend, with the decoder loop on or off; returns the logits, the K/V
+    caches and the backend."""
     saved = program._decoder
     program._decoder = program._decoder if decoder else None
     try:
         driver = PagedDriver(model, num_blocks=32, block_size=4, forward=program)
         driver.backend = paged_kernel_backend(model)
-        gen = torch.Generator().manual_seed(5)
-        tokens = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (11, 6, 7, 3)]
-        logits = driver.step([(0, tokens[0]), (1, tokens[1])])
-        logits += driver.step([(0, [4]), (1, tokens[2]), (2, tokens[3])])
-        logits += driver.step([(0, [9]), (1, [2]), (2, [8])])
+        logits = [out for rows in steps for out in driver.step(rows)]
     finally:
         program._decoder = saved
     return logits, driver.kv_caches, driver.backend
+
+
+def three_steps(model, program, decoder) -> tuple[list[torch.Tensor], list, object]:
+    """A prompt step, a mixed step (a decode, a prompt's second chunk, a new
+    prompt) and a decode-only step (`drive`)."""
+    gen = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (11, 6, 7, 3)]
+    steps = [
+        [(0, tokens[0]), (1, tokens[1])],
+        [(0, [4]), (1, tokens[2]), (2, tokens[3])],
+        [(0, [9]), (1, [2]), (2, [8])],
+    ]
+    return drive(model, program, decoder, steps)
+
+
+def assert_identical(fast, slow, fast_caches, slow_caches) -> None:
+    """Equal logits and K/V caches, not close ones."""
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def skip_without_the_decoder(program: KernelForward, dtype: str) -> None:
@@ -174,10 +191,7 @@ def test_decoder_loop_is_the_python_loop_bit_for_bit(shape, dtype):
         == slow_backend.stats()
         == {"cpu_kernel_calls": 3 * model.config.num_layers}
     )
-    for a, b in zip(fast, slow, strict=True):
-        assert torch.equal(a, b)
-    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_identical(fast, slow, fast_caches, slow_caches)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-llama"])
@@ -192,29 +206,16 @@ def test_bf16_decoder_loop_is_the_python_loop_bit_for_bit_at_one_token(shape):
         pytest.skip(f"no bf16 row kernel here: bf16 weights take {path.name} ({path.why}), "
                     "or the CPU has no AVX512-BF16")  # fmt: skip
 
-    def steps(decoder: bool):
-        saved = program._decoder
-        program._decoder = saved if decoder else None
-        try:
-            driver = PagedDriver(model, num_blocks=32, block_size=4, forward=program)
-            driver.backend = paged_kernel_backend(model)
-            logits = driver.step([(0, [3, 1, 4, 1, 5, 9, 2])])
-            for token in (6, 5, 3, 5, 8):  # crosses a block boundary
-                logits += driver.step([(0, [token])])
-        finally:
-            program._decoder = saved
-        return logits, driver.kv_caches, driver.backend
-
-    fast, fast_caches, fast_backend = steps(decoder=True)
-    slow, slow_caches, slow_backend = steps(decoder=False)
+    # a prompt, then five one-token steps crossing a block boundary
+    steps = [[(0, [3, 1, 4, 1, 5, 9, 2])]] + [[(0, [token])] for token in (6, 5, 3, 5, 8)]
+    fast, fast_caches, fast_backend = drive(model, program, True, steps)
+    slow, slow_caches, slow_backend = drive(model, program, False, steps)
     layers = model.config.num_layers
     assert fast_backend.forward_calls == layers  # the prompt step alone
     assert slow_backend.forward_calls == 6 * layers
     assert fast_backend.stats() == slow_backend.stats() == {"cpu_kernel_calls": 6 * layers}
-    for a, b in zip(fast, slow, strict=True):
-        assert a.dtype == torch.float32 and torch.equal(a, b)
-    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
-        assert k1.dtype == torch.bfloat16 and torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert fast[0].dtype == torch.float32 and fast_caches[0][0].dtype == torch.bfloat16
+    assert_identical(fast, slow, fast_caches, slow_caches)
 
 
 def test_decoder_loop_only_where_the_backend_says_so():

@@ -83,6 +83,12 @@ def test_a_refused_mapping_falls_back_to_plain_tensors(monkeypatch):
     assert huge_pages.copy(torch.ones(2**20)).sum() == 2**20  # and nothing more is tried
 
 
+def test_another_device_gets_torchs_own_tensor():
+    for make in (huge_pages.empty, huge_pages.zeros):
+        t = make((2, 2**20), torch.float32, "meta")
+        assert t.device.type == "meta" and t.shape == (2, 2**20)
+
+
 @pytest.mark.parametrize("shape", [(7, 3), (2, 2**20)])
 def test_zeros_are_zeros_small_or_large(shape):
     t = huge_pages.zeros(shape, torch.float32)

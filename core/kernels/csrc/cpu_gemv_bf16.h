@@ -12,9 +12,9 @@
 // (`servelab.kernels.huge_pages`) they run across page boundaries, and software
 // prefetches ahead of them only cost issue slots (no prefetch: 1.07x the rate of
 // prefetching 12 KiB ahead there, level on 4 KiB pages; AMD Zen 4). Four sums over
-// alternating k blocks keep the adds from waiting on one another. Made for one row (a batch-1 decode):
-// several rows are computed one after another, each streaming the weights again
-// (oneDNN's prepacked kernel is faster from two rows on).
+// alternating k blocks keep the adds from waiting on one another. Made for one row
+// (a batch-1 decode): several rows are computed one after another, each streaming
+// the weights again (oneDNN's prepacked kernel is faster from two rows on).
 // Deterministic: an output element is computed whole by one thread in one order.
 #pragma once
 

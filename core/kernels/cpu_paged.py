@@ -8,8 +8,14 @@ dtype), or bfloat16 (q and caches; widened to float32 as read, summed in float32
 the output rounded to bfloat16 once: half float32's bytes read); head_dim in
 `HEAD_DIMS`; any block size and grouped-query ratio; float32 matches SDPA to
 rounding, not bit for bit; results never depend on the thread count.
-`store_kv` is `servelab.plugins.attention.per_request.store_kv` in one call. Without a build, callers take the
-SDPA path (the fallback rule is in `servelab.kernels.cpp_extension`).
+`store_kv` is `servelab.plugins.attention.per_request.store_kv` in one call.
+
+`paged_prefill_bf16` (`csrc/cpu_prefill_bf16.h`, CPUs with AVX512-BF16 only) is
+the prompt chunks' causal attention over bf16 caches, through the block table:
+scores from exact bf16 products summed in float32 by `vdpbf16ps`, the softmax
+in float32, each probability rounded to bf16 before it weights the values (as
+torch's bf16 flash kernel rounds it). Without a build, callers take the SDPA
+path (the fallback rule is in `servelab.kernels.cpp_extension`).
 """
 
 from __future__ import annotations
@@ -64,6 +70,38 @@ def paged_decode(
     module = kernel()
     assert module is not None, "the CPU paged-decode kernel is not built: check problems()"
     return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, float(scale))
+
+
+def prefill_bf16_available() -> bool:
+    """Whether `paged_prefill_bf16` runs here: the kernel is built, for a CPU with
+    AVX512-BF16."""
+    module = kernel()
+    return module is not None and module.paged_prefill_bf16_available()
+
+
+def paged_prefill_bf16(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Prompt chunks' causal attention over bfloat16 caches, into `out`: sequence i's
+    queries are rows `q_starts[i]:q_starts[i + 1]` of `q` `[tokens, num_heads,
+    head_dim]`, over its `seq_lens[i]` keys through row i of `block_tables`, query j
+    of `lq` seeing keys `0 .. seq_lens[i] - lq + j`; those rows of `out` (contiguous,
+    `q`'s shape) are written, no other. Int32 tables, starts and lengths. Scores
+    are summed in float32 from exact bf16 products, the softmax and the weighted
+    values in float32, the output rounded to bfloat16 once. Check
+    `prefill_bf16_available` first."""
+    module = kernel()
+    assert module is not None, "the CPU paged-decode kernel is not built: check problems()"
+    module.paged_prefill_bf16(
+        q, k_cache, v_cache, block_tables, q_starts, seq_lens, float(scale), out
+    )
 
 
 def store_kv(

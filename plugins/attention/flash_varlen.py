@@ -90,6 +90,9 @@ class FlashVarlenPlan:
     # own "decode" over the context up to and including it (its sequence's table row)
     token_tables: torch.Tensor | None = None  # int32 [num_tokens, max_blocks]
     token_lens: torch.Tensor | None = None  # int32 [num_tokens]: position + 1
+    # impl=cpu, bf16, AVX512-BF16: the rows after the one-query ones, for the prompt
+    # kernel (`cpu_paged.paged_prefill_bf16`): their tables, query starts and lengths
+    prompt_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -118,8 +121,10 @@ class FlashVarlenBackend(AttentionBackend):
         self._torch_call: TorchVarlenCall | None = None
         self._flash_fns: tuple[KernelFn, KernelFn] | None = None  # varlen_func, with_kvcache
         self._decode_kernel = False  # impl=cpu: its C++ kernel runs the decodes
+        self._prompt_kernel = False  # impl=cpu, bf16 on AVX512-BF16: and the prompt chunks
         self.workspace = Workspace()  # impl=sdpa: gathered K/V reused across layers and steps
         self.cpu_kernel_calls = 0  # layers the C++ kernel attended (stats())
+        self.cpu_prompt_kernel_calls = 0  # layers the bf16 prompt kernel attended
 
     # -- choosing the impl
 
@@ -131,7 +136,7 @@ class FlashVarlenBackend(AttentionBackend):
     def _select(
         self, block_size: int, device: torch.device, dtype: torch.dtype, allocator: str
     ) -> None:
-        self._decode_kernel = False
+        self._decode_kernel = self._prompt_kernel = False
         if self.impl in ("reference", *SDPA_IMPLS):
             chosen = self.impl
         elif self.impl in ("flash_attn", "torch"):
@@ -162,6 +167,9 @@ class FlashVarlenBackend(AttentionBackend):
             # built now, with the engine, not inside a timed step
             problems = cpu_paged.problems(device, dtype, self.head_dim)
             self._decode_kernel = not problems
+            self._prompt_kernel = (
+                not problems and dtype == torch.bfloat16 and cpu_paged.prefill_bf16_available()
+            )
             if problems:
                 logger.info(
                     "flash_varlen impl='cpu': decodes use SDPA's batched call, not the C++ "
@@ -201,7 +209,13 @@ class FlashVarlenBackend(AttentionBackend):
                 plan.block_table = plan.block_table.contiguous()
                 plan.seq_lens = plan.seq_lens.contiguous()
                 num = meta.num_one_query_seqs
-                if meta.max_query_len >= SDPA_PROMPT_TOKENS:  # the kernel for those `num` only
+                if meta.max_query_len >= SDPA_PROMPT_TOKENS and self._prompt_kernel:
+                    plan.prompt_rows = (
+                        plan.block_table[num:],
+                        meta.query_start_loc[num:].contiguous(),
+                        plan.seq_lens[num:],
+                    )
+                elif meta.max_query_len >= SDPA_PROMPT_TOKENS:  # the kernel for those `num` only
                     plan.prefills = plan_per_seq(meta, first=num)
                 elif num < meta.num_tokens:  # short prompt chunks: each token a query
                     plan.token_tables, plan.token_lens = per_token_tables(meta)
@@ -256,7 +270,7 @@ class FlashVarlenBackend(AttentionBackend):
             return None
         if not plan.completed:
             self.complete_plan(plan)
-        if plan.prefills is not None:  # long prompt chunks: SDPA in every layer's forward
+        if plan.prefills is not None or plan.prompt_rows is not None:  # long prompt chunks
             return None
         self.cpu_kernel_calls += num_layers
         return (plan.slot_mapping, *self._kernel_tables(plan))
@@ -272,9 +286,13 @@ class FlashVarlenBackend(AttentionBackend):
         return plan.token_tables, plan.token_lens
 
     def stats(self) -> dict[str, float]:
-        """`cpu_kernel_calls`: layers the C++ kernel attended (impl=cpu), for
-        decodes and prompt tokens alike."""
-        return {"cpu_kernel_calls": self.cpu_kernel_calls}
+        """`cpu_kernel_calls`: layers the C++ decode kernel attended (impl=cpu), for
+        decodes and short prompt chunks' tokens alike; `cpu_prompt_kernel_calls`:
+        layers the bf16 prompt kernel attended."""
+        return {
+            "cpu_kernel_calls": self.cpu_kernel_calls,
+            "cpu_prompt_kernel_calls": self.cpu_prompt_kernel_calls,
+        }
 
     def _forward_flash_attn(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: FlashVarlenPlan
@@ -316,13 +334,24 @@ class FlashVarlenBackend(AttentionBackend):
         v_cache: torch.Tensor,
         plan: FlashVarlenPlan,
     ) -> torch.Tensor:
-        if self._decode_kernel and plan.prefills is None:
+        if self._decode_kernel and plan.prefills is None and plan.prompt_rows is None:
             # one kernel call: the decodes, and short prompt chunks' tokens each over its
             # causal context (its K/V were just stored); it reads the tables' first q rows
             self.cpu_kernel_calls += 1
             tables, lens = self._kernel_tables(plan)
             return cpu_paged.paged_decode(q, k_cache, v_cache, tables, lens, self.scale)
         num = plan.num_one_query_seqs
+        if plan.prompt_rows is not None:  # (the kernel checks every tensor is bf16)
+            # decodes through the decode kernel, prompt chunks through the prompt kernel
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if num:
+                self.cpu_kernel_calls += 1
+                out[:num] = cpu_paged.paged_decode(
+                    q[:num], k_cache, v_cache, plan.block_table, plan.seq_lens, self.scale
+                )
+            self.cpu_prompt_kernel_calls += 1
+            cpu_paged.paged_prefill_bf16(q, k_cache, v_cache, *plan.prompt_rows, self.scale, out)
+            return out
         if self._decode_kernel:  # one-query rows through the kernel, prompt chunks through SDPA
             out = torch.empty_like(q)
             if num:

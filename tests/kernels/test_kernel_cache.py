@@ -122,7 +122,7 @@ def test_the_kernels_keys_cover_every_header_they_include():
         "cpu_decoder.cpp", "cpu_linear.h", "cpu_gemv_bf16.h", "cpu_fused.h", "cpu_paged.h", "simd.h"
     }
     names = {p.name for p in cpp_extension.included_files([csrc / "cpu_paged.cpp"], [csrc])}
-    assert names == {"cpu_paged.cpp", "cpu_paged.h", "simd.h"}
+    assert names == {"cpu_paged.cpp", "cpu_paged.h", "cpu_prefill_bf16.h", "simd.h"}
 
 
 def test_the_current_toolchain_describes_this_machine():

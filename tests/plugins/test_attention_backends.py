@@ -229,7 +229,7 @@ def test_fast_impls_match_the_reference_impl(impl, batch, head_dim, heads, block
     long_chunk = max(query_lens) >= flash_varlen.SDPA_PROMPT_TOKENS
     decodes = query_lens[0] == 1 and context_lens[0] > 0
     kernel_calls = 1 if impl == "cpu" and (decodes or not long_chunk) else 0
-    assert backend.stats() == {"cpu_kernel_calls": kernel_calls}
+    assert backend.stats() == {"cpu_kernel_calls": kernel_calls, "cpu_prompt_kernel_calls": 0}
 
 
 def test_cpu_impl_falls_back_to_sdpa_without_the_kernel(monkeypatch, caplog):

@@ -5,7 +5,9 @@ reads and writes the context three times, while `paged_decode`
 (`csrc/cpu_paged.h`) reads each key and value once, through the block table,
 with an online softmax. Contract: float32, float64 (C-library `exp`: the oracle's
 dtype), or bfloat16 (q and caches; widened to float32 as read, summed in float32,
-the output rounded to bfloat16 once: half float32's bytes read); head_dim in
+the output rounded to bfloat16 once: half float32's bytes read; on AVX512-BF16 and
+heads of whole 32-element registers the scores are summed from the same exact
+products by `vdpbf16ps`, in another order, and the values widened without shuffles); head_dim in
 `HEAD_DIMS`; any block size and grouped-query ratio; float32 matches SDPA to
 rounding, not bit for bit; results never depend on the thread count.
 `store_kv` is `servelab.plugins.attention.per_request.store_kv` in one call.

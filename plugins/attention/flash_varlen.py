@@ -209,14 +209,15 @@ class FlashVarlenBackend(AttentionBackend):
                 plan.block_table = plan.block_table.contiguous()
                 plan.seq_lens = plan.seq_lens.contiguous()
                 num = meta.num_one_query_seqs
-                if meta.max_query_len >= SDPA_PROMPT_TOKENS and self._prompt_kernel:
-                    plan.prompt_rows = (
-                        plan.block_table[num:],
-                        meta.query_start_loc[num:].contiguous(),
-                        plan.seq_lens[num:],
-                    )
-                elif meta.max_query_len >= SDPA_PROMPT_TOKENS:  # the kernel for those `num` only
-                    plan.prefills = plan_per_seq(meta, first=num)
+                if meta.max_query_len >= SDPA_PROMPT_TOKENS:  # the kernel for those `num` only
+                    if self._prompt_kernel:  # and the prompt kernel for the rows after them
+                        plan.prompt_rows = (
+                            plan.block_table[num:],
+                            meta.query_start_loc[num:].contiguous(),
+                            plan.seq_lens[num:],
+                        )
+                    else:
+                        plan.prefills = plan_per_seq(meta, first=num)
                 elif num < meta.num_tokens:  # short prompt chunks: each token a query
                     plan.token_tables, plan.token_lens = per_token_tables(meta)
             else:
@@ -341,24 +342,18 @@ class FlashVarlenBackend(AttentionBackend):
             tables, lens = self._kernel_tables(plan)
             return cpu_paged.paged_decode(q, k_cache, v_cache, tables, lens, self.scale)
         num = plan.num_one_query_seqs
-        if plan.prompt_rows is not None:  # (the kernel checks every tensor is bf16)
-            # decodes through the decode kernel, prompt chunks through the prompt kernel
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self._decode_kernel:  # one-query rows through the kernel, prompt chunks after them
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous
             if num:
                 self.cpu_kernel_calls += 1
                 out[:num] = cpu_paged.paged_decode(
                     q[:num], k_cache, v_cache, plan.block_table, plan.seq_lens, self.scale
                 )
-            self.cpu_prompt_kernel_calls += 1
-            cpu_paged.paged_prefill_bf16(q, k_cache, v_cache, *plan.prompt_rows, self.scale, out)
-            return out
-        if self._decode_kernel:  # one-query rows through the kernel, prompt chunks through SDPA
-            out = torch.empty_like(q)
-            if num:
-                self.cpu_kernel_calls += 1
-                out[:num] = cpu_paged.paged_decode(
-                    q[:num], k_cache, v_cache, plan.block_table, plan.seq_lens, self.scale
-                )
+            if plan.prompt_rows is not None:  # the bf16 prompt kernel (it checks the dtypes)
+                self.cpu_prompt_kernel_calls += 1
+                rows = plan.prompt_rows
+                cpu_paged.paged_prefill_bf16(q, k_cache, v_cache, *rows, self.scale, out)
+                return out
             return per_seq_attention(
                 q, k, v, k_cache, v_cache, plan.prefills, self.scale, out, self.workspace
             )

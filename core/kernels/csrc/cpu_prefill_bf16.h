@@ -8,15 +8,18 @@
 //
 // A work item is one KV head of one sequence. Its keys are packed once into
 // 16-key tiles of bf16 pairs (lane l of row p holds key l's elements 2p, 2p+1) and
-// its values widened to float32, then its query rows (every query head of the
-// group, at every token) are taken 16 at a time:
+// its values into pairs of keys (element d of keys 2t and 2t+1 side by side), then
+// its query rows (every query head of the group, at every token) are taken 16 at a
+// time:
 // - scores: one `vdpbf16ps` multiplies a query's pair of elements (broadcast) by
 //   that pair of 16 keys, so a tile's 16 scores come out in the lanes of one
 //   register, summed in float32 from exact products;
 // - an online softmax in float32 over the tiles, the causal mask bottom-right
 //   aligned (query j of `lq` over `lk` keys sees keys 0 .. lk - lq + j);
-// - the probabilities stay float32 (torch's kernel rounds them to bf16) and
-//   multiply the widened values by fused multiply-adds;
+// - each probability is rounded to bf16, as torch's kernel rounds it, and one
+//   `vdpbf16ps` weights a pair of keys' values by their pair of probabilities
+//   (keeping them float32 with widened values ran at 1/1.2 to 1/1.5 the rate);
+//   the softmax's sum keeps the unrounded float32 probabilities;
 // - the output is rounded to bf16 once, to nearest even.
 // Deterministic: an item runs whole on one thread, its tiles in key order.
 #pragma once

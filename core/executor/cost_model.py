@@ -59,7 +59,8 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
   reading their logits to sample; when p > 1
   also the vocabulary-parallel embedding's all-reduce and the gather of the
   logits' chunks to rank 0: latency + (p - 1) / p x e S V / interconnect bandwidth;
-- host: step_overhead + seq_overhead x sequences.
+- host: step_overhead + seq_overhead x sequences, or a host profile's figures
+  (`servelab.executor.host_profile`: the engine's own CPU time, measured).
 Block copies: swap bytes over the host link, copy-on-write reads and writes
 each block in device memory, each share split over the p devices.
 """
@@ -71,6 +72,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelab.executor.hardware import HardwareProfile
+from servelab.executor.host_profile import HostProfile
 
 # efficiency classes
 MATMUL, ATTENTION, MEMORY, ELEMENTWISE = "matmul", "attention", "memory", "elementwise"
@@ -260,8 +262,11 @@ class CostModel:
         dtype: str,
         bytes_per_element: int,
         tp: int = 1,
+        host: HostProfile | None = None,
     ) -> None:
         self.shape, self.profile, self.e, self.tp = shape, profile, float(bytes_per_element), tp
+        # the engine's own work per step (None: the hardware profile's step and seq overheads)
+        self.host = host or HostProfile.of_hardware(profile)
         peak = profile.flops(dtype)
         self.rate = {
             MATMUL: peak * profile.matmul_efficiency,
@@ -488,10 +493,11 @@ class CostModel:
             ]
         return ops
 
-    def host_time(self, step: StepShape) -> float:
-        return self.profile.step_overhead + self.profile.seq_overhead * step.num_seqs
+    def host_time(self, step: StepShape, finishing: int = 0) -> float:
+        """The engine's own work in the step (`finishing`: requests it ends)."""
+        return self.host.seconds(step, finishing)
 
-    def step_time(self, step: StepShape) -> float:
+    def step_time(self, step: StepShape, finishing: int = 0) -> float:
         """Seconds one step takes: layers, collectives, the step's own ops, host work."""
         # = sum(op_time(op) for op in layer_ops(step)) + 2 all-reduces, summed in the same
         # order (so to the same bit), with what depends on the token count alone priced once
@@ -517,7 +523,7 @@ class CostModel:
             layer += seconds
         layer += reduces
         once = self._once_time(tokens, step.sampling)
-        return self.shape.num_layers * layer + once + self.host_time(step)
+        return self.shape.num_layers * layer + once + self.host_time(step, finishing)
 
     def device_time(self, step: StepShape) -> float:
         """`step_time` without the host's work: a forward run back to back with others

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import datetime
 import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -341,11 +342,19 @@ def from_llmservingsim(args: argparse.Namespace, base: HardwareProfile) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--host" or a.startswith("--host=") for a in argv):
+        from servelab.lab import host_time  # the engine's own CPU time: its own options
+
+        return host_time.main(argv)
     parser = argparse.ArgumentParser(
         prog="servelab-calibrate",
         description="fit a hardware profile to the real engine's step times on this machine, "
         "or to measured GPU operator times (--from-vidur)",
     )
+    parser.add_argument("--host", type=Path, metavar="OUT.yaml",
+                        help="measure a host profile instead: the engine's own CPU time per step "
+                        "on this machine (options: servelab-calibrate --host X --help)")  # fmt: skip
     parser.add_argument("--profile", default="cpu-local", help="the profile to start from")
     parser.add_argument("--model", default="bench", help="the model whose forward is timed")
     parser.add_argument("--dtype", default="float32")

@@ -14,6 +14,16 @@ token's is -log(vocab), the alternatives the sampled token and the ids after it.
 A KV tier's copies are priced per step by link (`tier_copy_time`): host memory
 over the host link, a disk over it and an NVMe drive (`servelab.cluster.links`).
 
+The engine's own CPU time per step is the hardware profile's `step_overhead` and
+`seq_overhead`, or, with `host=NAME` (a host profile of `conf/host/`, a path or a
+mapping), the figures `servelab-calibrate --host` measured from the real engine's
+steps (`servelab.executor.host_profile`). By default a step is its host work then its
+device work. `overlap=true` prices a step as the longer of the two while the engine
+steps back to back, as an overlap scheduler does (SGLang's, vLLM's async scheduling:
+the host prepares step n + 1 and reads back step n while the device runs); the first
+step after the engine waited for arrivals pays both. It changes when tokens come,
+never which: a stand-in request's length is known, so no step is scheduled past it.
+
 Speculative decoding: a row with drafts is verified against the stand-ins (kept up
 to the first that differs) and priced as a decode of its 1 + drafts query tokens
 (`cost_model.step_shape`). When the engine's proposer names a `draft_model`
@@ -28,6 +38,7 @@ which the step pays once. Its weights and KV are not taken from the KV budget.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +55,7 @@ from servelab.executor.device_memory import (
     model_weight_bytes,
 )
 from servelab.executor.hardware import load_profile
+from servelab.executor.host_profile import load_host
 from servelab.executor.sizing import parse_bytes
 from servelab.executor.stand_in import avoid_eos, sequence_key, stand_in_token, stand_in_tokens
 from servelab.model.config import DTYPES
@@ -75,7 +87,8 @@ class SimulatedExecutor(Executor):
     samples_stand_ins = True  # its sampled tokens are servelab.executor.stand_in's
     graphs_status = "off (simulated)"
 
-    def __init__(self, model: Any, hardware: Any, engine_options: dict) -> None:
+    def __init__(self, model: Any, hardware: Any, engine_options: dict,
+                 host: str | dict | None = None, overlap: bool = False) -> None:  # fmt: skip
         self.opts = engine_options
         self.model_config = load_shape(model_source(model))
         self.profile = load_profile(hardware)
@@ -91,7 +104,11 @@ class SimulatedExecutor(Executor):
                 f"tensor_parallel_size={self.tp} must divide the model's {c.num_heads} query "
                 f"and {c.num_kv_heads} KV heads"
             )
-        self.cost = CostModel(Shape.of(c), self.profile, dtype, self.element_size, self.tp)
+        self.host = load_host(host)
+        self.overlap = overlap
+        self.pipelined = False  # overlap: the last step ran just before this one
+        self.cost = CostModel(Shape.of(c), self.profile, dtype, self.element_size, self.tp,
+                              self.host)  # fmt: skip
         # a KV tier's host memory: the profile's host link, at PCIe's latency
         pcie = LINKS["pcie"]
         self.tier_host_link = Link("host", self.profile.host_link_bandwidth, pcie.latency_s)
@@ -140,10 +157,16 @@ class SimulatedExecutor(Executor):
         return self.time
 
     def sleep(self, seconds: float) -> None:
-        self.time += max(0.0, seconds)
+        if seconds > 0:
+            self.time += seconds
+            self.pipelined = False  # the host waited for work: nothing to overlap
 
     def describe(self) -> dict[str, Any]:
         described = {"hardware": self.profile.to_dict(), "tensor_parallel_size": self.tp}
+        if self.host is not None:
+            described["host"] = self.host.to_dict()
+        if self.overlap:
+            described["overlap"] = True
         if self.draft_model is not None:
             described["draft_model"] = self.draft_model
         return described
@@ -214,9 +237,17 @@ class SimulatedExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         step, owners, tokens = self.read_plan(plan)
-        self.time += self.cost.step_time(step)
+        cost = self.cost
+        finishing = self.finishing(plan, owners) if cost.host.counts_finishing else 0
+        seconds = cost.step_time(step, finishing)
         if self.draft_cost is not None:
-            self.time += self.draft_time(plan, step)
+            seconds += self.draft_time(plan, step)
+        if self.overlap:
+            host = cost.host_time(step, finishing)
+            device = seconds - host
+            seconds = max(host, device) if self.pipelined else host + device
+            self.pipelined = True
+        self.time += seconds
         sampled = SampledTokens(owners, tokens)
         if plan.draft_counts is not None:
             drafted = plan.draft_counts.tolist()
@@ -231,6 +262,19 @@ class SimulatedExecutor(Executor):
                 targets = seq.token_ids[len(scored) : last + 1]
                 scored += self.stand_in_logprobs(targets, seq.params.prompt_logprobs)
         return sampled
+
+    @staticmethod
+    def finishing(plan: StepPlan, owners: list[int]) -> int:
+        """Sequences this step ends: stand-ins never stop one early, so a sequence
+        ends when the tokens sampled for it (`owners`: one entry each) reach its
+        max_tokens."""
+        got = Counter(owners)
+        return sum(
+            1
+            for seq in plan.seqs
+            if (n := got.get(seq.seq_id))
+            and len(seq.token_ids) - seq.num_prompt_tokens + n >= seq.params.max_tokens
+        )
 
     def stand_in_logprobs(self, tokens: list[int], k: int) -> list[dict]:
         """The rows `token_logprobs` returns, for tokens drawn uniformly over the vocab."""

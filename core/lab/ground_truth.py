@@ -57,6 +57,9 @@ class MeasuredRun:
     ttft: np.ndarray
     e2e: np.ndarray
     notes: list[str] = field(default_factory=list)
+    # vLLM's async scheduling (the host prepares step n + 1 while the device runs step n):
+    # replayed with the simulated executor's `overlap`
+    async_scheduling: bool = False
 
     @property
     def tpot(self) -> np.ndarray:
@@ -131,6 +134,8 @@ def read_inference_sim(run: Path, model_configs: Path) -> MeasuredRun:
         ttft=np.array([float(a["gen_ai.latency.time_to_first_token"]) for a in attr]),
         e2e=np.array([float(a["gen_ai.latency.e2e"]) for a in attr]),
         notes=notes,
+        # off by default in vLLM 0.11; the log's non-default args say when it was asked for
+        async_scheduling="'async_scheduling': True" in log,
     )
 
 
@@ -147,6 +152,14 @@ def read_llmservingsim_bench(folder: Path, model_configs: Path) -> MeasuredRun:
     if not config.is_file():
         raise ConfigError(f"no config for {model} at {config} (LLMServingSim's configs/model)")
     kwargs = meta.get("engine_kwargs", {})
+    version = str(meta.get("vllm_version", "unknown"))
+    resolved = ((meta.get("resolved_config") or {}).get("scheduler_config") or {})
+    overlap = resolved.get("async_scheduling", kwargs.get("async_scheduling"))
+    notes = []
+    if overlap is None:  # not recorded: the version's default, where it is known
+        overlap = version_at_least(version, ASYNC_SCHEDULING_DEFAULT)
+        notes.append(f"async scheduling not recorded: vLLM {version}'s default taken "
+                     f"({'on' if overlap else 'off'})")  # fmt: skip
     queued = np.array([r["queued_ts"] for r in rows])
     first = np.array([r["first_token_ts"] for r in rows])
     last = np.array([r["last_token_ts"] for r in rows])
@@ -163,13 +176,25 @@ def read_llmservingsim_bench(folder: Path, model_configs: Path) -> MeasuredRun:
         prefix_caching=bool(kwargs.get("enable_prefix_caching", True)),
         shared_prefix=0,
         kv_cache_tokens=None,
-        vllm_version=str(meta.get("vllm_version", "unknown")),
+        vllm_version=version,
         arrival=queued - queued[0],
         prompt=np.array([int(r["input_toks"]) for r in rows]),
         output=np.array([int(r["output_toks"]) for r in rows]),
         ttft=first - queued,
         e2e=last - queued,
+        notes=notes,
+        async_scheduling=bool(overlap),
     )
+
+
+# the first vLLM version whose default async scheduling this data records (LLMServingSim's
+# RTX 4090 run of vLLM 0.19.0 resolves it to true); earlier ones are taken as off
+ASYNC_SCHEDULING_DEFAULT = (0, 19)
+
+
+def version_at_least(version: str, first: tuple[int, int]) -> bool:
+    parts = re.findall(r"\d+", version)[:2]
+    return len(parts) == 2 and (int(parts[0]), int(parts[1])) >= first
 
 
 def find_runs(root: Path, model_configs: Path | None = None) -> list[MeasuredRun]:
@@ -238,8 +263,9 @@ def replay_config(run: MeasuredRun, folder: Path, hardware: str | None = None,
     shape, the run's engine settings as servelab's chunked scheduler and paged allocator
     read them (vLLM's V1 scheduler: decodes first, then prompt chunks within
     max_num_batched_tokens, no cap per sequence; 16-token blocks, hashed prefix caching
-    as the run had it), its KV capacity where the log gives it (else 90% of the GPU), and
-    its requests as a trace (ignore_eos: each runs to its measured output length)."""
+    as the run had it), its KV capacity where the log gives it (else 90% of the GPU), the
+    simulated executor's `overlap` where the run had vLLM's async scheduling, and its
+    requests as a trace (ignore_eos: each runs to its measured output length)."""
     from servelab.model.loader import read_config
 
     folder = Path(folder)
@@ -264,7 +290,7 @@ def replay_config(run: MeasuredRun, folder: Path, hardware: str | None = None,
         engine["gpu_memory_utilization"] = 0.9
     config = {
         "model": str(model),
-        "executor": "simulated",
+        "executor": {"name": "simulated", "overlap": run.async_scheduling},
         "hardware": hardware or PROFILES[run.gpu],
         "scheduler": {"name": "chunked", "chunk_size": run.max_num_batched_tokens},
         "allocator": {"name": "paged", "block_size": 16, "prefix_caching": run.prefix_caching},
@@ -316,4 +342,5 @@ def replay(run: MeasuredRun, folder: Path, hardware: str | None = None,
     e2e = np.array([r.finished_time - r.arrival_time for r in records])
     with np.errstate(divide="ignore", invalid="ignore"):
         tpot = np.where(run.output > 1, (e2e - ttft) / (run.output - 1), np.nan)
-    return Replay(run, str(config["hardware"]), ttft, e2e, tpot, wall)
+    label = str(config["hardware"]) + (" + overlap" if run.async_scheduling else "")
+    return Replay(run, label, ttft, e2e, tpot, wall)

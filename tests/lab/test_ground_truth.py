@@ -58,7 +58,8 @@ def write_inference_sim(root: Path, prefix: int = 16) -> Path:
     return run
 
 
-def write_bench(root: Path, model: str = "org/Tiny") -> Path:
+def write_bench(root: Path, model: str = "org/Tiny", version: str = "0.19.0",
+                resolved: dict | None = None) -> Path:  # fmt: skip
     """A checkout's bench/examples/<GPU>/<model>/vllm/ and configs/model/."""
     config = root / "configs" / "model" / f"{model}.json"
     config.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,7 @@ def write_bench(root: Path, model: str = "org/Tiny") -> Path:
     folder = root / "bench" / "examples" / "RTXPRO6000" / model.split("/")[-1]
     (folder / "vllm").mkdir(parents=True)
     (folder / "vllm" / "meta.json").write_text(json.dumps({
-        "model": model, "vllm_version": "0.19.0",
+        "model": model, "vllm_version": version, **({"resolved_config": resolved} if resolved else {}),
         "engine_kwargs": {"tensor_parallel_size": 1, "max_num_seqs": 4, "max_num_batched_tokens": 128}}))  # fmt: skip
     rows = [{"request_id": f"bench-{i}", "input_toks": 20 + i, "output_toks": 3 + i,
              "arrival_time": 1e9 + i, "queued_ts": 50.0 + 0.25 * i, "scheduled_ts": 50.0 + 0.25 * i,
@@ -93,6 +94,33 @@ def test_an_llmservingsim_bench_run_is_measured_from_queueing(tmp_path):
     assert run.ttft == pytest.approx([0.1] * 4) and run.e2e == pytest.approx([0.5] * 4)
     assert run.tpot == pytest.approx([0.4 / 2, 0.4 / 3, 0.4 / 4, 0.4 / 5])
     assert run.max_num_batched_tokens == 128 and run.kv_cache_tokens is None
+
+
+@pytest.mark.parametrize(
+    "version, resolved, expected, said",
+    [
+        ("0.19.0", None, True, True),  # not recorded: 0.19's default, said in the notes
+        ("0.11.2", None, False, True),
+        ("0.11.2", {"scheduler_config": {"async_scheduling": True}}, True, False),
+        ("0.19.0", {"scheduler_config": {"async_scheduling": False}}, False, False),
+    ],
+)
+def test_a_bench_run_says_whether_vllm_scheduled_asynchronously(tmp_path, version, resolved,
+                                                                  expected, said):  # fmt: skip
+    folder = write_bench(tmp_path, version=version, resolved=resolved)
+    run = read_llmservingsim_bench(folder, tmp_path / "configs" / "model")
+    assert run.async_scheduling is expected
+    assert any("async scheduling" in n for n in run.notes) is said
+    assert replay_config(run, tmp_path / "replay")["executor"] == {"name": "simulated",
+                                                                  "overlap": expected}  # fmt: skip
+
+
+def test_an_inference_sim_run_schedules_asynchronously_only_when_its_log_asked(tmp_path):
+    root = write_inference_sim(tmp_path)
+    assert not read_inference_sim(root, tmp_path / "model_configs").async_scheduling
+    log = root / "vllm.log"
+    log.write_text(log.read_text() + "INFO non-default args: {'async_scheduling': True}\n")
+    assert read_inference_sim(root, tmp_path / "model_configs").async_scheduling
 
 
 def test_find_runs_reads_both_formats_and_says_what_cannot_be_replayed(tmp_path):

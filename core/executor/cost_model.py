@@ -67,6 +67,7 @@ each block in device memory, each share split over the p devices.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,7 @@ MATMUL, ATTENTION, MEMORY, ELEMENTWISE = "matmul", "attention", "memory", "eleme
 # calls with a fixed cost apiece: matmuls (setup, the last partial wave), attention
 PREFILL, DECODE = "prefill", "decode"
 BLOCK_ROWS = 128  # query rows per attention kernel block (FlashAttention's tile)
+PAGED_ROWS = 64  # query rows per block of vLLM's paged FlashAttention 2 (its split-KV kernel)
 CACHE_SIZE = 1 << 16  # token counts (and sampling rows) whose step pieces are kept priced
 PRICED_MODELS = 16  # cost models (shape, profile, dtype, tp) whose priced pieces are kept
 _EMPTY = np.zeros(0)
@@ -101,6 +103,15 @@ class Op:
     span: float = 0.0
     blocks: float = 0.0
     split: float = 0.0  # 1: its blocks may split their keys (a packed decode call)
+    # vLLM's paged kernel (`paged_blocks`): its blocks' 128-key tiles, its blocks with rows
+    # and empty ones, the K/V bytes the other query heads of each KV head read again unless
+    # L2 still holds them, and the blocks with rows per query head (in grid order, one
+    # head's blocks after another's)
+    tiles: float = 0.0
+    tile_blocks: float = 0.0
+    empty: float = 0.0
+    reread: float = 0.0
+    reuse: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,27 @@ def prefill_blocks(q, start, heads: float, bytes_per_head: float) -> tuple[float
     return streamed, float((s + q).max()), float(heads * tiles.sum())
 
 
+def paged_blocks(q, start, decode_keys, heads: float, decode_heads: float) -> dict[str, float]:
+    """The blocks of one call of vLLM's paged FlashAttention 2 (`Op.tiles`,
+    `Op.tile_blocks`, `Op.empty`, `Op.reuse`): chunks of `q` tokens after `start` cached
+    and decodes over `decode_keys` keys each, a block per query head (a decode's: per `decode_heads`, the KV heads when
+    packed) and 64 query rows of a sequence, computing whole 128-key tiles up to the keys
+    of its last row (causal). The grid is the longest chunk's row blocks x the sequences x
+    the query heads: a sequence's row blocks past its rows are empty."""
+    q = np.asarray(q, dtype=np.float64)
+    m = np.ceil(q / PAGED_ROWS)
+    size = m.astype(np.int64)
+    row = np.arange(size.sum()) - np.repeat(np.cumsum(size) - size, size)  # block within its chunk
+    keys = np.repeat(start, size) + np.minimum(PAGED_ROWS * (row + 1.0), np.repeat(q, size))
+    chunk_tiles = float(np.ceil(keys / BLOCK_ROWS).sum())
+    decode_tiles = float(np.ceil(np.asarray(decode_keys) / BLOCK_ROWS).sum())
+    per_head = float(m.sum()) + len(decode_keys)
+    grid = heads * (len(q) + len(decode_keys)) * (float(m.max()) if len(m) else 1.0)
+    return {"tiles": heads * chunk_tiles + decode_heads * decode_tiles,
+            "tile_blocks": heads * float(m.sum()) + decode_heads * len(decode_keys),
+            "empty": grid - heads * per_head, "reuse": per_head}  # fmt: skip
+
+
 def split_blocks(span, blocks, split, wave: float):
     """An attention call's longest block's keys, its blocks and the waves they take when
     `wave` blocks run at once: a call that may `split` (a packed decode) and has fewer
@@ -296,7 +328,8 @@ class CostModel:
             DECODE: profile.attention_decode_overhead,
         }
         stream = profile.memory_bandwidth * profile.attention_stream_efficiency
-        self.blocks_priced = bool(stream or profile.attention_key_time
+        self.tiled = bool(profile.attention_sms)
+        self.blocks_priced = bool(stream or profile.attention_key_time or self.tiled
                                   or profile.attention_block_overhead)  # fmt: skip
         self.l2_bytes = profile.l2_bytes or float("inf")
         self.packing = profile.attention_gqa_packing
@@ -323,7 +356,10 @@ class CostModel:
 
     def with_blocks(self, seconds: float, op: Op) -> float:
         """An attention op's time held up to what its kernel blocks cost: their streamed
-        bytes, the longest block's keys, their count (each term 0 where its figure is)."""
+        bytes, the longest block's keys, their count (each term 0 where its figure is); with
+        `attention_sms`, a call with a prefill chunk by its tiles (`held_to_tiles`)."""
+        if self.tiled and op.tiles:
+            return self.held_to_tiles(seconds, op)
         return self.held_to_blocks(seconds, op.streamed, op.span, op.blocks, op.launches,
                                    op.call, op.split)  # fmt: skip
 
@@ -336,6 +372,25 @@ class CostModel:
         held = max(streamed / self.stream_bandwidth, span * prof.attention_key_time * waves,
                    blocks * prof.attention_block_overhead)  # fmt: skip
         return max(seconds, held + fixed)
+
+    def held_to_tiles(self, seconds: float, op: Op) -> float:
+        """A call of vLLM's paged kernel (`paged_blocks`) held up to its blocks: their tiles
+        and per-block cost over `attention_sms` SMs, in whole waves of the mean block (blocks
+        of a call are of about one length) or the longest block alone; its DRAM bytes, each
+        KV head's K/V read again by the blocks of its other query heads that fall in another
+        wave (one head's blocks after another's: a share reuse / SMs of them); and its empty
+        blocks."""
+        prof = self.profile
+        sms, tile = prof.attention_sms, prof.attention_tile_time
+        block = prof.attention_block_overhead * sms
+        blocks = op.tile_blocks
+        work = op.tiles * tile + blocks * block
+        longest = math.ceil(op.span / BLOCK_ROWS) * tile + block
+        compute = max(math.ceil(blocks / sms) * work / blocks, longest)
+        dram = (op.bytes + op.reread * min(1.0, op.reuse / sms)) / self.bandwidth
+        empty = op.empty * prof.attention_empty_block_time / sms
+        fixed = op.launches * prof.launch_overhead + self.call_cost[op.call]
+        return max(seconds, max(compute, dram) + empty + fixed)
 
     def seconds(self, kind: str, flops: float, data: float, rows: float,
                 launches: float = 1.0, call: str = "", name: str = "") -> float:  # fmt: skip
@@ -404,8 +459,10 @@ class CostModel:
             data = e * d * (2 * kv * (s + q).sum() + 2 * kv * queries + 2 * heads * queries)
             rows = float(queries)
             streamed, span, blocks = prefill_blocks(q, s, heads, e * d)
+            paged = paged_blocks(q, s, _EMPTY, heads, heads) if self.tiled else {}
             ops.append(Op("attention_prefill", ATTENTION, flops, float(data), rows=rows,
-                          call=PREFILL, streamed=streamed, span=span, blocks=blocks))  # fmt: skip
+                          call=PREFILL, streamed=streamed, span=span, blocks=blocks,
+                          **paged))  # fmt: skip
         if len(step.decode_keys):
             ops.append(self.decode_op(*step.decode_sums(), packed=self.packed(step)))
         return ops
@@ -420,11 +477,20 @@ class CostModel:
         flops = attention_flops(q, s, d, heads)
         data = self.e * d * (2 * kv * np.sum(s + q) + 2 * kv * np.sum(q) + 2 * heads * np.sum(q))
         streamed, span, blocks = prefill_blocks(q, s, heads, self.e * d)
-        decode = self.decode_op(*step.decode_sums(), packed=self.packed(step))
+        packed = self.packed(step)
+        decode = self.decode_op(*step.decode_sums(), packed=packed)
+        paged = {}
+        if self.tiled:  # the paged kernel's blocks (`held_to_tiles`)
+            paged = paged_blocks(q, s, step.decode_keys, heads, kv if packed else heads)
+            # unpacked, each KV head's K/V is read by its query heads' blocks, one head's
+            # sweep over the sequences after another's: the first reads it from DRAM, the
+            # others again unless L2 still holds it
+            if not packed:
+                paged["reread"] = self.e * d * 2 * (heads - kv) * float(step.decode_keys.sum())
         return Op("attention_mixed", ATTENTION, flops + decode.flops, float(data) + decode.bytes,
                   rows=float(np.sum(q)) + decode.rows, call=PREFILL,
                   streamed=streamed + decode.streamed, span=max(span, decode.span),
-                  blocks=blocks + decode.blocks)  # fmt: skip
+                  blocks=blocks + decode.blocks, **paged)  # fmt: skip
 
     def packed(self, step: StepShape) -> bool:
         """Whether the step's decodes pack each KV head's query heads into one block

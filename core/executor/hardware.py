@@ -42,6 +42,8 @@ FITTED = (
     "attention_key_time",
     "attention_block_overhead",
     "attention_wave_blocks",
+    "attention_tile_time",
+    "attention_empty_block_time",
     "interconnect_latency",
     "interconnect_half_bytes",
     "interconnect_latency_per_device",
@@ -92,6 +94,17 @@ class HardwareProfile:
     # 1: a step's prefill chunks and decodes are one attention call (vLLM's FlashAttention
     # backend: one varlen launch), priced as one op; 0: a call each
     attention_unified: float = 0.0
+    # vLLM's FlashAttention 2 over a paged KV cache (its split-KV kernel), in calls with a
+    # prefill chunk: a block is one query head of 64 query rows of one sequence (a decode:
+    # its one row, computed as 64) and computes whole tiles of 128 keys; the grid gives
+    # every sequence as many row blocks as the longest chunk, the ones past a sequence's
+    # rows exiting at once. `attention_sms`: the blocks the device runs at once (its SMs,
+    # one block each; a datasheet figure, not fitted; 0: off); `attention_tile_time` and
+    # `attention_empty_block_time`: an SM's seconds per tile and per empty block (a block
+    # with rows: `attention_block_overhead` x `attention_sms` more)
+    attention_sms: float = 0.0
+    attention_tile_time: float = 0.0
+    attention_empty_block_time: float = 0.0
     interconnect_bandwidth: float = 0.0  # bytes/s per device and direction (all-reduce)
     interconnect_latency: float = 0.0  # seconds per collective
     interconnect_half_bytes: float = 0.0  # a message of this size reaches half the bandwidth

@@ -21,7 +21,7 @@ import numpy as np
 
 from servelab.executor.cost_model import ATTENTION, ELEMENTWISE, MATMUL
 from servelab.executor.hardware import HardwareProfile
-from servelab.lab.op_times import op_times
+from servelab.lab.op_times import TILE_KEYS, op_times
 from servelab.lab.vidur_data import DTYPE, MeasuredCollectives, MeasuredOps
 
 # figure -> (lower bound, upper bound, scale, the op kind whose rows fit it)
@@ -41,7 +41,11 @@ FIGURES = {
     "attention_key_time": (0.0, 1e-6, 1e-8, ATTENTION),
     "attention_block_overhead": (0.0, 1e-6, 1e-8, ATTENTION),
     "attention_wave_blocks": (0.0, 1e5, 100.0, ATTENTION),
+    "attention_tile_time": (0.0, 1e-3, 1e-6, ATTENTION),
+    "attention_empty_block_time": (0.0, 1e-4, 1e-7, ATTENTION),
 }
+# the paged kernel's figures: fitted only where the profile names its SMs (`attention_sms`)
+TILED = ("attention_tile_time", "attention_empty_block_time")
 # element-wise kernels' efficiency: achieved / peak DRAM bandwidth; above 1 where the
 # data sits in L2 (a kernel reading what the one before it wrote)
 KERNEL_BOUNDS = (1e-3, 5.0)
@@ -56,7 +60,7 @@ BANDS = ((1, 64), (65, 256), (257, 1023), (1024, float("inf")))  # tokens (or de
 
 
 OP_KEYS = ("kind", "call", "name", "flops", "bytes", "rows", "launches", "streamed", "span",
-           "blocks", "split")  # fmt: skip
+           "blocks", "split", "tiles", "tile_blocks", "empty", "reread", "reuse")  # fmt: skip
 
 
 class OpArrays:
@@ -78,7 +82,7 @@ class OpArrays:
         o = self.op
         times = op_times(profile, DTYPE, o["kind"], o["flops"], o["bytes"], o["rows"],
                          o["launches"], o["call"], o["name"], o["streamed"], o["span"],
-                         o["blocks"], o["split"])  # fmt: skip
+                         o["blocks"], o["split"], {k: o[k] for k in TILE_KEYS})  # fmt: skip
         return np.bincount(self.group, weights=times, minlength=len(self.seconds))
 
 
@@ -144,7 +148,8 @@ def fit_ops(profile: HardwareProfile, ops: MeasuredOps, balance: bool = False,
     `skip`). `balance`: every label (`OpArrays.call`) weighs the same in the fit."""
     table = OpArrays(ops)
     kinds = set(table.op["kind"].tolist())
-    names = [n for n, spec in FIGURES.items() if spec[3] in kinds and n not in skip]
+    names = [n for n, spec in FIGURES.items() if spec[3] in kinds and n not in skip
+             and (profile.attention_sms or n not in TILED)]  # fmt: skip
     kernels = sorted(set(table.op["name"][table.op["kind"] == ELEMENTWISE].tolist()))
     lo = [FIGURES[n][0] for n in names] + [KERNEL_BOUNDS[0]] * len(kernels)
     hi = [FIGURES[n][1] for n in names] + [KERNEL_BOUNDS[1]] * len(kernels)

@@ -87,8 +87,10 @@ Kernel = Mapping[str, float] | None
 
 
 def kernel_profile(kernel: Kernel = None) -> HardwareProfile:
-    """A profile of no speed whose attention figures build the `kernel`'s calls."""
-    return HardwareProfile("shape-only", 1, {DTYPE: 1.0}, 1.0, **dict(kernel or {}))
+    """A profile of no speed whose attention figures build the `kernel`'s calls (and the
+    paged kernel's block counts, `attention_sms`: priced where a profile names its SMs)."""
+    return HardwareProfile("shape-only", 1, {DTYPE: 1.0}, 1.0, attention_sms=1.0,
+                           **dict(kernel or {}))  # fmt: skip
 
 
 def perf_dir(root: Path) -> Path:

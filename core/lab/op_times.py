@@ -9,6 +9,7 @@ import numpy as np
 
 from servelab.executor.cost_model import (
     ATTENTION,
+    BLOCK_ROWS,
     DECODE,
     ELEMENTWISE,
     MATMUL,
@@ -17,14 +18,18 @@ from servelab.executor.cost_model import (
 )
 from servelab.executor.hardware import HardwareProfile
 
+TILE_KEYS = ("tiles", "tile_blocks", "empty", "reread", "reuse")  # `Op`'s paged-kernel fields
+
 
 def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.ndarray,
              data: np.ndarray, rows: np.ndarray, launches: np.ndarray,
              call: np.ndarray, names: np.ndarray, streamed: np.ndarray | None = None,
              span: np.ndarray | None = None, blocks: np.ndarray | None = None,
-             split: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+             split: np.ndarray | None = None,
+             paged: dict[str, np.ndarray] | None = None) -> np.ndarray:  # fmt: skip
     """`CostModel.op_time` over arrays of ops (a test holds the two equal); attention's
-    kernel blocks (`streamed`, `span`, `blocks`) where given."""
+    kernel blocks (`streamed`, `span`, `blocks`) where given, and `paged`, the paged
+    kernel's (`TILE_KEYS`)."""
     peak = profile.flops(dtype)
     rate = np.full_like(flops, np.inf)
     half = np.zeros_like(flops)
@@ -57,13 +62,32 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
         )
         memory = np.where(elementwise, np.maximum(memory, dram), memory)
     seconds = np.maximum(compute, memory) + fixed
+    held = seconds
     stream = profile.memory_bandwidth * profile.attention_stream_efficiency
     if blocks is not None and (stream or profile.attention_key_time
                                or profile.attention_block_overhead):  # fmt: skip
-        span, blocks, waves = split_blocks(span, blocks, split if split is not None else 0.0,
-                                           profile.attention_wave_blocks)  # fmt: skip
-        held = np.maximum(streamed / stream if stream else 0.0,
-                          span * profile.attention_key_time * waves)  # fmt: skip
-        held = np.maximum(held, blocks * profile.attention_block_overhead)
-        seconds = np.where(blocks > 0, np.maximum(seconds, held + fixed), seconds)
-    return seconds
+        spans, split_into, waves = split_blocks(span, blocks, split if split is not None else 0.0,
+                                                profile.attention_wave_blocks)  # fmt: skip
+        streaming = np.maximum(streamed / stream if stream else 0.0,
+                               spans * profile.attention_key_time * waves)  # fmt: skip
+        streaming = np.maximum(streaming, split_into * profile.attention_block_overhead)
+        held = np.where(blocks > 0, np.maximum(seconds, streaming + fixed), seconds)
+    if profile.attention_sms and paged is not None:  # `CostModel.held_to_tiles`
+        tiled = paged["tiles"] > 0
+        held[tiled] = _held_to_tiles(profile, seconds[tiled], data[tiled], span[tiled],
+                                     fixed[tiled], {k: v[tiled] for k, v in paged.items()})  # fmt: skip
+    return held
+
+
+def _held_to_tiles(profile: HardwareProfile, seconds, data, span, fixed, paged) -> np.ndarray:
+    """`CostModel.held_to_tiles` over arrays."""
+    sms, tile = profile.attention_sms, profile.attention_tile_time
+    block = profile.attention_block_overhead * sms
+    blocks = paged["tile_blocks"]
+    work = paged["tiles"] * tile + blocks * block
+    longest = np.ceil(span / BLOCK_ROWS) * tile + block
+    compute = np.maximum(np.ceil(blocks / sms) * work / blocks, longest)
+    bandwidth = profile.memory_bandwidth * profile.bandwidth_efficiency
+    dram = (data + paged["reread"] * np.minimum(1.0, paged["reuse"] / sms)) / bandwidth
+    empty = paged["empty"] * profile.attention_empty_block_time / sms
+    return np.maximum(seconds, np.maximum(compute, dram) + empty + fixed)

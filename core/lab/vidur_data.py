@@ -77,6 +77,11 @@ class MeasuredOps:
                 "span",
                 "blocks",
                 "split",
+                "tiles",
+                "tile_blocks",
+                "empty",
+                "reread",
+                "reuse",
                 "seconds",
                 "file",
                 "group",
@@ -92,7 +97,9 @@ class MeasuredOps:
         values = dict(model=model, tp=tp, tokens=tokens, name=op.name, kind=op.kind,
                       call=op.call, flops=op.flops, bytes=op.bytes, rows=op.rows,
                       launches=op.launches, streamed=op.streamed, span=op.span,
-                      blocks=op.blocks, split=op.split, seconds=seconds, file=file, group=group,
+                      blocks=op.blocks, split=op.split, tiles=op.tiles,
+                      tile_blocks=op.tile_blocks, empty=op.empty, reread=op.reread,
+                      reuse=op.reuse, seconds=seconds, file=file, group=group,
                       label=op.call if label is None else label)  # fmt: skip
         for key, value in values.items():
             self.columns[key].append(value)

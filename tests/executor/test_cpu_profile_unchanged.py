@@ -44,5 +44,6 @@ def test_cpu_local_sets_none_of_the_measured_gpu_figures():
                  "attention_decode_overhead", "kernel_efficiency", "matmul_overhead",
                  "attention_stream_efficiency", "attention_key_time",
                  "attention_block_overhead", "attention_gqa_packing", "attention_wave_blocks",
-                 "attention_unified", "l2_bytes"):  # fmt: skip
+                 "attention_unified", "attention_sms", "attention_tile_time",
+                 "attention_empty_block_time", "l2_bytes"):  # fmt: skip
         assert getattr(profile, name) == getattr(defaults, name), name

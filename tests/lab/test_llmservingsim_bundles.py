@@ -32,7 +32,8 @@ TRUTH = dict(
     kernel_efficiency={"rms_norm": 2.5, "rope": 1.6, "activation": 3.0, "residual_add": 3.0},
     attention_efficiency=0.45, attention_half_rows=60.0, attention_prefill_overhead=5e-6,
     attention_decode_overhead=8e-6, attention_stream_efficiency=0.9, attention_key_time=2e-8,
-    attention_block_overhead=3e-8, attention_wave_blocks=400.0, **KERNEL,
+    attention_block_overhead=3e-8, attention_wave_blocks=400.0, attention_sms=188.0,
+    attention_tile_time=3e-6, attention_empty_block_time=4e-7, **KERNEL,
 )  # fmt: skip
 DENSE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "rotary_emb", "act_fn", "layernorm",
          "final_layernorm")  # fmt: skip
@@ -148,3 +149,22 @@ def test_the_fit_recovers_known_figures_and_the_kernel(tmp_path):
     assert "GPUX/org/a/bf16/tp1" in sources["measured"]
     dense, attention = split_attention(ops)
     assert len(dense) + len(attention) == len(ops)
+
+
+def test_the_fit_recovers_the_paged_kernels_tiles(tmp_path):
+    """Calls with a chunk priced by vLLM's paged kernel (`attention_sms`): the fit recovers
+    its tile and empty-block figures, and without them misses the chunk-beside-decodes
+    calls (their padded grids, their decodes' whole tiles and re-read K/V)."""
+    root = write_bundles(tmp_path, _truth())
+    start = load_profile("rtx-pro-6000")
+    fitted, _ = fit_from_llmservingsim(start, root, "GPUX", "abc")
+    for name in ("attention_tile_time", "attention_empty_block_time"):
+        assert getattr(fitted, name) == pytest.approx(TRUTH[name], rel=0.05), name
+    table = OpArrays(read_bundles(root, "GPUX", kernel=KERNEL))
+    mixed = table.call == "mixed"
+
+    def mixed_error(profile):
+        return float(np.median(np.abs(table.predict(profile)[mixed] / table.seconds[mixed] - 1)))
+
+    blind, _ = fit_from_llmservingsim(dataclasses.replace(start, attention_sms=0.0), root, "GPUX", "abc")
+    assert mixed_error(fitted) < 0.01 and mixed_error(blind) > 0.05

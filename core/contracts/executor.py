@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -120,3 +121,9 @@ class Executor(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """What a run's provenance records about this executor (e.g. its hardware profile)."""
         return {}
+
+    def wrap_device_work(self, wrap: Callable[[Callable], Callable]) -> bool:
+        """Replaces each call that does a step's device work (what a GPU would run as
+        kernels) with `wrap(call)`, so that a caller can time the host's share of a step
+        apart (`servelab-calibrate --host`). False: this executor cannot (the default)."""
+        return False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,6 +195,13 @@ class ModelRunner:
         if self.graphs is None:
             return self.forward(batch.input_ids, batch.meta.positions, batch.attn_plan)
         return self.graphs.run(batch.input_ids, batch.meta, batch.attn_plan)
+
+    def wrap_device_work(self, wrap: Callable[[Callable], Callable]) -> None:
+        """`Executor.wrap_device_work`: the forward, the LM head and the greedy argmax,
+        replaced on this instance (the runner's own calls go through the wrappers)."""
+        self.run_model = wrap(self.run_model)  # type: ignore[method-assign]
+        self.logits = wrap(self.logits)  # type: ignore[method-assign]
+        self.model_forward.argmax = wrap(self.model_forward.argmax)
 
     # -- tokens
     def logits(self, rows: torch.Tensor) -> torch.Tensor:

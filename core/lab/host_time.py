@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from servelab.errors import ConfigError
 from servelab.executor.cost_model import step_shape
 from servelab.executor.host_profile import FIGURES, HostProfile, counts
 from servelab.step.sequence import SamplingParams
@@ -109,13 +110,12 @@ class DeviceTimer:
 
 
 def instrument(engine: Any) -> tuple[DeviceTimer, list]:
-    """Times the model runner's forward, LM head and argmax (instance attributes, so
-    the runner's own calls go through the wrappers); keeps each step's plan."""
-    runner = engine.executor.runner
+    """Times the executor's device work (`Executor.wrap_device_work`: the real model's
+    forward, LM head and argmax); keeps each step's plan."""
     timer = DeviceTimer()
-    runner.run_model = timer.wrap(runner.run_model)
-    runner.logits = timer.wrap(runner.logits)
-    runner.model_forward.argmax = timer.wrap(runner.model_forward.argmax)
+    if not engine.executor.wrap_device_work(timer.wrap):
+        raise ConfigError(f"executor {type(engine.executor).__name__} cannot time its device "
+                          "work apart: servelab-calibrate --host measures executor=model")
     plans: list = []
     schedule = engine.scheduler.schedule
 

@@ -195,6 +195,12 @@ class ModelExecutor(Executor):
         if self.group is not None and copies:
             self.runner.pending_copies.append(copies)  # the workers run them before the next step
 
+    def wrap_device_work(self, wrap):
+        if self.runner is None:
+            raise RuntimeError("ModelExecutor.wrap_device_work before bind(): no model runner yet")
+        self.runner.wrap_device_work(wrap)
+        return True
+
     def execute(self, plan: StepPlan) -> SampledTokens:
         """Replaced at `bind` by the runner's own `execute` (see there)."""
         raise RuntimeError("ModelExecutor.execute before bind(): there is no model runner yet")

@@ -133,3 +133,30 @@ def test_calibrate_host_measures_the_real_engine_and_writes_a_profile(tmp_path, 
     # 5 decodes each (the sixth token is the prompt's); each request finishes once
     assert sum(r["counts"][6] for r in rows) == 3 * 40 + 3 * 5
     assert sum(r["counts"][7] for r in rows) == 3 and rows[-1]["counts"][7] >= 1
+
+
+def test_the_real_executor_hands_its_device_work_to_a_wrapper_and_the_simulated_one_refuses():
+    """`Executor.wrap_device_work`: a request of 3 new tokens alone is 3 steps, each one
+    forward, one LM head and one argmax; the simulated executor has no device work."""
+    from servelab.engine.build import build_engine
+
+    engine = build_engine(host_time.engine_config(host_time.Workload(1, 5, 3, budget=64), "chunked", "paged"))
+    calls: list[str] = []
+
+    def counting(fn):
+        def counted(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+
+        return counted
+
+    assert engine.executor.wrap_device_work(counting) is True
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert sorted(calls) == sorted(["run_model", "logits", "argmax"] * 3)
+    simulated = build_engine({**host_time.engine_config(host_time.Workload(1, 5, 3, budget=64), "chunked", "paged"),
+                              "executor": "simulated"})  # fmt: skip
+    assert simulated.executor.wrap_device_work(counting) is False
+    with pytest.raises(ConfigError, match="cannot time its device work apart"):
+        host_time.instrument(simulated)

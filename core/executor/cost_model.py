@@ -48,7 +48,10 @@ heads of size d, I intermediate, V vocabulary, L layers, S sampling rows):
   adds (read 2h, write h), RoPE on q and k (read + write), SiLU x up (read 2I/p,
   write I/p); six launches. Their data is what the kernel before wrote, so it is read
   from L2 where it fits (the kernel efficiencies may exceed 1); with `l2_bytes` set, the
-  bytes beyond it come from DRAM at `bandwidth_efficiency`;
+  bytes beyond it come from DRAM at `bandwidth_efficiency`; with `l2_reuse_bytes` set,
+  the residual each fused add + RMSNorm reads, written before a block's weights and
+  activations passed through L2, comes from DRAM as far as they overflow that L2
+  (`residual_rereads`, `evicted`);
 - all-reduce, two per layer when p > 1 (after o and down), ring, of a message of
   b = e T h bytes: latency + latency_per_device x (p - 1)
   + 2 (p - 1) / p x b / (interconnect bandwidth x curve(b)),
@@ -112,6 +115,11 @@ class Op:
     empty: float = 0.0
     reread: float = 0.0
     reuse: float = 0.0
+    # an element-wise op's input written `behind` bytes of L2 traffic (weights, activations)
+    # earlier (a fused add + RMSNorm's residual): `stale` bytes of it, read from DRAM where
+    # an L2 of the profile's `l2_reuse_bytes` has evicted them (`evicted`)
+    stale: float = 0.0
+    behind: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -271,6 +279,32 @@ def elementwise_ops(tokens: float, h: float, qk_width: float, inter: float, e: f
     ]
 
 
+def evicted(stale, behind, reuse):
+    """Of `stale` bytes written before `behind` more bytes passed through an L2 that keeps
+    `reuse` bytes (least recently used out first), those evicted: all that the
+    `stale + behind` bytes overflow, the stale ones being the oldest."""
+    return np.minimum(np.maximum(stale + behind - reuse, 0.0), stale)
+
+
+def residual_rereads(c: Shape, p: int, t: float, e: float, share: float = 1.0,
+                     which: tuple[str, ...] = ("attention", "mlp")) -> list[Op]:  # fmt: skip
+    """A layer's fused add + RMSNorm kernels read the residual the norm before wrote; between,
+    a block's weights and activations passed through L2 (the post-attention norm's: the
+    qkv and o weights, the norm's, qkv's, the K/V cache's, attention's and o's outputs; the next input
+    norm's: the gate_up and down weights, the norm's, gate_up's, the activation's and
+    down's outputs; attention's K/V reads not counted). What of the residual's
+    `share` x e t h bytes an L2 of `l2_reuse_bytes` no longer holds (`evicted`) comes
+    from DRAM. Zero-byte, launch-free ops carrying `stale` and `behind` alone."""
+    h, d, heads, kv, inter = c.hidden_size, c.head_dim, c.num_heads / p, c.num_kv_heads / p, c.intermediate_size / p
+    behind = {
+        "attention": e * (h * (heads + 2 * kv) * d + heads * d * h
+                          + t * (h + (heads + 2 * kv) * d + 2 * kv * d + heads * d + h)),
+        "mlp": e * (3 * h * inter + t * (h + 2 * inter + inter + h)),
+    }  # fmt: skip
+    return [Op("residual_reread", ELEMENTWISE, 0.0, 0.0, launches=0.0, rows=t,
+               stale=share * e * t * h, behind=behind[w]) for w in which]  # fmt: skip
+
+
 def collective_time(profile: HardwareProfile, p: int, data: float, passes: int) -> float:
     """A collective over `p` devices moving `passes` x (p - 1) / p of `data` bytes per
     device: the latency floor (and its share per further device), then the links at the
@@ -332,6 +366,7 @@ class CostModel:
         self.blocks_priced = bool(stream or profile.attention_key_time or self.tiled
                                   or profile.attention_block_overhead)  # fmt: skip
         self.l2_bytes = profile.l2_bytes or float("inf")
+        self.reuse_bytes = profile.l2_reuse_bytes
         self.packing = profile.attention_gqa_packing
         self.unified = bool(profile.attention_unified)
         self.stream_bandwidth = stream or float("inf")
@@ -352,6 +387,8 @@ class CostModel:
                                op.name)  # fmt: skip
         if op.blocks and self.blocks_priced:
             seconds = self.with_blocks(seconds, op)
+        if op.stale and self.reuse_bytes:  # the bytes L2 evicted: read again from DRAM
+            seconds += evicted(op.stale, op.behind, self.reuse_bytes) / self.bandwidth
         return seconds
 
     def with_blocks(self, seconds: float, op: Op) -> float:
@@ -434,7 +471,10 @@ class CostModel:
         """One layer's element-wise kernels on `t` tokens."""
         c, p = self.shape, self.tp
         d, heads, kv = c.head_dim, c.num_heads / p, c.num_kv_heads / p
-        return elementwise_ops(t, c.hidden_size, (heads + kv) * d, c.intermediate_size / p, self.e)
+        ops = elementwise_ops(t, c.hidden_size, (heads + kv) * d, c.intermediate_size / p, self.e)
+        if self.reuse_bytes:  # the two fused norms' residuals, read again after L2 traffic
+            ops += residual_rereads(c, p, t, self.e)
+        return ops
 
     def attention_ops(self, step: StepShape) -> list[Op]:
         c, p, e = self.shape, self.tp, self.e

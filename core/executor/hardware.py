@@ -72,6 +72,9 @@ class HardwareProfile:
     elementwise_full_rows: float = 0.0
     kernel_efficiency: dict[str, float] = field(default_factory=dict)  # by element-wise op name
     l2_bytes: float = 0.0  # L2 cache: element-wise bytes beyond it come from DRAM (0: off)
+    # the L2 traffic after which a kernel's input written earlier (a fused norm's residual)
+    # is no longer in L2 and is read from DRAM (`cost_model.residual_rereads`; 0: off)
+    l2_reuse_bytes: float = 0.0
     matmul_overhead: float = 0.0  # seconds each matmul costs besides its roofline
     # seconds each attention call costs besides its flops and bytes, per layer
     attention_prefill_overhead: float = 0.0

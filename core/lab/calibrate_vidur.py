@@ -33,6 +33,7 @@ FIGURES = {
     "elementwise_full_rows": (0.0, 1e5, 100.0, ELEMENTWISE),
     "launch_overhead": (0.0, 1e-3, 1e-6, ELEMENTWISE),
     "l2_bytes": (1e5, 1e10, 1e7, ELEMENTWISE),
+    "l2_reuse_bytes": (1e6, 1e10, 1e8, ELEMENTWISE),
     "attention_efficiency": (1e-3, 1.0, 1.0, ATTENTION),
     "attention_half_rows": (0.0, 1e4, 100.0, ATTENTION),
     "attention_prefill_overhead": (0.0, 1e-3, 1e-6, ATTENTION),
@@ -48,7 +49,7 @@ FIGURES = {
 TILED = ("attention_tile_time", "attention_empty_block_time")
 # element-wise kernels' efficiency: achieved / peak DRAM bandwidth; above 1 where the
 # data sits in L2 (a kernel reading what the one before it wrote)
-KERNEL_BOUNDS = (1e-3, 5.0)
+KERNEL_BOUNDS = (1e-3, 10.0)  # L2 reads (and a fused kernel's bytes priced as two ops')
 COLLECTIVE = {
     "interconnect_latency": (0.0, 1e-2, 1e-5),
     "interconnect_latency_per_device": (0.0, 1e-3, 1e-6),
@@ -60,7 +61,7 @@ BANDS = ((1, 64), (65, 256), (257, 1023), (1024, float("inf")))  # tokens (or de
 
 
 OP_KEYS = ("kind", "call", "name", "flops", "bytes", "rows", "launches", "streamed", "span",
-           "blocks", "split", "tiles", "tile_blocks", "empty", "reread", "reuse")  # fmt: skip
+           "blocks", "split", "tiles", "tile_blocks", "empty", "reread", "reuse", "stale", "behind")  # fmt: skip
 
 
 class OpArrays:
@@ -82,7 +83,8 @@ class OpArrays:
         o = self.op
         times = op_times(profile, DTYPE, o["kind"], o["flops"], o["bytes"], o["rows"],
                          o["launches"], o["call"], o["name"], o["streamed"], o["span"],
-                         o["blocks"], o["split"], {k: o[k] for k in TILE_KEYS})  # fmt: skip
+                         o["blocks"], o["split"], {k: o[k] for k in TILE_KEYS},
+                         o["stale"], o["behind"])  # fmt: skip
         return np.bincount(self.group, weights=times, minlength=len(self.seconds))
 
 
@@ -122,7 +124,7 @@ def soft_l1(r: np.ndarray) -> np.ndarray:
 
 # figures whose residuals are flat over much of their range (the L2 size: above every
 # row's bytes nothing moves), so a fit starts from each of these too and keeps the best
-MULTI_START = {"l2_bytes": (1e6, 8e6, 3.2e7, 1.28e8)}
+MULTI_START = {"l2_bytes": (1e6, 8e6, 3.2e7, 1.28e8), "l2_reuse_bytes": (6.4e7, 9.6e7, 1.6e8, 2.56e8)}
 
 
 def _starts(names: list[str], start: list[float]) -> list[list[float]]:
@@ -148,9 +150,12 @@ def fit_ops(profile: HardwareProfile, ops: MeasuredOps, balance: bool = False,
     `skip`). `balance`: every label (`OpArrays.call`) weighs the same in the fit."""
     table = OpArrays(ops)
     kinds = set(table.op["kind"].tolist())
+    stale = bool((table.op["stale"] > 0).any())  # rows that can tell `l2_reuse_bytes`
     names = [n for n, spec in FIGURES.items() if spec[3] in kinds and n not in skip
-             and (profile.attention_sms or n not in TILED)]  # fmt: skip
-    kernels = sorted(set(table.op["name"][table.op["kind"] == ELEMENTWISE].tolist()))
+             and (profile.attention_sms or n not in TILED)
+             and (stale or n != "l2_reuse_bytes")]  # fmt: skip
+    moving = (table.op["kind"] == ELEMENTWISE) & (table.op["bytes"] > 0)
+    kernels = sorted(set(table.op["name"][moving].tolist()))
     lo = [FIGURES[n][0] for n in names] + [KERNEL_BOUNDS[0]] * len(kernels)
     hi = [FIGURES[n][1] for n in names] + [KERNEL_BOUNDS[1]] * len(kernels)
     scale = [FIGURES[n][2] for n in names] + [1.0] * len(kernels)

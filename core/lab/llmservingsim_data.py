@@ -50,7 +50,14 @@ from pathlib import Path
 import numpy as np
 
 from servelab.errors import ConfigError
-from servelab.executor.cost_model import CostModel, Op, Shape, StepShape, matmul_op
+from servelab.executor.cost_model import (
+    CostModel,
+    Op,
+    Shape,
+    StepShape,
+    matmul_op,
+    residual_rereads,
+)
 from servelab.executor.hardware import HardwareProfile
 from servelab.lab.vidur_data import (
     BYTES,
@@ -75,6 +82,11 @@ DENSE = {
     "layernorm": ("input_layernorm", "add"),  # vLLM's fused add + RMSNorm
     "final_layernorm": ("input_layernorm", "add"),
 }
+# the norms' residual reads after L2 traffic (`cost_model.residual_rereads`): the profiler
+# runs one decoder layer, so a `layernorm` row is the mean of its first, plain RMSNorm and
+# the post-attention add + RMSNorm (half its calls read a residual written before the qkv
+# and o weights streamed); `final_layernorm` reads the one written before the MLP's
+STALE = {"layernorm": (0.5, "attention"), "final_layernorm": (1.0, "mlp")}
 SKIPPED = ("embedding", "qk_norm", "sampler")
 # attention kernels, as the cost model's figures that say how a kernel's calls are built
 # (`attention_gqa_packing`, `attention_unified`); a fit of measured attention tries each
@@ -136,12 +148,32 @@ def _times(path: Path, key: str) -> dict[str, dict[float, float]]:
     return out
 
 
-def dense_ops(shape: Shape, tp: int, layer: str, tokens: float) -> list[Op]:
+def moe_traffic(config: Path) -> tuple[float, float] | None:
+    """An MoE model's (routed experts per token, expert intermediate size) from its
+    config.json, or None for a dense model."""
+    c = json.loads(Path(config).read_text())
+    if not c.get("num_experts_per_tok") or not c.get("moe_intermediate_size"):
+        return None
+    return float(c["num_experts_per_tok"]), float(c["moe_intermediate_size"])
+
+
+def dense_ops(shape: Shape, tp: int, layer: str, tokens: float,
+              moe: tuple[float, float] | None = None) -> list[Op]:  # fmt: skip
     """The cost model's ops for one call of a dense.csv layer on `tokens` tokens (a fused
     kernel's ops after the first add no launch of their own)."""
     ops = linear_and_elementwise_ops(shape, tp, tokens)
     first, *fused = (ops[name] for name in DENSE[layer])
-    return [first, *(dataclasses.replace(op, launches=0.0) for op in fused)]
+    out = [first, *(dataclasses.replace(op, launches=0.0) for op in fused)]
+    if layer in STALE:  # the fused norm's residual, read after a block's weights streamed
+        share, block = STALE[layer]
+        out += residual_rereads(shape, tp, tokens, BYTES, share, (block,))
+        if moe is not None and block == "mlp":  # the MoE block's traffic instead: every
+            # token routed alike (one prompt id), `k` experts' weights; a token's norm output,
+            # its k copies in, their gate_up, activation and down outputs, the combined output
+            k, inter, h, e = moe[0], moe[1] / tp, shape.hidden_size, BYTES
+            behind = e * (3 * k * h * inter + tokens * (2 * h + k * (2 * h + 3 * inter)))
+            out[-1] = dataclasses.replace(out[-1], behind=behind)
+    return out
 
 
 def attention_ops(shape: Shape, tp: int, chunk: float, cached: float, decodes: int,
@@ -161,7 +193,8 @@ def _cost_model(shape: Shape, tp: int, kernel: tuple) -> CostModel:
 
 
 def read_bundle(folder: Path, shape: Shape, measured: MeasuredOps, model: str,
-                kernel: Kernel = None, attention: bool | None = None) -> dict[str, int]:  # fmt: skip
+                kernel: Kernel = None, attention: bool | None = None,
+                moe: tuple[float, float] | None = None) -> dict[str, int]:  # fmt: skip
     """Adds one bundle's rows (every tp<N>/ under `folder`, a `<variant>` folder; with
     `attention` True or False only attention.csv's or only the others'); the rows kept
     by file kind."""
@@ -183,7 +216,7 @@ def read_bundle(folder: Path, shape: Shape, measured: MeasuredOps, model: str,
                         h, vocab = shape.hidden_size, shape.vocab_size / tp
                         ops = [matmul_op("lm_head", size, h, vocab, BYTES)]
                     elif layer in DENSE:
-                        ops = dense_ops(shape, tp, layer, size)
+                        ops = dense_ops(shape, tp, layer, size, moe)
                     else:
                         continue
                     measured.add_group(ops, model, tp, size, seconds, str(file), layer)
@@ -233,7 +266,8 @@ def read_bundles(root: Path, gpu: str, configs: Path | None = None, variant: str
         if not config.is_file():
             raise ConfigError(f"no model config for {name} at {config} (the checkout's "
                               f"configs/model; or pass the folder of <org>/<model>.json)")  # fmt: skip
-        read_bundle(bundle, model_shape(config), measured, name, kernel, attention)
+        read_bundle(bundle, model_shape(config), measured, name, kernel, attention,
+                    moe_traffic(config))  # fmt: skip
     if not len(measured) and not empty:
         raise ConfigError(f"no {variant} bundle rows under {folder}")
     return measured

@@ -14,6 +14,7 @@ from servelab.executor.cost_model import (
     ELEMENTWISE,
     MATMUL,
     PREFILL,
+    evicted,
     split_blocks,
 )
 from servelab.executor.hardware import HardwareProfile
@@ -26,10 +27,11 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
              call: np.ndarray, names: np.ndarray, streamed: np.ndarray | None = None,
              span: np.ndarray | None = None, blocks: np.ndarray | None = None,
              split: np.ndarray | None = None,
-             paged: dict[str, np.ndarray] | None = None) -> np.ndarray:  # fmt: skip
+             paged: dict[str, np.ndarray] | None = None, stale: np.ndarray | None = None,
+             behind: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """`CostModel.op_time` over arrays of ops (a test holds the two equal); attention's
-    kernel blocks (`streamed`, `span`, `blocks`) where given, and `paged`, the paged
-    kernel's (`TILE_KEYS`)."""
+    kernel blocks (`streamed`, `span`, `blocks`) where given, `paged`, the paged
+    kernel's (`TILE_KEYS`), and `stale` / `behind`, inputs L2 may no longer hold."""
     peak = profile.flops(dtype)
     rate = np.full_like(flops, np.inf)
     half = np.zeros_like(flops)
@@ -76,6 +78,10 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
         tiled = paged["tiles"] > 0
         held[tiled] = _held_to_tiles(profile, seconds[tiled], data[tiled], span[tiled],
                                      fixed[tiled], {k: v[tiled] for k, v in paged.items()})  # fmt: skip
+    if profile.l2_reuse_bytes and stale is not None and behind is not None:
+        dram = evicted(stale, behind, profile.l2_reuse_bytes)  # `CostModel.op_time`
+        held = held + np.where(stale > 0, dram / (profile.memory_bandwidth
+                                                  * profile.bandwidth_efficiency), 0.0)  # fmt: skip
     return held
 
 

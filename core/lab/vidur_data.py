@@ -82,6 +82,8 @@ class MeasuredOps:
                 "empty",
                 "reread",
                 "reuse",
+                "stale",
+                "behind",
                 "seconds",
                 "file",
                 "group",
@@ -99,7 +101,7 @@ class MeasuredOps:
                       launches=op.launches, streamed=op.streamed, span=op.span,
                       blocks=op.blocks, split=op.split, tiles=op.tiles,
                       tile_blocks=op.tile_blocks, empty=op.empty, reread=op.reread,
-                      reuse=op.reuse, seconds=seconds, file=file, group=group,
+                      reuse=op.reuse, stale=op.stale, behind=op.behind, seconds=seconds, file=file, group=group,
                       label=op.call if label is None else label)  # fmt: skip
         for key, value in values.items():
             self.columns[key].append(value)

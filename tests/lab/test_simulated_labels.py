@@ -36,7 +36,7 @@ def profile(name: str) -> dict:
         ("a100-80g", "median abs error 5.7% (operators), 4.2% (all-reduce)"),
         ("h200", "median abs error 5.7% (all-reduce)"),
         ("h100-sxm-fa3", "median abs error 7.4% (operators), 6.3% (all-reduce), 7.8% (attention)"),
-        ("rtx-pro-6000", "median abs error 7.6% (operators), 6.0% (attention)"),
+        ("rtx-pro-6000", "median abs error 7.1% (operators), 6.0% (attention)"),
         ("cpu-local", "median abs error 21.7% (steps)"),
         ("l40s", None),
     ],

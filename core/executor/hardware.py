@@ -138,14 +138,45 @@ class HardwareProfile:
         return dataclasses.asdict(self)
 
 
-def profile_dir() -> Path:
-    """conf/hardware, found without importing servelab.conf (which imports Hydra)."""
+def conf_group_dir(group: str) -> Path:
+    """conf/<group>, found without importing servelab.conf (which imports Hydra)."""
     spec = importlib.util.find_spec("servelab.conf")
-    return Path(next(iter(spec.submodule_search_locations))) / "hardware"
+    return Path(next(iter(spec.submodule_search_locations))) / group
+
+
+def conf_group_names(group: str) -> list[str]:
+    """The choices of a config group: its YAML files' names."""
+    return sorted(p.stem for p in conf_group_dir(group).glob("*.yaml"))
+
+
+def profile_dir() -> Path:
+    return conf_group_dir("hardware")
+
+
+def conf_node(node: Any, group: str, what: str, fields: set[str]) -> Mapping:
+    """An entry of config group `group` as a mapping, from a choice's name, a YAML path or
+    a mapping; an unknown choice, a non-mapping or an unknown field is named (`what`: the
+    entry's kind, for the message)."""
+    if isinstance(node, (str, Path)):
+        path = Path(node) if str(node).endswith((".yaml", ".yml")) else None
+        path = path or conf_group_dir(group) / f"{node}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"unknown {what} {str(node)!r}; known: "
+                              f"{', '.join(conf_group_names(group))} (or a path to a .yaml file)")  # fmt: skip
+        import yaml
+
+        node = yaml.safe_load(path.read_text())
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"a {what} is a name, a path or a mapping, got {node!r}")
+    unknown = set(node) - fields
+    if unknown:
+        raise ConfigError(f"unknown {what} field(s) {sorted(unknown)}; "
+                          f"accepted: {', '.join(sorted(fields))}")  # fmt: skip
+    return node
 
 
 def profile_names() -> list[str]:
-    return sorted(p.stem for p in profile_dir().glob("*.yaml"))
+    return conf_group_names("hardware")
 
 
 def load_profile(node: Any) -> HardwareProfile:
@@ -154,25 +185,8 @@ def load_profile(node: Any) -> HardwareProfile:
         return node
     if node is None:
         node = DEFAULT_PROFILE
-    if isinstance(node, (str, Path)):
-        path = Path(node) if str(node).endswith((".yaml", ".yml")) else None
-        path = path or profile_dir() / f"{node}.yaml"
-        if not path.is_file():
-            raise ConfigError(
-                f"unknown hardware profile {str(node)!r}; known: {', '.join(profile_names())}"
-            )
-        import yaml
-
-        node = yaml.safe_load(path.read_text())
-    if not isinstance(node, Mapping):
-        raise ConfigError(f"a hardware profile is a name or a mapping, got {node!r}")
     names = {f.name for f in dataclasses.fields(HardwareProfile)}
-    unknown = set(node) - names
-    if unknown:
-        raise ConfigError(
-            f"unknown hardware profile field(s) {sorted(unknown)}; accepted: {', '.join(sorted(names))}"
-        )
-    values = dict(node)
+    values = dict(conf_node(node, "hardware", "hardware profile", names))
     missing = {"name", "memory", "peak_flops", "memory_bandwidth"} - set(values)
     if missing:
         raise ConfigError(f"hardware profile lacks {sorted(missing)}")

@@ -21,13 +21,12 @@ real engine's steps (`servelab.lab.host_time`). Without one, the hardware profil
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from servelab.errors import ConfigError
+from servelab.executor.hardware import conf_group_dir, conf_group_names, conf_node
 
 # the figures, in the order of `counts`' columns
 FIGURES = ("step_s", "seq_s", "mixed_step_s", "mixed_seq_s", "chunk_s", "key_s", "token_s",
@@ -90,34 +89,18 @@ class HostProfile:
 
 
 def host_dir() -> Path:
-    """conf/host, found without importing servelab.conf (which imports Hydra)."""
-    spec = importlib.util.find_spec("servelab.conf")
-    return Path(next(iter(spec.submodule_search_locations))) / "host"
+    return conf_group_dir("host")
 
 
 def host_names() -> list[str]:
-    return sorted(p.stem for p in host_dir().glob("*.yaml"))
+    return conf_group_names("host")
 
 
 def load_host(node: Any) -> HostProfile | None:
     """A host profile from a name, a YAML path or a mapping; None stays None."""
     if node is None or isinstance(node, HostProfile):
         return node
-    if isinstance(node, (str, Path)):
-        path = Path(node) if str(node).endswith((".yaml", ".yml")) else host_dir() / f"{node}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"unknown host profile {str(node)!r}; known: "
-                              f"{', '.join(host_names())} (or a path to a .yaml file)")  # fmt: skip
-        import yaml
-
-        node = yaml.safe_load(path.read_text())
-    if not isinstance(node, Mapping):
-        raise ConfigError(f"a host profile is a name, a path or a mapping, got {node!r}")
-    names = {f.name for f in dataclasses.fields(HostProfile)}
-    unknown = set(node) - names
-    if unknown:
-        raise ConfigError(f"unknown host profile field(s) {sorted(unknown)}; "
-                          f"accepted: {', '.join(sorted(names))}")  # fmt: skip
+    node = conf_node(node, "host", "host profile", {f.name for f in dataclasses.fields(HostProfile)})
     if "name" not in node:
         raise ConfigError("a host profile lacks its name")
     values: dict[str, Any] = {"name": str(node["name"])}

@@ -22,7 +22,7 @@ import numpy as np
 from servelab.executor.cost_model import ATTENTION, ELEMENTWISE, MATMUL
 from servelab.executor.hardware import HardwareProfile
 from servelab.lab.op_times import TILE_KEYS, op_times
-from servelab.lab.vidur_data import DTYPE, MeasuredCollectives, MeasuredOps
+from servelab.lab.vidur_data import DTYPE, OP_FIELDS, MeasuredCollectives, MeasuredOps
 
 # figure -> (lower bound, upper bound, scale, the op kind whose rows fit it)
 FIGURES = {
@@ -60,8 +60,6 @@ COLLECTIVE = {
 BANDS = ((1, 64), (65, 256), (257, 1023), (1024, float("inf")))  # tokens (or decode batch)
 
 
-OP_KEYS = ("kind", "call", "name", "flops", "bytes", "rows", "launches", "streamed", "span",
-           "blocks", "split", "tiles", "tile_blocks", "empty", "reread", "reuse", "stale", "behind")  # fmt: skip
 
 
 class OpArrays:
@@ -71,7 +69,7 @@ class OpArrays:
     the sum of its ops."""
 
     def __init__(self, ops: MeasuredOps) -> None:
-        self.op = {key: ops.array(key) for key in OP_KEYS}
+        self.op = {key: ops.array(key) for key in OP_FIELDS}
         self.group = np.asarray(ops.columns["group"], dtype=np.int64)
         first = np.unique(self.group, return_index=True)[1]
         self.kind, self.name = self.op["kind"][first], self.op["name"][first]

@@ -43,7 +43,8 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
     curved = (half > 0) & (rows > 0)
     curve[curved] = rows[curved] / (rows[curved] + half[curved])
     compute = np.divide(flops, rate * curve, out=np.zeros_like(flops), where=flops > 0)
-    bandwidth = np.full_like(data, profile.memory_bandwidth * profile.bandwidth_efficiency)
+    dram_rate = profile.memory_bandwidth * profile.bandwidth_efficiency  # DRAM, as achieved
+    bandwidth = np.full_like(data, dram_rate)
     elementwise = kind == ELEMENTWISE
     efficiency = profile.elementwise_efficiency or profile.bandwidth_efficiency
     bandwidth[elementwise] = profile.memory_bandwidth * efficiency
@@ -59,9 +60,7 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
     fixed = fixed + np.where(call == DECODE, profile.attention_decode_overhead, 0.0)
     memory = data * wave / bandwidth
     if profile.l2_bytes:  # element-wise bytes beyond L2 come from DRAM
-        dram = np.maximum(data - profile.l2_bytes, 0.0) / (
-            profile.memory_bandwidth * profile.bandwidth_efficiency
-        )
+        dram = np.maximum(data - profile.l2_bytes, 0.0) / dram_rate
         memory = np.where(elementwise, np.maximum(memory, dram), memory)
     seconds = np.maximum(compute, memory) + fixed
     held = seconds
@@ -77,15 +76,16 @@ def op_times(profile: HardwareProfile, dtype: str, kind: np.ndarray, flops: np.n
     if profile.attention_sms and paged is not None:  # `CostModel.held_to_tiles`
         tiled = paged["tiles"] > 0
         held[tiled] = _held_to_tiles(profile, seconds[tiled], data[tiled], span[tiled],
-                                     fixed[tiled], {k: v[tiled] for k, v in paged.items()})  # fmt: skip
+                                     fixed[tiled], {k: v[tiled] for k, v in paged.items()},
+                                     dram_rate)  # fmt: skip
     if profile.l2_reuse_bytes and stale is not None and behind is not None:
         dram = evicted(stale, behind, profile.l2_reuse_bytes)  # `CostModel.op_time`
-        held = held + np.where(stale > 0, dram / (profile.memory_bandwidth
-                                                  * profile.bandwidth_efficiency), 0.0)  # fmt: skip
+        held = held + np.where(stale > 0, dram / dram_rate, 0.0)
     return held
 
 
-def _held_to_tiles(profile: HardwareProfile, seconds, data, span, fixed, paged) -> np.ndarray:
+def _held_to_tiles(profile: HardwareProfile, seconds, data, span, fixed, paged,
+                   dram_rate: float) -> np.ndarray:  # fmt: skip
     """`CostModel.held_to_tiles` over arrays."""
     sms, tile = profile.attention_sms, profile.attention_tile_time
     block = profile.attention_block_overhead * sms
@@ -93,7 +93,6 @@ def _held_to_tiles(profile: HardwareProfile, seconds, data, span, fixed, paged) 
     work = paged["tiles"] * tile + blocks * block
     longest = np.ceil(span / BLOCK_ROWS) * tile + block
     compute = np.maximum(np.ceil(blocks / sms) * work / blocks, longest)
-    bandwidth = profile.memory_bandwidth * profile.bandwidth_efficiency
-    dram = (data + paged["reread"] * np.minimum(1.0, paged["reuse"] / sms)) / bandwidth
+    dram = (data + paged["reread"] * np.minimum(1.0, paged["reuse"] / sms)) / dram_rate
     empty = paged["empty"] * profile.attention_empty_block_time / sms
     return np.maximum(seconds, np.maximum(compute, dram) + empty + fixed)

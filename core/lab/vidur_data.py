@@ -15,6 +15,7 @@ the reader takes a local copy of that folder. Rows of models without a gated MLP
 from __future__ import annotations
 
 import csv
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from servelab.executor.hardware import HardwareProfile
 BYTES = 2  # Vidur profiles in float16
 DTYPE = "float16"
 MS = 1e-3
+OP_FIELDS = tuple(f.name for f in dataclasses.fields(Op))  # a column each in `MeasuredOps`
 # mlp.csv's timed kernels, by their Vidur name -> servelab's op
 LINEAR = {
     "attn_pre_proj": "qkv_proj",
@@ -61,47 +63,16 @@ class MeasuredOps:
 
     columns: dict[str, list] = field(
         default_factory=lambda: {
-            k: []
-            for k in (
-                "model",
-                "tp",
-                "tokens",
-                "name",
-                "kind",
-                "call",
-                "flops",
-                "bytes",
-                "rows",
-                "launches",
-                "streamed",
-                "span",
-                "blocks",
-                "split",
-                "tiles",
-                "tile_blocks",
-                "empty",
-                "reread",
-                "reuse",
-                "stale",
-                "behind",
-                "seconds",
-                "file",
-                "group",
-                "label",
-            )
-        }  # fmt: skip
+            k: [] for k in ("model", "tp", "tokens", *OP_FIELDS, "seconds", "file", "group", "label")
+        }
     )
 
     def add(self, op: Op, model: str, tp: int, tokens: float, seconds: float, file: str,
             group: int | None = None, label: str | None = None) -> None:  # fmt: skip
         """One op measured alone, or (`group`) one part of a measurement of several."""
         group = self.groups() if group is None else group
-        values = dict(model=model, tp=tp, tokens=tokens, name=op.name, kind=op.kind,
-                      call=op.call, flops=op.flops, bytes=op.bytes, rows=op.rows,
-                      launches=op.launches, streamed=op.streamed, span=op.span,
-                      blocks=op.blocks, split=op.split, tiles=op.tiles,
-                      tile_blocks=op.tile_blocks, empty=op.empty, reread=op.reread,
-                      reuse=op.reuse, stale=op.stale, behind=op.behind, seconds=seconds, file=file, group=group,
+        values = dict(model=model, tp=tp, tokens=tokens, **{k: getattr(op, k) for k in OP_FIELDS},
+                      seconds=seconds, file=file, group=group,
                       label=op.call if label is None else label)  # fmt: skip
         for key, value in values.items():
             self.columns[key].append(value)

@@ -19,8 +19,6 @@ prices every simulated step's host work with.
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ import numpy as np
 from servelab.errors import ConfigError
 from servelab.executor.cost_model import step_shape
 from servelab.executor.host_profile import FIGURES, HostProfile, counts
+from servelab.lab.provenance import cpu_generation, git_commit
 from servelab.step.sequence import SamplingParams
 
 
@@ -192,24 +191,13 @@ def run_error(profile: HostProfile, rows: list[dict[str, float]]) -> tuple[float
     return priced, sum(r["host_cpu_s"] for r in rows)
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        name = fields.get("Model name", "").strip()
-        family, model = fields.get("CPU family", "").strip(), fields.get("Model", "").strip()
-        return f"{name} (family {family} model {model})" if family else name
-    except (OSError, subprocess.CalledProcessError, ValueError):
-        return platform.processor() or platform.machine()
-
-
 def host_profile(name: str, rows: list[dict[str, Any]], commit: str) -> HostProfile:
     figures, error = fit(rows)
     wall, wall_error = fit(rows, "host_wall_s")
     values = {f: float(f"{v:.4g}") for f, v in zip(FIGURES, figures)}
     walls = ", ".join(f"{f} {v:.3g}" for f, v in zip(FIGURES, wall))
     return HostProfile(name, **values, sources={
-        "measured": f"servelab-calibrate --host on {cpu_name()}, servelab {commit}: the real "
+        "measured": f"servelab-calibrate --host on {cpu_generation()}, servelab {commit}: the real "
                     f"engine's steps (executor=model, model tiny, attention flash_varlen, one "
                     f"torch thread), {len(rows)} steps of a grid of decode batches of 1-256 "
                     f"sequences and prompt chunks of up to 4,096 tokens, each step's seconds "
@@ -229,16 +217,6 @@ def write_host_profile(profile: HostProfile, out: Path) -> None:
     )
 
 
-def git_commit() -> str:
-    try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="servelab-calibrate --host",
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
@@ -256,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     measure(GRID[0], args.scheduler, args.allocator)  # warm-up: imports, first allocations
     rows = [row for w in GRID for row in measure_median(w, args.repeats, args.scheduler,
                                                         args.allocator)]  # fmt: skip
-    profile = host_profile(args.name or args.host.stem, rows, git_commit())
+    profile = host_profile(args.name or args.host.stem, rows, git_commit() or "unknown")
     write_host_profile(profile, args.host)
     print(f"{len(rows)} steps; wrote {args.host}")
     for key, value in profile.sources.items():

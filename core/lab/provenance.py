@@ -80,14 +80,25 @@ def machine() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
-def cpu_model() -> str:
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where it is missing)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def cpu_model() -> str:
+    return cpu_info().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_generation() -> str:
+    """`cpu_model` with its family and model numbers, which tell generations apart where
+    the name does not (a virtual machine's \"AMD EPYC\" is Zen 1 to Zen 5)."""
+    info = cpu_info()
+    family, model = info.get("cpu family"), info.get("model")
+    return f"{cpu_model()} (family {family} model {model})" if family else cpu_model()
 
 
 def config_hash(config: Mapping) -> str:
